@@ -1,0 +1,80 @@
+"""Decisions from stored tier results: Pareto front, release gate, fallback ladder,
+capacity plan, run comparison. Pure Python over the JSON in a run folder; never imports
+torch or loads a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .capacity import (DEFAULT_OVERHEAD_BYTES, CapacityRow, capacity_from_run, estimate_from_config,
+                       kv_bytes_per_token_from_config, max_context, max_sequences,
+                       param_count_from_config, parse_size)
+from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
+from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_gate_spec,
+                   evaluate_gate, tier_order)
+from .ladder import Ladder, LadderStep, fallback_ladder
+from .pareto import (ParetoEntry, ParetoResult, decode_at, dominates, pareto_front, peak_bytes_at,
+                     quality_value)
+from .gate import _validate
+from ..recipe import SpeedSpec
+
+__all__ = [
+    "DEFAULT_OVERHEAD_BYTES", "CapacityRow", "capacity_from_run", "estimate_from_config",
+    "kv_bytes_per_token_from_config", "max_context", "max_sequences", "param_count_from_config",
+    "parse_size",
+    "CompareRow", "MetricDelta", "compare_markdown", "compare_runs",
+    "CandidateVerdict", "GateReport", "RuleResult", "analysis_depth", "as_gate_spec",
+    "evaluate_gate", "tier_order",
+    "Ladder", "LadderStep", "fallback_ladder",
+    "ParetoEntry", "ParetoResult", "decode_at", "dominates", "pareto_front", "peak_bytes_at",
+    "quality_value",
+    "RunAnalysis", "analyse_run",
+]
+
+
+@dataclass
+class RunAnalysis:
+    """Everything decided from one run's stored results.
+
+    Attributes:
+        recipe: the recipe dict used (``run.json``'s unless overridden).
+        depth: analysis depth in tokens (``gate.depth`` or ``speed.main_depth``).
+        depths: the recipe's speed depths, ascending (tokens).
+        reference: reference tier name; quality_metric: the gate's quality metric.
+        tiers: ``{tier name: result}`` in recipe order.
+        pareto, gate, ladder: the three decisions.
+    """
+    recipe: dict
+    depth: int
+    depths: list[int]
+    reference: str
+    quality_metric: str
+    tiers: dict[str, dict]
+    pareto: ParetoResult
+    gate: GateReport
+    ladder: Ladder
+
+
+def analyse_run(run: dict, tiers: dict[str, dict], recipe: dict | None = None) -> RunAnalysis:
+    """Pareto front, gate and ladder for a loaded run (see :func:`qeval.results.load_run`).
+
+    Args:
+        run: ``run.json`` content.
+        tiers: ``{tier name: tier result}``.
+        recipe: a recipe dict (``Recipe.model_dump()``) to judge with instead of the one
+            stored in ``run["recipe"]`` (e.g. a stricter gate on an old run).
+
+    Raises:
+        QevalInputError: the recipe's ``speed`` or ``gate`` section does not validate.
+    """
+    recipe = dict(recipe if recipe is not None else (run or {}).get("recipe") or {})
+    speed = _validate(SpeedSpec, recipe.get("speed"), "speed")
+    gate = as_gate_spec(recipe.get("gate"))
+    depth = int(gate.depth or speed.main_depth)
+    run_for_order = {"recipe": recipe} if recipe.get("tiers") else run
+    ordered = {n: tiers[n] for n in tier_order(run_for_order, tiers) if n in tiers}
+    pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference)
+    verdict = evaluate_gate(run_for_order, ordered, gate, depth)
+    ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
+    return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
+                       quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,
+                       ladder=ladder)

@@ -1,0 +1,140 @@
+"""Compare two run folders tier by tier (``qeval compare RUN_A RUN_B``).
+
+Tiers are matched by name. For each key figure the row holds A's value, B's value,
+``delta = B - A`` and ``rel = B / A - 1`` (None when either side is missing or A is 0).
+Figures: weights (bytes), peak memory at the depth (bytes), decode tokens/s at the depth,
+KLD mean (nats), pass rate (share 0..1). The depth defaults to run A's analysis depth
+(``gate.depth`` or ``speed.main_depth``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..results import get_path, load_run
+from .gate import analysis_depth, tier_order
+from .pareto import GIB, decode_at, finite, peak_bytes_at, quality_value
+
+#: (key, label, unit) of the compared figures, in column order.
+COMPARE_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("weights_bytes", "weights", "GiB"),
+    ("peak_bytes", "peak memory", "GiB"),
+    ("decode_tokens_per_s", "decode", "tokens/s"),
+    ("kld_mean", "KLD mean", "nats"),
+    ("pass_rate", "pass rate", "%"),
+)
+
+
+@dataclass
+class MetricDelta:
+    a: float | None
+    b: float | None
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.a is None or self.b is None else self.b - self.a
+
+    @property
+    def rel(self) -> float | None:
+        return None if self.a is None or self.b is None or self.a == 0 else self.b / self.a - 1
+
+
+@dataclass
+class CompareRow:
+    """One tier in both runs.
+
+    Attributes:
+        tier: tier name.
+        in_a, in_b: whether each run has a result for it.
+        status_a, status_b: each side's status (None when absent).
+        metrics: ``{metric key: MetricDelta}`` for :data:`COMPARE_METRICS`.
+    """
+    tier: str
+    in_a: bool
+    in_b: bool
+    status_a: str | None
+    status_b: str | None
+    metrics: dict[str, MetricDelta] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier, "in_a": self.in_a, "in_b": self.in_b,
+                "status_a": self.status_a, "status_b": self.status_b,
+                "metrics": {k: {"a": m.a, "b": m.b, "delta": m.delta, "rel": m.rel}
+                            for k, m in self.metrics.items()}}
+
+
+def _figures(t: dict | None, depth: int, is_ref: bool) -> dict[str, float | None]:
+    return {"weights_bytes": finite(get_path(t, "memory", "weight_bytes")),
+            "peak_bytes": peak_bytes_at(t, depth),
+            "decode_tokens_per_s": decode_at(t, depth),
+            "kld_mean": quality_value(t, "kld_mean", is_reference=is_ref) if t else None,
+            "pass_rate": quality_value(t, "pass_rate") if t else None}
+
+
+def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
+                 depth: int | None = None) -> list[CompareRow]:
+    """Put the same tiers of two runs side by side.
+
+    Args:
+        run_a_dir, run_b_dir: run folders (``run.json`` + ``tiers/*.json``).
+        depth: depth in tokens for peak memory and decode; default run A's analysis depth.
+
+    Returns:
+        Rows in run A's tier order, then tiers only in B.
+
+    Raises:
+        QevalInputError: either folder is not a run folder or holds malformed JSON.
+    """
+    run_a, tiers_a = load_run(run_a_dir)
+    run_b, tiers_b = load_run(run_b_dir)
+    if depth is None:
+        depth = analysis_depth(run_a.get("recipe"))
+    ref_a = get_path(run_a, "recipe", "gate", "reference") or "bf16"
+    ref_b = get_path(run_b, "recipe", "gate", "reference") or "bf16"
+    names = tier_order(run_a, tiers_a)
+    names += [n for n in tier_order(run_b, tiers_b) if n not in names]
+    rows = []
+    for n in names:
+        ta, tb = tiers_a.get(n), tiers_b.get(n)
+        if ta is None and tb is None:
+            continue
+        fa, fb = _figures(ta, depth, n == ref_a), _figures(tb, depth, n == ref_b)
+        rows.append(CompareRow(tier=n, in_a=ta is not None, in_b=tb is not None,
+                               status_a=ta.get("status") if ta else None,
+                               status_b=tb.get("status") if tb else None,
+                               metrics={k: MetricDelta(fa[k], fb[k]) for k, _, _ in COMPARE_METRICS}))
+    return rows
+
+
+def _fmt(key: str, v: float | None, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    sign = "+" if signed else ""
+    if key.endswith("_bytes"):
+        return f"{v / GIB:{sign}.2f}"
+    if key == "pass_rate":
+        return f"{100 * v:{sign}.1f}"
+    if key == "kld_mean":
+        return f"{v:{sign}.4f}"
+    return f"{v:{sign}.2f}"
+
+
+def compare_markdown(rows: list[CompareRow], label_a: str = "A", label_b: str = "B") -> str:
+    """Markdown table of :func:`compare_runs` rows: per figure ``A``, ``B`` and ``Δ``
+    (B − A; relative change in % after it). Memory in GiB, pass rate in %."""
+    head = ["tier", "status"]
+    for _, label, unit in COMPARE_METRICS:
+        head += [f"{label} {label_a} ({unit})", f"{label} {label_b}", "Δ"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        status = (r.status_a or "absent") if r.status_a == r.status_b else \
+            f"{r.status_a or 'absent'} → {r.status_b or 'absent'}"
+        cells = [r.tier, status]
+        for key, _, _ in COMPARE_METRICS:
+            m = r.metrics[key]
+            d = _fmt(key, m.delta, signed=True)
+            if m.rel is not None:
+                d += f" ({100 * m.rel:+.1f}%)"
+            cells += [_fmt(key, m.a), _fmt(key, m.b), d]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,214 @@
+"""Pareto front over memory, decode speed and quality at one context depth.
+
+Objectives (docs/design.md, "Pareto front"), all read from stored tier results
+(format in :mod:`qeval.results`):
+
+* **memory**: peak bytes at the depth, ``memory.peak_bytes["<depth>"]`` (minimise).
+  There is deliberately *no* fallback to ``memory.weight_bytes``: weights alone leave out
+  the KV cache and activations, so mixing them with measured peaks would compare unlike
+  figures. A tier without a peak at the depth is "not compared".
+* **decode speed**: ``speed["<depth>"].decode_tokens_per_s`` in tokens/s (maximise).
+* **quality**: the recipe's ``gate.quality_metric``: ``kld_mean`` (nats, minimise),
+  ``ppl_ratio`` (minimise) or ``pass_rate`` (share 0..1, maximise).
+
+A tier is *dominated* when another tier is no worse on all three and strictly better on
+at least one. Tiers identical on all three do not dominate each other, so ties are all on
+the front. Only tiers with status ``ok`` and all three figures take part; the others are
+listed as not compared, with the reason.
+
+The reference tier's KLD is 0 and its PPL ratio 1 by definition, so a reference result
+that lacks them (the reference is not scored against itself) uses those values. Other
+tiers never get defaults.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ..errors import QevalInputError
+from ..results import STATUS_OK, get_path
+
+QUALITY_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
+    # metric name -> (path inside the tier result, direction)
+    "kld_mean": (("quality", "fidelity", "kld_mean"), "min"),
+    "ppl_ratio": (("quality", "fidelity", "ppl_ratio"), "min"),
+    "pass_rate": (("quality", "behaviour", "pass_rate"), "max"),
+}
+#: Values a metric has for the reference tier by definition, when its result lacks them.
+REFERENCE_DEFAULTS = {"kld_mean": 0.0, "ppl_ratio": 1.0}
+
+GIB = 2 ** 30
+
+
+def finite(x: Any) -> float | None:
+    """``float(x)`` when ``x`` is a finite number (not bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def peak_bytes_at(tier: dict | None, depth: int) -> float | None:
+    """Peak memory (bytes) measured at context ``depth`` (tokens), or None."""
+    return finite(get_path(tier, "memory", "peak_bytes", str(depth)))
+
+
+def decode_at(tier: dict | None, depth: int) -> float | None:
+    """Decode speed (tokens/s) after ``depth`` context tokens, or None."""
+    return finite(get_path(tier, "speed", str(depth), "decode_tokens_per_s"))
+
+
+def quality_value(tier: dict | None, metric: str, *, is_reference: bool = False) -> float | None:
+    """The quality figure ``metric`` (``kld_mean``, ``ppl_ratio`` or ``pass_rate``) of a tier.
+
+    For the reference tier a missing ``kld_mean`` is 0 and a missing ``ppl_ratio`` is 1
+    (by definition); nothing else is ever defaulted.
+
+    Raises:
+        QevalInputError: unknown metric name.
+    """
+    if metric not in QUALITY_METRICS:
+        raise QevalInputError(f"unknown quality metric {metric!r} "
+                              f"(expected one of: {', '.join(QUALITY_METRICS)})")
+    v = finite(get_path(tier, *QUALITY_METRICS[metric][0]))
+    if v is None and is_reference and metric in REFERENCE_DEFAULTS:
+        return REFERENCE_DEFAULTS[metric]
+    return v
+
+
+def quality_direction(metric: str) -> Literal["min", "max"]:
+    """``"min"`` when lower is better for ``metric``, ``"max"`` when higher is better."""
+    if metric not in QUALITY_METRICS:
+        raise QevalInputError(f"unknown quality metric {metric!r} "
+                              f"(expected one of: {', '.join(QUALITY_METRICS)})")
+    return QUALITY_METRICS[metric][1]  # type: ignore[return-value]
+
+
+@dataclass
+class ParetoEntry:
+    """One tier's place relative to the front.
+
+    Attributes:
+        tier: tier name.
+        status: ``"front"``, ``"dominated"`` or ``"not_compared"``.
+        memory_bytes: peak bytes at the depth (None when not compared for lack of it).
+        decode_tokens_per_s: decode speed at the depth, tokens/s.
+        quality: value of the quality metric.
+        dominated_by: for a dominated tier, one tier on the front that dominates it.
+        reason: for a tier not compared, why (e.g. ``"status failed"``).
+    """
+    tier: str
+    status: Literal["front", "dominated", "not_compared"]
+    memory_bytes: float | None = None
+    decode_tokens_per_s: float | None = None
+    quality: float | None = None
+    dominated_by: str | None = None
+    reason: str | None = None
+
+    @property
+    def mark(self) -> str:
+        """Short text for tables: ``front``, ``dominated by X`` or ``not compared (reason)``."""
+        if self.status == "front":
+            return "front"
+        if self.status == "dominated":
+            return f"dominated by {self.dominated_by}"
+        return f"not compared ({self.reason})"
+
+
+@dataclass
+class ParetoResult:
+    """The front at one depth: ``entries`` in the order the tiers were given."""
+    depth: int
+    quality_metric: str
+    entries: list[ParetoEntry] = field(default_factory=list)
+
+    @property
+    def front(self) -> list[str]:
+        """Names of the tiers on the front."""
+        return [e.tier for e in self.entries if e.status == "front"]
+
+    @property
+    def dominated(self) -> dict[str, str]:
+        """``{dominated tier: a tier on the front that dominates it}``."""
+        return {e.tier: e.dominated_by for e in self.entries if e.status == "dominated"}  # type: ignore[misc]
+
+    @property
+    def not_compared(self) -> dict[str, str]:
+        """``{tier: reason it was left out}``."""
+        return {e.tier: e.reason or "" for e in self.entries if e.status == "not_compared"}
+
+    def entry(self, tier: str) -> ParetoEntry:
+        """The entry for ``tier``; KeyError if absent."""
+        for e in self.entries:
+            if e.tier == tier:
+                return e
+        raise KeyError(tier)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"depth": self.depth, "quality_metric": self.quality_metric,
+                "front": self.front, "entries": [asdict(e) for e in self.entries]}
+
+
+def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
+              quality_dir: str = "min") -> bool:
+    """True when point ``a`` dominates ``b``. Points are ``(memory_bytes, decode_tokens_per_s,
+    quality)``; memory is minimised, decode maximised, quality per ``quality_dir``."""
+    qa, qb = (a[2], b[2]) if quality_dir == "min" else (-a[2], -b[2])
+    no_worse = a[0] <= b[0] and a[1] >= b[1] and qa <= qb
+    strictly = a[0] < b[0] or a[1] > b[1] or qa < qb
+    return no_worse and strictly
+
+
+def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_mean",
+                 reference: str | None = None) -> ParetoResult:
+    """Split tiers into the Pareto front, dominated tiers and tiers not compared.
+
+    Args:
+        tiers: ``{tier name: tier result dict}`` (as from :func:`qeval.results.load_run`).
+        depth: context depth in tokens for memory and decode speed.
+        quality_metric: ``kld_mean`` | ``ppl_ratio`` | ``pass_rate``.
+        reference: name of the reference tier (gets KLD 0 / PPL ratio 1 when missing).
+
+    Returns:
+        :class:`ParetoResult`; each dominated tier names a dominating tier that is itself
+        on the front (one always exists: domination is transitive over a finite set),
+        the first such in the given order.
+
+    Raises:
+        QevalInputError: unknown ``quality_metric``.
+    """
+    qdir = quality_direction(quality_metric)
+    result = ParetoResult(depth=int(depth), quality_metric=quality_metric)
+    points: dict[str, tuple[float, float, float]] = {}
+    for name, t in tiers.items():
+        status = (t or {}).get("status")
+        mem = peak_bytes_at(t, depth)
+        dec = decode_at(t, depth)
+        q = quality_value(t, quality_metric, is_reference=(name == reference))
+        entry = ParetoEntry(tier=name, status="not_compared", memory_bytes=mem,
+                            decode_tokens_per_s=dec, quality=q)
+        if status != STATUS_OK:
+            entry.reason = f"status {status}"
+        else:
+            missing = [label for label, v in ((f"peak memory at depth {depth}", mem),
+                                              (f"decode tokens/s at depth {depth}", dec),
+                                              (quality_metric, q)) if v is None]
+            if missing:
+                entry.reason = "no " + ", no ".join(missing)
+            else:
+                points[name] = (mem, dec, q)  # type: ignore[assignment]
+        result.entries.append(entry)
+
+    front = [n for n in points if not any(dominates(points[o], points[n], qdir)
+                                          for o in points if o != n)]
+    for e in result.entries:
+        if e.tier not in points:
+            continue
+        if e.tier in front:
+            e.status = "front"
+        else:
+            e.status = "dominated"
+            e.dominated_by = next(f for f in front if dominates(points[f], points[e.tier], qdir))
+    return result

@@ -1,0 +1,93 @@
+"""Artifact cache: each tier's prepared model (quantized checkpoint, GGUF file), built once.
+
+An artifact lives in ``$QEVAL_CACHE/artifacts/<method>-<key>/`` with a ``manifest.json``:
+source checkpoint hash, method, parameters, library versions and the SHA-256 of every
+file. The key is a hash of those inputs, so a change in any of them builds a new
+artifact. Before reuse the files are checked against the manifest; a corrupt or partial
+artifact is rebuilt (and the run says so).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .results import atomic_write_json
+from .source import cache_root, file_sha256
+
+
+def artifact_key(fields: dict) -> str:
+    """First 16 hex digits of SHA-256 over the canonical JSON of ``fields``."""
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def artifact_dir(method: str, key: str) -> Path:
+    """Folder of the artifact ``method``/``key`` under the cache root."""
+    return cache_root() / "artifacts" / f"{method}-{key}"
+
+
+def hash_files(folder: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` for every file under ``folder`` except the manifest."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != "manifest.json":
+            out[str(p.relative_to(folder))] = file_sha256(p)
+    return out
+
+
+def verify(folder: Path) -> tuple[bool, str]:
+    """Check an artifact against its manifest: ``(ok, reason)``."""
+    mf = folder / "manifest.json"
+    if not mf.is_file():
+        return False, "no manifest (partial artifact)"
+    try:
+        manifest = json.loads(mf.read_text())
+    except ValueError:
+        return False, "manifest is not valid JSON"
+    files = manifest.get("files") or {}
+    if not files:
+        return False, "manifest lists no files"
+    for rel, sha in files.items():
+        p = folder / rel
+        if not p.is_file():
+            return False, f"missing file {rel}"
+        if file_sha256(p) != sha:
+            return False, f"hash mismatch in {rel}"
+    return True, "ok"
+
+
+def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
+                 log: Callable[[str], None] = print) -> tuple[Path, dict, bool]:
+    """Return ``(folder, manifest, reused)`` for the artifact of ``fields``, building it with
+    ``build(tmp_folder) -> info`` when absent or corrupt. The build writes into a temporary
+    sibling folder renamed into place only after the manifest is written."""
+    key = artifact_key(fields)
+    folder = artifact_dir(method, key)
+    if folder.exists():
+        ok, why = verify(folder)
+        if ok:
+            return folder, json.loads((folder / "manifest.json").read_text()), True
+        log(f"artifact {folder.name} is unusable ({why}): rebuilding")
+        shutil.rmtree(folder, ignore_errors=True)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        t0 = time.time()
+        info = build(tmp)
+        manifest: dict[str, Any] = {"key": key, **fields, "info": info,
+                                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "build_seconds": time.time() - t0, "files": hash_files(tmp)}
+        atomic_write_json(tmp / "manifest.json", manifest)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder, manifest, False

@@ -1,0 +1,198 @@
+"""Command line: ``qeval run | validate | report | gate | plan | compare``.
+
+Exit codes: 0 ok (gate candidates pass), 1 a gate candidate failed, 2 bad input (one
+line on stderr naming file, line and field; no traceback), 130 interrupted.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .errors import EXIT_BAD_INPUT, QevalInputError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="qeval: which quantization tier to serve, and which fallbacks, measured.")
+console = Console(stderr=True)
+out = Console(soft_wrap=True, markup=False)
+
+
+def _fail(e: QevalInputError) -> None:
+    console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
+    if not tiers:
+        return None
+    names = [t.strip() for t in tiers.split(",") if t.strip()]
+    known = [t.name for t in recipe.tiers]
+    for n in names:
+        if n not in known:
+            raise QevalInputError(f"unknown tier {n!r} (recipe tiers: {', '.join(known)})", field="--tiers")
+    return names
+
+
+def describe_plan(recipe) -> str:
+    """Human-readable resolved plan of a recipe (what ``qeval validate`` prints)."""
+    from .tiers import get_method
+    m = recipe.model
+    lines = [f"recipe   {recipe.name}" + (f"  ({recipe.path})" if recipe.path else ""),
+             f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}  dtype={m.dtype}"
+             f"  revision={m.revision or '-'}  trust_remote_code={m.trust_remote_code}",
+             f"device   {recipe.device}   threads {recipe.threads}   executor {recipe.executor}",
+             f"speed    depths {recipe.speed.depths} (main {recipe.speed.main_depth})  decode_tokens "
+             f"{recipe.speed.decode_tokens}  repeats {recipe.speed.repeats}  warmup {recipe.speed.warmup}",
+             "tiers"]
+    for t in recipe.tiers:
+        extra = {k: v for k, v in t.model_dump().items() if k not in ("name", "method") and v is not None}
+        built = "" if get_method(t.method) else "   [not built yet]"
+        lines.append(f"  - {t.name:<16} {t.method:<5} {extra}{built}")
+    if recipe.suites:
+        lines.append("suites")
+        for s in recipe.suites:
+            lines.append(f"  - {s.name:<16} {s.kind:<11} {s.path}  max_new_tokens={s.max_new_tokens}"
+                         f"  limit={s.limit or 'all'}")
+    g = recipe.gate
+    rules = {k: v for k, v in g.rules.model_dump().items() if v is not None}
+    lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
+                 f"depth {recipe.gate_depth}; rules {rules or 'none'}")
+    return "\n".join(lines)
+
+
+@app.command()
+def validate(recipe: Path = typer.Argument(..., help="recipe YAML")) -> None:
+    """Validate a recipe and print the resolved plan."""
+    from .recipe import load_recipe
+    try:
+        r = load_recipe(recipe)
+    except QevalInputError as e:
+        _fail(e)
+    out.print(describe_plan(r), highlight=False)
+
+
+@app.command()
+def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
+        tiers: Optional[str] = typer.Option(None, "--tiers", help="comma-separated subset, e.g. bf16,int8"),
+        out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default: results/)"),
+        resume: Optional[Path] = typer.Option(None, "--resume", help="an unfinished run folder to complete"),
+        executor: Optional[str] = typer.Option(None, "--executor", help="local or ray"),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address"),
+        junit: Optional[Path] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
+        ) -> None:
+    """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
+    from .recipe import load_recipe
+    from .run import Interrupted, Runner, new_run_dir, preflight
+    try:
+        r = load_recipe(recipe)
+        subset = _parse_tiers(r, tiers)
+        if executor is not None and executor not in ("local", "ray"):
+            raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")
+        if resume is not None:
+            if not (resume / "run.json").is_file():
+                raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")
+            run_dir = resume
+        else:
+            preflight(r, Path(out_dir or "results"), subset or [t.name for t in r.tiers])
+            run_dir = new_run_dir(r, out_dir)
+    except QevalInputError as e:
+        _fail(e)
+    console.print(f"[bold]qeval[/] run [cyan]{r.name}[/] -> {run_dir}", highlight=False)
+    status = console.status("starting", spinner="dots")
+
+    def on_event(tier: str, stage: str, msg: str) -> None:
+        if stage in ("done", "failed"):
+            colour = "green" if stage == "done" else "red"
+            console.print(f"  [{colour}]{stage:>6}[/] {tier}" + (f": {msg}" if msg else ""), highlight=False)
+        else:
+            status.update(f"[bold]{stage}[/] [cyan]{tier}[/] {msg}")
+
+    runner = Runner(r, run_dir, subset, on_event=on_event, executor=executor, ray_address=ray_address)
+    try:
+        with status:
+            runner.run()
+    except QevalInputError as e:
+        _fail(e)
+    except Interrupted:
+        console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "
+                      f"`qeval run {recipe} --resume {run_dir}`", highlight=False)
+        raise typer.Exit(130)
+    code = _decide(run_dir, junit)
+    console.print(f"results: {run_dir}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _decide(run_dir: Path, junit: Optional[Path]) -> int:
+    """Tables, gate, report from the stored JSON; returns the gate's exit code."""
+    from .report.outputs import build_outputs
+    code, text = build_outputs(run_dir, junit=junit)
+    out.print(text, highlight=False, soft_wrap=True)
+    return code
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="a run folder")) -> None:
+    """Rebuild table.md/csv, gate.json and report.html from stored JSON (no model is loaded)."""
+    try:
+        _decide(run_dir, None)
+    except QevalInputError as e:
+        _fail(e)
+
+
+@app.command()
+def gate(run_dir: Path = typer.Argument(..., help="a run folder"),
+         junit: Optional[Path] = typer.Option(None, "--junit", help="write JUnit XML here")) -> None:
+    """Judge a finished run against its recipe's gate: exit 0 pass, 1 fail, 2 bad input."""
+    try:
+        code = _decide(run_dir, junit)
+    except QevalInputError as e:
+        _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def plan(run_dir: Optional[Path] = typer.Argument(None, help="a run folder (measured figures)"),
+         model: Optional[str] = typer.Option(None, "--model", help="config.json path or local model folder (estimate)"),
+         gpu_mem: str = typer.Option("24GiB", "--gpu-mem", help="memory budget, e.g. 24GiB, 80GB"),
+         context: int = typer.Option(32768, "--context", help="tokens per sequence"),
+         users: int = typer.Option(8, "--users", help="concurrent sequences for the longest-context column"),
+         overhead: str = typer.Option("1GiB", "--overhead", help="runtime overhead (activations, CUDA context)")
+         ) -> None:
+    """Capacity plan: concurrent sequences at a context, and the longest context for N users."""
+    from .report.outputs import plan_text
+    try:
+        if (run_dir is None) == (model is None):
+            raise QevalInputError("give either RUN_DIR or --model", field="plan")
+        if context <= 0 or users <= 0:
+            raise QevalInputError("--context and --users must be positive", field="--context")
+        out.print(plan_text(run_dir, model, gpu_mem, context, users, overhead), highlight=False)
+    except QevalInputError as e:
+        _fail(e)
+
+
+@app.command()
+def compare(run_a: Path = typer.Argument(..., help="baseline run folder"),
+            run_b: Path = typer.Argument(..., help="new run folder")) -> None:
+    """Compare the same tiers of two runs side by side, with deltas."""
+    from .analysis.compare import compare_runs, render_markdown
+    try:
+        rows = compare_runs(run_a, run_b)
+        out.print(render_markdown(rows), highlight=False)
+    except QevalInputError as e:
+        _fail(e)
+
+
+def main() -> None:
+    """Console entry point."""
+    try:
+        app()
+    except QevalInputError as e:  # pragma: no cover - commands catch their own
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The Engine interface: score, generate, memory (kept as small as lm-evaluation-harness's
+model interface). Implementations: :mod:`qeval.engines.hf` (transformers) and
+:mod:`qeval.engines.llamacpp` (llama-cpp-python).
+
+Every engine takes and returns token ids from the source model's Hugging Face tokenizer,
+so every tier scores the very same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Generation:
+    """Result of :meth:`Engine.generate`.
+
+    Attributes:
+        token_ids: new token ids (the stop token included when one ended generation).
+        prefill_s: seconds from call to the first new token being known (TTFT).
+        token_times_s: for each new token, seconds since the call when it was known;
+            ``token_times_s[0] == prefill_s``.
+        finished: True when a stop token ended generation before ``max_new_tokens``.
+    """
+    token_ids: list[int]
+    prefill_s: float
+    token_times_s: list[float]
+    finished: bool
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """(n - 1) / (t_last - t_first) over the n new tokens (docs/design.md); None if n < 2."""
+        n = len(self.token_times_s)
+        if n < 2:
+            return None
+        dt = self.token_times_s[-1] - self.token_times_s[0]
+        return (n - 1) / dt if dt > 0 else None
+
+
+@dataclass
+class MemoryInfo:
+    """Memory figures of a loaded engine.
+
+    Attributes:
+        weight_bytes: bytes the weights occupy as stored (packed integers counted as stored).
+        kv_bytes_per_token: KV cache bytes per token, measured from a filled cache object.
+        device: "cpu" or "cuda".
+        details: engine-specific extras (per-dtype byte counts, backend names).
+    """
+    weight_bytes: int
+    kv_bytes_per_token: float | None
+    device: str
+    details: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A loaded model that qeval measures.
+
+    Attributes:
+        name: "hf" or "llamacpp".
+        backend: the kernel/backend that runs the weights (e.g. ``torch-bf16``, ``torchao-int8``).
+        vocab_size: width of the distributions :meth:`iter_logprobs` yields.
+    """
+    name: str
+    backend: str
+    vocab_size: int
+
+    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256) -> Iterator[tuple[int, np.ndarray]]:
+        """Teacher-forced next-token log-probabilities over the full vocabulary.
+
+        Yields ``(start, logp)`` where ``logp`` has shape ``[m, vocab]`` (float32, natural
+        log) and row ``j`` is the distribution of token ``start + j + 1`` given tokens
+        ``0 .. start + j``. Windows of at most ``window`` positions bound memory: a long
+        sequence never holds logits for every position at once. Covers positions
+        ``0 .. len(token_ids) - 2``.
+        """
+        ...
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
+        """Greedy decoding from ``prompt_ids`` with per-token timings (seconds)."""
+        ...
+
+    def kv_bytes_per_token(self, depth: int = 64) -> float:
+        """KV cache bytes per token, measured by filling a cache with ``depth`` tokens."""
+        ...
+
+    def memory(self) -> MemoryInfo:
+        """Weight bytes and KV bytes per token."""
+        ...
+
+    def close(self) -> None:
+        """Release the model."""
+        ...
+
+
+def score(engine: Engine, token_ids: Sequence[int], window: int = 256) -> np.ndarray:
+    """Log-probability (nats) of each actual next token, shape ``[len(token_ids) - 1]``."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out = np.empty(max(len(ids) - 1, 0), dtype=np.float64)
+    for start, logp in engine.iter_logprobs(token_ids, window):
+        m = logp.shape[0]
+        out[start:start + m] = logp[np.arange(m), ids[start + 1:start + 1 + m]]
+    return out

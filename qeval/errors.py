@@ -1,0 +1,41 @@
+"""Errors qeval raises for bad input, and how the CLI turns them into exit codes.
+
+Exit codes (used by model-release CI):
+    0  run finished and every gate candidate passed
+    1  run finished and a gate candidate failed
+    2  bad input (recipe, dataset, model path, flags): one line on stderr, no traceback
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_GATE_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class QevalInputError(Exception):
+    """Bad user input. ``str(err)`` is a single line naming file, line and field.
+
+    Args:
+        message: what is wrong, one line.
+        file: the offending file, if any.
+        line: 1-based line number in ``file``, if known.
+        field: dotted field path (``tiers[2].method``), if known.
+    """
+
+    def __init__(self, message: str, *, file: str | Path | None = None,
+                 line: int | None = None, field: str | None = None) -> None:
+        self.message = " ".join(str(message).split())  # always one line
+        self.file = str(file) if file is not None else None
+        self.line = line
+        self.field = field
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        """``file:line: field: message`` with absent parts left out."""
+        where = ""
+        if self.file:
+            where = self.file + (f":{self.line}" if self.line else "") + ": "
+        fld = f"{self.field}: " if self.field else ""
+        return f"{where}{fld}{self.message}"

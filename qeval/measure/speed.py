@@ -1,0 +1,101 @@
+"""Speed sweep: TTFT and decode tokens/s at each context depth, with peak memory.
+
+Definitions (docs/design.md): TTFT (s) = prompt of depth d in, first new token out.
+Decode tokens/s = (n - 1) / (t_last - t_first) over n new tokens after depth d.
+Warm-up runs first, then the median of ``repeats``; thread count pinned by the worker.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import QevalInputError
+from .bandwidth import roofline_tokens_per_s
+from .memory import PeakMemory
+
+
+def depth_prompt_ids(tokenizer: Any, text_path: str | Path, depth: int) -> list[int]:
+    """Exactly ``depth`` token ids from the fixed long text (tiled when the text is shorter).
+
+    Raises:
+        QevalInputError: text file missing or empty.
+    """
+    p = Path(text_path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise QevalInputError(f"cannot read depth text: {e}", file=p) from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise QevalInputError("depth text is empty", file=p)
+    out: list[int] = []
+    while len(out) < depth:
+        out.extend(ids)
+    return out[:depth]
+
+
+def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens: int, repeats: int,
+                warmup: int, peak: PeakMemory, bandwidth: float | None, weight_bytes: int | None,
+                progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict]:
+    """Measure every depth in ``prompts`` (depth -> exactly ``depth`` token ids).
+
+    Returns:
+        ``(speed, peak_bytes, kv_bytes)``: per depth (str) a dict with ``ttft_s``,
+        ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (medians), the raw lists,
+        roofline bound and share; the peak memory (bytes) during that depth's runs; and
+        the KV cache bytes held after it (from the cache object).
+    """
+    speed: dict[str, dict] = {}
+    peaks: dict[str, int | None] = {}
+    kv: dict[str, int] = {}
+    for depth in sorted(prompts):
+        ids = list(prompts[depth])
+        progress(f"depth {depth}: warm-up")
+        for _ in range(warmup):
+            engine.generate(ids, decode_tokens, ignore_stop=True)
+        peak.reset()
+        ttfts: list[float] = []
+        decs: list[float] = []
+        for r in range(repeats):
+            progress(f"depth {depth}: repeat {r + 1}/{repeats}")
+            g = engine.generate(ids, decode_tokens, ignore_stop=True)
+            ttfts.append(g.prefill_s)
+            if g.decode_tokens_per_s:
+                decs.append(g.decode_tokens_per_s)
+        peaks[str(depth)] = peak.read()
+        kv[str(depth)] = int(getattr(engine, "last_cache_bytes", 0) or 0)
+        ttft = statistics.median(ttfts)
+        dec = statistics.median(decs) if decs else None
+        speed[str(depth)] = {
+            "ttft_s": ttft,
+            "prefill_tokens_per_s": depth / ttft if ttft > 0 else None,
+            "decode_tokens_per_s": dec,
+            "ttft_s_all": ttfts,
+            "decode_tokens_per_s_all": decs,
+        }
+    return speed, peaks, kv
+
+
+def kv_bytes_per_token_from_sweep(kv: dict[str, int], decode_tokens: int) -> float | None:
+    """KV bytes per token from the caches left by the sweep (depth -> bytes after
+    ``depth + decode_tokens - 1`` tokens): the slope between the shallowest and deepest
+    depth (a quantized cache's full-precision residual buffer is a constant and drops
+    out), or bytes / tokens when only one depth was measured."""
+    pts = sorted((int(d) + decode_tokens - 1, b) for d, b in kv.items() if b)
+    if not pts:
+        return None
+    if len(pts) == 1:
+        return pts[0][1] / pts[0][0]
+    (t0, b0), (t1, b1) = pts[0], pts[-1]
+    return (b1 - b0) / (t1 - t0)
+
+
+def add_roofline(speed: dict, bandwidth: float | None, weight_bytes: int | None,
+                 kv_bytes_per_token: float | None) -> None:
+    """Add ``roofline_tokens_per_s`` and ``roofline_share`` (achieved / bound) per depth, in place."""
+    for d, row in speed.items():
+        bound = roofline_tokens_per_s(bandwidth, weight_bytes, kv_bytes_per_token, int(d))
+        row["roofline_tokens_per_s"] = bound
+        dec = row.get("decode_tokens_per_s")
+        row["roofline_share"] = (dec / bound) if (bound and dec) else None

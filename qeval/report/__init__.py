@@ -1,0 +1,74 @@
+"""Outputs a person or CI reads: tier tables (Markdown, CSV), ``gate.json``, the
+self-contained ``report.html`` and JUnit XML. All are rebuilt from a run folder's stored
+JSON (``qeval report RUN_DIR``): no model, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..analysis.gate import GateReport
+from ..results import atomic_write_json, atomic_write_text
+from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, SlowPath, TierTable, _analyse, _tables_text,
+                   default_budget_bytes, markdown_table, render_report, slow_path_flags, tier_table,
+                   write_report, write_tables)
+from .junit import junit_xml, write_junit
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "Outputs", "SlowPath", "TierTable",
+           "default_budget_bytes", "junit_xml", "markdown_table", "rebuild_outputs", "render_report",
+           "slow_path_flags", "tier_table", "write_junit", "write_report", "write_tables"]
+
+
+@dataclass
+class Outputs:
+    """What :func:`rebuild_outputs` wrote, and the gate verdict behind it."""
+    table_md: Path
+    table_csv: Path
+    gate_json: Path
+    report_html: Path
+    junit_xml: Path | None
+    gate: GateReport
+
+    def exit_code(self) -> int:
+        """0 when every gate candidate passes, 1 otherwise."""
+        return self.gate.exit_code()
+
+
+def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
+                    junit: bool | str | Path = False) -> Outputs:
+    """Rewrite every decision output of a run folder from its stored JSON.
+
+    Writes ``table.md``, ``table.csv``, ``gate.json`` (gate verdict plus the Pareto front and
+    fallback ladder), ``report.html`` and, when ``junit`` is true or a path, JUnit XML
+    (``True``: ``<run_dir>/junit.xml``). All writes are atomic.
+
+    Args:
+        run_dir: run folder (``run.json`` + ``tiers/*.json``).
+        recipe_dict: recipe to judge with instead of the one in ``run.json``
+            (a ``Recipe.model_dump()``); None: the stored one.
+        junit: False, True, or the XML file's path.
+
+    Returns:
+        :class:`Outputs`; ``outputs.exit_code()`` is the gate's exit code.
+
+    Raises:
+        QevalInputError: not a run folder, malformed JSON, or a recipe section that does
+            not validate.
+    """
+    d = Path(run_dir)
+    run, a, spec = _analyse(d, recipe_dict)
+    slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
+    md, csv_text = _tables_text(a, slow)
+    atomic_write_text(d / "table.md", md)
+    atomic_write_text(d / "table.csv", csv_text)
+    gate_doc = a.gate.to_dict()
+    gate_doc["quality_metric"] = a.quality_metric
+    gate_doc["pareto"] = a.pareto.to_dict()
+    gate_doc["ladder"] = a.ladder.to_dict()
+    gate_doc["slow_path"] = {n: s.text for n, s in slow.items()}
+    atomic_write_json(d / "gate.json", gate_doc)
+    atomic_write_text(d / "report.html", render_report(run, a, spec))
+    jpath = None
+    if junit:
+        jpath = d / "junit.xml" if junit is True else Path(junit)
+        write_junit(a.gate, jpath)
+    return Outputs(d / "table.md", d / "table.csv", d / "gate.json", d / "report.html", jpath, a.gate)

@@ -1,0 +1,124 @@
+"""Report plots as PNG bytes (matplotlib, Agg canvas; pyplot's global state is never touched).
+
+Each function returns ``None`` when there is nothing to draw, so the report can say so
+instead of showing an empty chart.
+"""
+from __future__ import annotations
+
+import io
+import re
+
+from ..analysis.pareto import GIB, ParetoResult, decode_at
+from ..results import STATUS_OK, get_path
+
+_DPI = 100
+_SIZE = (8.0, 4.6)  # inches
+
+
+def _figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=_SIZE, dpi=_DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+_QUALITY_LABEL = {"kld_mean": "KLD mean vs reference (nats, lower is better)",
+                  "ppl_ratio": "PPL ratio vs reference (lower is better)",
+                  "pass_rate": "pass rate (higher is better)"}
+
+
+def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
+    """Scatter of quality (y) against peak memory at the depth (x, GiB); marker area grows
+    with decode tokens/s at that depth. Front members are filled and labelled ``★``.
+    Only tiers that took part in the front are drawn."""
+    pts = [e for e in pareto.entries if e.status in ("front", "dominated")]
+    if not pts:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    top = max(e.decode_tokens_per_s or 0.0 for e in pts) or 1.0
+    for e in pts:
+        size = 40 + 460 * (e.decode_tokens_per_s or 0.0) / top
+        on = e.status == "front"
+        ax.scatter([e.memory_bytes / GIB], [e.quality], s=size, alpha=0.75,
+                   facecolors="tab:blue" if on else "none", edgecolors="tab:blue", linewidths=1.5)
+        ax.annotate(("★ " if on else "") + f"{e.tier} ({e.decode_tokens_per_s:.3g} tok/s)",
+                    (e.memory_bytes / GIB, e.quality), textcoords="offset points",
+                    xytext=(8, 6), fontsize=8)
+    ax.set_xlabel(f"peak memory at depth {pareto.depth} (GiB)")
+    ax.set_ylabel(_QUALITY_LABEL.get(pareto.quality_metric, pareto.quality_metric))
+    ax.set_title("Quality vs memory (marker size = decode tokens/s; filled = Pareto front)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.margins(x=0.25, y=0.2)
+    return _png(fig)
+
+
+def decode_vs_depth_png(tiers: dict[str, dict], depths: list[int]) -> bytes | None:
+    """Decode tokens/s (y) against context depth (x, tokens, log scale) per ok tier."""
+    series = {}
+    for name, t in tiers.items():
+        if t.get("status") != STATUS_OK:
+            continue
+        pts = [(d, decode_at(t, d)) for d in depths]
+        pts = [(d, v) for d, v in pts if v is not None]
+        if pts:
+            series[name] = pts
+    if not series:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, pts in series.items():
+        ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(depths))
+    ax.set_xticklabels([str(d) for d in depths])
+    ax.set_xlabel("context depth (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Decode speed vs context depth", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def _bucket_start(label: str) -> float:
+    m = re.match(r"\s*(\d+)", str(label))
+    return float(m.group(1)) if m else float("inf")
+
+
+def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
+    """KLD mean (nats) per position bucket inside long outputs
+    (``quality.fidelity.kld_by_bucket``), one line per ok tier; buckets ordered by start."""
+    series: dict[str, dict[str, float]] = {}
+    for name, t in tiers.items():
+        b = get_path(t, "quality", "fidelity", "kld_by_bucket")
+        if t.get("status") == STATUS_OK and isinstance(b, dict):
+            vals = {k: float(v) for k, v in b.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if vals:
+                series[name] = vals
+    if not series:
+        return None
+    buckets = sorted({k for v in series.values() for k in v}, key=_bucket_start)
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, vals in series.items():
+        xs = [i for i, k in enumerate(buckets) if k in vals]
+        ax.plot(xs, [vals[buckets[i]] for i in xs], marker="o", label=name)
+    ax.set_xticks(range(len(buckets)))
+    ax.set_xticklabels(buckets)
+    ax.set_xlabel("position inside long outputs (tokens)")
+    ax.set_ylabel("KLD mean (nats)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Drift along long outputs: KLD by position bucket", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)

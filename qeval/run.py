@@ -1,0 +1,441 @@
+"""A qeval run: stages in child processes, per-tier isolation, resume, outputs.
+
+Flow (docs/design.md): source -> env (bandwidth) -> reference pass -> for each tier:
+prepare -> measure -> quality -> ``tiers/<tier>.json``; then tables, gate, report.
+
+Every stage runs in its own process (:mod:`qeval.worker`): an exception, an
+out-of-memory kill, a segfault or a timeout marks that tier ``failed`` with the reason
+and the tail of its log, and the other tiers go on. Finished stages are files in
+``stages/``; ``--resume`` redoes only what is missing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from .errors import EXIT_BAD_INPUT, QevalInputError
+from .recipe import Recipe, TIER_METHODS
+from .results import (STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, atomic_write_json, read_json)
+from .worker import stage_path
+
+TIER_STAGES = ("prepare", "measure", "quality")
+
+
+@dataclass
+class StageOutcome:
+    """How a stage ended: ``ok``; else ``reason`` (one line) and ``log_tail``."""
+    ok: bool
+    reason: str | None = None
+    log_tail: str | None = None
+    input_error: bool = False
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run; finished stages stay on disk."""
+
+
+# ---- fingerprints for resume --------------------------------------------------------
+
+def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
+    """Hash of everything that shapes a tier's measured results (model, device, threads,
+    speed, calibration, suites, quality and the tier's own spec). Gate and report settings
+    are left out: changing them does not invalidate measurements."""
+    spec = next((t for t in recipe_dict["tiers"] if t["name"] == tier), None)
+    keep = {k: recipe_dict.get(k) for k in ("model", "device", "threads", "speed", "calibration", "suites",
+                                            "quality")}
+    keep["tier"] = spec
+    keep["reference"] = next((t for t in recipe_dict["tiers"]
+                              if t["name"] == recipe_dict["gate"]["reference"]), None)
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _changed_fields(old: dict, new: dict, tier: str) -> list[str]:
+    out = []
+    for k in ("model", "device", "threads", "speed", "calibration", "suites", "quality"):
+        if old.get(k) != new.get(k):
+            out.append(k)
+    o = next((t for t in old["tiers"] if t["name"] == tier), None)
+    n = next((t for t in new["tiers"] if t["name"] == tier), None)
+    if o != n:
+        out.append(f"tiers[{tier}]")
+    return out or ["reference tier"]
+
+
+# ---- environment --------------------------------------------------------------------
+
+def child_env(recipe: Recipe) -> dict[str, str]:
+    """Environment of every stage process: threads pinned (torch reads OMP_NUM_THREADS,
+    MKL_NUM_THREADS), passive OpenMP waiting (busy-waiting threads collapse decode on a
+    shared machine), hub access off unless the model is a hub id, gptqmodel's workers
+    and extension cache set."""
+    env = dict(os.environ)
+    t = str(recipe.threads)
+    env.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t,
+                "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+                "GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", str(max(1, min(2, os.cpu_count() or 1)))),
+                "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": env.get("TRANSFORMERS_VERBOSITY", "error")})
+    from .source import cache_root
+    env.setdefault("GPTQMODEL_TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
+    env.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+    is_hub = bool(recipe.model.source) and not Path(recipe.model.source).expanduser().exists()
+    if not is_hub:
+        env["HF_HUB_OFFLINE"] = "1"
+        env["HF_DATASETS_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"  # calibration and suites are local files
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for pkg in ("qeval", "torch", "transformers", "torchao", "gptqmodel", "llama-cpp-python", "gguf",
+                "accelerate", "datasets", "optimum", "hqq", "lm-eval", "ray", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or None
+
+
+# ---- the runner ---------------------------------------------------------------------
+
+class Runner:
+    """Runs a recipe into a run folder.
+
+    Args:
+        recipe: the validated recipe.
+        run_dir: the run folder (created when missing).
+        tiers: names of the tiers to run (None: all, in recipe order).
+        on_event: callback ``(tier, stage, message)`` for the progress display.
+    """
+
+    def __init__(self, recipe: Recipe, run_dir: Path, tiers: list[str] | None = None,
+                 on_event: Callable[[str, str, str], None] = lambda t, s, m: None,
+                 executor: str | None = None, ray_address: str | None = None) -> None:
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.tiers = tiers or [t.name for t in recipe.tiers]
+        self.on_event = on_event
+        self.env = child_env(recipe)
+        self.recipe_dict = recipe.model_dump(mode="json")
+        self.executor = executor or recipe.executor
+        self.ray_address = ray_address
+        self._proc: subprocess.Popen | None = None
+
+    # -- stage execution --------------------------------------------------------------
+    def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None) -> StageOutcome:
+        """Run one stage in a child process and wait for it (polling the log for progress)."""
+        log = self.run_dir / "logs" / f"{tier}.{stage}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        err_file = stage_path(self.run_dir, tier, stage, error=True)
+        if err_file.exists():
+            err_file.unlink()
+        timeout = timeout or self.recipe.stage_timeout_s
+        cmd = [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
+        t0 = time.time()
+        with open(log, "ab") as lf:
+            lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
+            lf.flush()
+            self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=self.env,
+                                                 start_new_session=True, stdin=subprocess.DEVNULL)
+            last = ""
+            try:
+                while True:
+                    try:
+                        rc = proc.wait(timeout=0.5)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    line = _last_progress(log)
+                    if line and line != last:
+                        last = line
+                        self.on_event(tier, stage, line)
+                    if time.time() - t0 > timeout:
+                        _kill(proc)
+                        return StageOutcome(False, f"{stage} timed out after {timeout:.0f} s", _tail(log))
+            except KeyboardInterrupt:
+                _kill(proc)
+                raise Interrupted() from None
+            finally:
+                self._proc = None
+        if rc == 0 and stage_path(self.run_dir, tier, stage).exists():
+            return StageOutcome(True)
+        reason = None
+        input_error = False
+        if err_file.exists():
+            try:
+                e = json.loads(err_file.read_text())
+                reason = e.get("error")
+                input_error = e.get("type") == "input"
+            except ValueError:
+                pass
+        if reason is None:
+            if rc < 0:
+                sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+                hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
+                reason = f"{stage} process killed by {sig}{hint}"
+            else:
+                reason = f"{stage} process exited with code {rc}"
+        return StageOutcome(False, reason, _tail(log), input_error)
+
+    # -- the run ----------------------------------------------------------------------
+    def write_run_json(self, extra: dict | None = None) -> dict:
+        p = self.run_dir / "run.json"
+        run = read_json(p) if p.exists() else {}
+        run.update({
+            "recipe": self.recipe_dict,
+            "recipe_path": str(self.recipe.path) if self.recipe.path else None,
+            "qeval_commit": _git_commit(),
+            "versions": _versions(),
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "threads": self.recipe.threads,
+            "started_at": run.get("started_at") or datetime.now(timezone.utc).isoformat(),
+        })
+        run.update(extra or {})
+        atomic_write_json(p, run)
+        return run
+
+    def run_global(self, stage: str) -> dict:
+        """Run a run-wide stage (source, env, reference) unless already done; returns its JSON.
+
+        Raises:
+            QevalInputError: the stage failed on bad input.
+            RuntimeError: the stage failed otherwise (nothing can be measured without it).
+        """
+        p = stage_path(self.run_dir, "_run", stage)
+        if p.exists():
+            return read_json(p)
+        self.on_event("run", stage, "starting")
+        out = self.run_stage(stage)
+        if not out.ok:
+            if out.input_error:
+                raise QevalInputError(out.reason or "bad input")
+            raise RuntimeError(f"stage {stage} failed: {out.reason}\n{out.log_tail or ''}")
+        return read_json(p)
+
+    def check_resume(self) -> None:
+        """Refuse a resume whose recipe changed in a way that invalidates finished stages.
+
+        Raises:
+            QevalInputError: names the tier and the changed recipe sections.
+        """
+        p = self.run_dir / "run.json"
+        if not p.exists():
+            return
+        old = read_json(p).get("recipe") or {}
+        for tier in self.tiers:
+            done = [s for s in TIER_STAGES if stage_path(self.run_dir, tier, s).exists()]
+            if not done:
+                continue
+            fp = read_json(stage_path(self.run_dir, tier, done[0])).get("fingerprint")
+            if fp and fp != tier_fingerprint(self.recipe_dict, tier):
+                raise QevalInputError(
+                    f"cannot resume: the recipe changed ({', '.join(_changed_fields(old, self.recipe_dict, tier))}) "
+                    f"since tier {tier!r} was measured; start a new run", file=self.recipe.path)
+        if old and old.get("model") != self.recipe_dict.get("model"):
+            raise QevalInputError("cannot resume: the recipe's model changed; start a new run",
+                                  file=self.recipe.path, field="model")
+
+    def run(self) -> dict[str, dict]:
+        """Run every stage that is not done yet. Returns ``{tier: tier result}``."""
+        from .tiers import get_method
+        self.check_resume()
+        self.write_run_json()
+        src = self.run_global("source")
+        maxctx = src.get("max_context")
+        if maxctx:
+            for i, d in enumerate(self.recipe.speed.depths):
+                if d + self.recipe.speed.decode_tokens > maxctx:
+                    raise self.recipe.error(("speed", "depths", i),
+                                            f"depth {d} + decode_tokens {self.recipe.speed.decode_tokens} exceeds "
+                                            f"the model's maximum context of {maxctx} tokens")
+        env = self.run_global("env")
+        self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
+                             "device": env.get("device"), "gpu": env.get("gpu")})
+        ref = self.recipe.gate.reference
+        needs_reference = bool(self.recipe.suites)
+        results: dict[str, dict] = {}
+        order = [ref] + [t for t in self.tiers if t != ref] if ref in self.tiers else list(self.tiers)
+        reference_failed: str | None = None
+        for tier in order:
+            spec = self.recipe.tier(tier)
+            method = get_method(spec.method)
+            if method is None:
+                results[tier] = self._finish(tier, STATUS_NOT_BUILT, error=f"method {spec.method!r} is not built yet")
+                continue
+            fp = tier_fingerprint(self.recipe_dict, tier)
+            failed: StageOutcome | None = None
+            for stage in TIER_STAGES:
+                if stage == "quality" and not needs_reference:
+                    continue
+                if stage == "quality" and reference_failed:
+                    failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
+                    break
+                if stage_path(self.run_dir, tier, stage).exists():
+                    continue
+                if stage == "quality":
+                    try:
+                        self.run_global("reference")
+                    except (RuntimeError, QevalInputError) as e:
+                        reference_failed = str(e).splitlines()[0]
+                        failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
+                        break
+                self.on_event(tier, stage, "starting")
+                out = self.run_stage(stage, tier)
+                if not out.ok:
+                    failed = out
+                    break
+                p = stage_path(self.run_dir, tier, stage)
+                d = read_json(p)
+                d["fingerprint"] = fp
+                atomic_write_json(p, d)
+            if failed:
+                results[tier] = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
+                self.on_event(tier, "failed", failed.reason or "")
+            else:
+                results[tier] = self._finish(tier, STATUS_OK)
+                self.on_event(tier, "done", "")
+        self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
+        return results
+
+    def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> dict:
+        """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""
+        spec = self.recipe.tier(tier)
+        res: dict = {"tier": tier, "method": spec.method, "status": status, "error": error,
+                     "log_tail": log_tail, "spec": spec.model_dump(mode="json"), "timings": {}}
+        for stage in TIER_STAGES:
+            p = stage_path(self.run_dir, tier, stage)
+            if not p.exists():
+                continue
+            d = read_json(p)
+            res["timings"][f"{stage}_s"] = d.get("stage_seconds")
+            if stage == "prepare":
+                res["artifact"] = {"key": d.get("key"), "path": d.get("artifact"), "reused": d.get("reused")}
+                res["quant"] = dict(d.get("info") or {})
+                res["resolved"] = d.get("resolved")
+            elif stage == "measure":
+                for k in ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "memory", "speed",
+                          "load_seconds"):
+                    res[k] = d.get(k)
+                res.setdefault("quant", {}).update({k: v for k, v in (d.get("quant") or {}).items() if v is not None})
+            elif stage == "quality":
+                res["quality"] = d.get("quality")
+        atomic_write_json(self.run_dir / "tiers" / f"{tier}.json", res)
+        return res
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _tail(log: Path, n: int = 25) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _last_progress(log: Path) -> str | None:
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 4096))
+            chunk = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(chunk.splitlines()):
+        if line.startswith("[qeval] "):
+            return line[8:]
+    return None
+
+
+def new_run_dir(recipe: Recipe, out: Path | None) -> Path:
+    """``<out or results>/<recipe name>/<UTC timestamp>/`` (created)."""
+    base = Path(out) if out else Path("results")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    d = base / recipe.name / stamp
+    i = 1
+    while d.exists():
+        d = base / recipe.name / f"{stamp}-{i}"
+        i += 1
+    d.mkdir(parents=True)
+    return d
+
+
+def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
+    """Checks before any work.
+
+    Raises:
+        QevalInputError: a CUDA recipe on a machine without CUDA (naming both), or too
+            little free disk for the artifacts the tiers will write.
+    """
+    if recipe.device == "cuda":
+        try:
+            import torch
+            has_cuda = torch.cuda.is_available()
+        except ImportError:
+            has_cuda = False
+        if not has_cuda:
+            raise recipe.error(("device",), "the recipe asks for device cuda, but this machine has no CUDA "
+                                            "device visible to torch (use device: auto or cpu)")
+    from .source import cache_root
+    need = estimate_disk_bytes(recipe, tiers)
+    probe = cache_root()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need and free < need:
+        raise QevalInputError(f"needs about {need / 2**30:.1f} GiB free for artifacts, {probe} has "
+                              f"{free / 2**30:.1f} GiB", field="tiers")
+
+
+_BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6, "gguf": 2.7}  # gguf: F16 GGUF + quant
+
+
+def estimate_disk_bytes(recipe: Recipe, tiers: list[str], params: int | None = None) -> int:
+    """Bytes the tiers' artifacts will write: parameter count x bytes per parameter per
+    tier method (bf16 writes none; GGUF writes an F16 intermediate too). The parameter
+    count comes from the source's config when known; unknown -> 0 (no check)."""
+    if params is None:
+        return 0
+    return int(sum(params * _BYTES_PER_PARAM.get(recipe.tier(t).method, 2.0) for t in tiers))

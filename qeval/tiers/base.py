@@ -1,0 +1,71 @@
+"""What a tier method implements: prepare an artifact, load it as an Engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass
+class TierContext:
+    """Everything a tier method needs besides its spec.
+
+    Attributes:
+        source_path: the BF16 source checkpoint folder.
+        source_sha256: its hash (artifact cache key root).
+        device: "cpu" or "cuda" (already resolved from ``auto``).
+        dtype: the source dtype name ("bfloat16").
+        threads: torch threads pinned for this process.
+        calibration: callable returning calibration texts (list[str]) for the recipe's
+            sample count; only GPTQ/AWQ call it.
+        calibration_fields: what identifies the calibration set (path hash, samples, seq_len).
+        log: a one-line logger.
+        trust_remote_code: from the recipe (default False).
+    """
+    source_path: str
+    source_sha256: str
+    device: str
+    dtype: str = "bfloat16"
+    threads: int = 1
+    calibration: Callable[[], list[str]] | None = None
+    calibration_fields: dict = field(default_factory=dict)
+    log: Callable[[str], None] = print
+    trust_remote_code: bool = False
+
+
+class TierMethod:
+    """Base class of tier methods.
+
+    ``needs_artifact`` False means the tier serves the source checkpoint as it is (bf16).
+    ``engine`` names the Engine implementation the tier loads into ("hf" or "llamacpp").
+    """
+    method: str = ""
+    engine: str = "hf"
+    needs_artifact: bool = True
+
+    def key_fields(self, spec: Any, ctx: TierContext) -> dict:
+        """The inputs that identify this tier's artifact (hashed into the cache key)."""
+        return {"method": self.method, "source_sha256": ctx.source_sha256}
+
+    def check(self, spec: Any, ctx: TierContext) -> dict:
+        """Validate the spec against the model before any work; returns resolved
+        parameters (e.g. the group size ``auto`` picked). Raises QevalInputError."""
+        return {}
+
+    def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
+        """Build the artifact into ``out_dir``; return quantization info
+        (``quant_seconds``, ``quant_peak_bytes``, ``group_size``, ``backend``...)."""
+        raise NotImplementedError
+
+    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+        """Load the artifact (or the source when ``needs_artifact`` is False) as an Engine."""
+        raise NotImplementedError
+
+    def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any | None:
+        """The tier's weights dequantized into a dense transformers model (for quality on
+        slow kernels); None when the method has no such path."""
+        return None
+
+    def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
+        """Stored bytes and bits per weight of the loaded tier."""
+        return {}

@@ -1,0 +1,224 @@
+"""Stage worker: runs one stage of one tier in its own process.
+
+``python -m qeval.worker STAGE RUN_DIR [TIER]``
+
+Stages: ``source`` (resolve/convert the BF16 checkpoint), ``env`` (memory bandwidth,
+hardware), ``reference`` (BF16 answers to every suite prompt), and per tier ``prepare``
+(build or reuse the artifact), ``measure`` (memory and speed in a fresh process) and
+``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
+atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
+and exits 1. The parent (:mod:`qeval.run`) reads them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .errors import QevalInputError
+from .results import atomic_write_json
+
+RSS_AFTER_START = None
+
+
+def _progress(msg: str) -> None:
+    print(f"[qeval] {msg}", flush=True)
+
+
+def stage_path(run_dir: Path, tier: str, stage: str, error: bool = False) -> Path:
+    """``stages/<tier>.<stage>.json`` (or ``.error.json``) in the run folder."""
+    return run_dir / "stages" / f"{tier}.{stage}{'.error' if error else ''}.json"
+
+
+def load_recipe_from_run(run_dir: Path):
+    """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``."""
+    from .recipe import Recipe
+    run = json.loads((run_dir / "run.json").read_text())
+    r = Recipe.model_validate(run["recipe"])
+    r._path = Path(run.get("recipe_path") or "recipe.yaml")
+    return r, run
+
+
+def pin_threads(threads: int) -> None:
+    """Pin torch intra-op and inter-op threads (OMP_NUM_THREADS is set by the parent)."""
+    import torch
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+
+def tier_context(recipe, run_dir: Path, device: str):
+    from .tiers.base import TierContext
+    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
+    from .calibration import calibration_fields, load_calibration_texts
+
+    def calib() -> list[str]:
+        return load_calibration_texts(recipe)
+
+    return TierContext(source_path=src["path"], source_sha256=src["sha256"], device=device,
+                       dtype=recipe.model.dtype, threads=recipe.threads, calibration=calib,
+                       calibration_fields=calibration_fields(recipe), log=_progress,
+                       trust_remote_code=recipe.model.trust_remote_code)
+
+
+# ---- stages -----------------------------------------------------------------------------
+
+def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
+    from .source import model_max_context, resolve_source
+    _progress("resolving source checkpoint")
+    src = resolve_source(recipe.model, convert=True)
+    out = src.to_dict()
+    out["max_context"] = model_max_context(src.path)
+    return out
+
+
+def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
+    import torch
+    from .engines.hf import pick_device
+    from .measure.bandwidth import measure_bandwidth
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    _progress(f"measuring memory bandwidth on {device}")
+    bw = measure_bandwidth(device)
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
+    return {"device": device, "bandwidth_bytes_per_s": bw, "gpu": gpu, "gpu_memory_bytes": gpu_mem,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
+    from .artifacts import get_or_build
+    from .engines.hf import pick_device
+    from .measure.memory import hwm_bytes, rss_bytes
+    from .tiers import get_method
+    spec = recipe.tier(tier)
+    method = get_method(spec.method)
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    ctx = tier_context(recipe, run_dir, device)
+    resolved = method.check(spec, ctx)
+    if not method.needs_artifact:
+        return {"artifact": None, "reused": True, "resolved": resolved, "info": {}}
+    fields = method.key_fields(spec, ctx)
+    fields["resolved"] = resolved
+    base = rss_bytes() or 0
+
+    def build(out: Path) -> dict:
+        _progress(f"quantizing {tier} ({spec.method})")
+        t0 = time.time()
+        info = method.prepare(spec, ctx, out)
+        info.setdefault("quant_seconds", time.time() - t0)
+        h = hwm_bytes()
+        info.setdefault("quant_peak_bytes", (h - base) if h else None)
+        return info
+
+    folder, manifest, reused = get_or_build(spec.method, fields, build, log=_progress)
+    _progress(f"artifact {'reused' if reused else 'built'}: {folder}")
+    return {"artifact": str(folder), "key": manifest["key"], "reused": reused, "resolved": resolved,
+            "info": manifest.get("info", {})}
+
+
+def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
+    from .engines.hf import pick_device
+    from .measure.memory import PeakMemory, rss_bytes
+    from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
+    from .tiers import get_method
+    from transformers import AutoTokenizer
+
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    baseline = rss_bytes() if device == "cpu" else None  # after imports, before the model
+    spec = recipe.tier(tier)
+    method = get_method(spec.method)
+    ctx = tier_context(recipe, run_dir, device)
+    prep = json.loads(stage_path(run_dir, tier, "prepare").read_text())
+    artifact = Path(prep["artifact"]) if prep.get("artifact") else None
+    peak = PeakMemory(device, baseline)
+    peak.reset()
+    _progress(f"loading {tier}")
+    t0 = time.time()
+    engine = method.load(spec, ctx, artifact)
+    load_s = time.time() - t0
+    after_load = peak.read()
+    quant = method.quant_info(spec, ctx, artifact, engine)
+    weight_bytes = quant.get("stored_bytes")
+    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    text = recipe.resolve_path("datasets/depth_text.txt")
+    prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
+    env = json.loads(stage_path(run_dir, "_run", "env").read_text())
+    bw = env.get("bandwidth_bytes_per_s")
+    speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=recipe.speed.decode_tokens,
+                                   repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
+                                   bandwidth=bw, weight_bytes=weight_bytes, progress=_progress)
+    kvpt = kv_bytes_per_token_from_sweep(kv, recipe.speed.decode_tokens)
+    add_roofline(speed, bw, weight_bytes, kvpt)
+    return {
+        "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
+        "kv_cache": spec.kv_cache, "flash_attn": getattr(engine, "flash_attn", None),
+        "load_seconds": load_s,
+        "quant": quant,
+        "memory": {"weight_bytes": weight_bytes, "kv_bytes_per_token": kvpt, "kv_bytes_at_depth": kv,
+                   "peak_bytes": peaks, "after_load_bytes": after_load, "baseline_bytes": baseline,
+                   "kind": peak.kind},
+        "speed": speed,
+    }
+
+
+def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
+    from .measure.quality import reference_pass
+    from .engines.hf import pick_device
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    ctx = tier_context(recipe, run_dir, device)
+    return reference_pass(recipe, run_dir, ctx, progress=_progress)
+
+
+def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
+    from .measure.quality import tier_quality
+    from .engines.hf import pick_device
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    ctx = tier_context(recipe, run_dir, device)
+    return tier_quality(recipe, run_dir, tier, ctx, progress=_progress)
+
+
+STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "measure": stage_measure,
+          "reference": stage_reference, "quality": stage_quality}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stage, run_dir = argv[0], Path(argv[1])
+    tier = argv[2] if len(argv) > 2 else "_run"
+    recipe, _ = load_recipe_from_run(run_dir)
+    # test-only crash hook (issue 7): QEVAL_TEST_CRASH="tier:stage" aborts hard there
+    if os.environ.get("QEVAL_TEST_CRASH") == f"{tier}:{stage}":
+        os.abort()
+    try:
+        t0 = time.time()
+        out = STAGES[stage](recipe, run_dir, None if tier == "_run" else tier)
+        out["stage_seconds"] = time.time() - t0
+        out["host"] = platform.node()
+        atomic_write_json(stage_path(run_dir, tier, stage), out)
+        return 0
+    except QevalInputError as e:
+        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
+                          {"error": str(e), "type": "input", "traceback": traceback.format_exc()})
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a tier failing alone: recorded, reported, others go on
+        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
+                          {"error": f"{e.__class__.__name__}: {e}", "type": "exception",
+                           "traceback": traceback.format_exc()})
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
