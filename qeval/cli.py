@@ -177,10 +177,10 @@ def plan(run_dir: Optional[Path] = typer.Argument(None, help="a run folder (meas
 def compare(run_a: Path = typer.Argument(..., help="baseline run folder"),
             run_b: Path = typer.Argument(..., help="new run folder")) -> None:
     """Compare the same tiers of two runs side by side, with deltas."""
-    from .analysis.compare import compare_runs, render_markdown
+    from .analysis.compare import compare_markdown, compare_runs
     try:
         rows = compare_runs(run_a, run_b)
-        out.print(render_markdown(rows), highlight=False)
+        out.print(compare_markdown(rows, str(run_a), str(run_b)), highlight=False)
     except QevalInputError as e:
         _fail(e)
 

@@ -181,7 +181,8 @@ class QualitySpec(_Strict):
     dequantize_below_tokens_per_s: float = Field(
         5.0, ge=0, description="auto: use the dequantized model when real-kernel decode at the main depth is slower")
     window: int = Field(256, gt=0, description="positions per scoring window (bounds full-vocabulary memory)")
-    bootstrap: int = Field(1000, gt=0)
+    bootstrap: int = Field(1000, gt=0, description="bootstrap resamples for the pass-rate interval")
+    batch_size: int = Field(8, gt=0, description="free-running answers generated together (transformers engine)")
     lm_eval_tasks: list[str] = Field(default_factory=list, description="paths to local lm-eval task YAMLs")
     lm_eval_limit: int | None = Field(None, gt=0)
 

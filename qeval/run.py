@@ -282,7 +282,8 @@ class Runner:
                                             f"the model's maximum context of {maxctx} tokens")
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
-                             "device": env.get("device"), "gpu": env.get("gpu")})
+                             "device": env.get("device"), "gpu": env.get("gpu"),
+                             "gpu_memory_bytes": env.get("gpu_memory_bytes")})
         ref = self.recipe.gate.reference
         needs_reference = bool(self.recipe.suites)
         results: dict[str, dict] = {}

@@ -232,6 +232,9 @@ T_REPORT = {
             "Order intake [recovered|improved] after a slow start, helped by a large framework order from {customer}.",
             "Service levels held up well despite the disruption caused by the {system} upgrade in {month}.",
             "In short, we are ahead of plan on sales, behind plan on costs, and broadly on track for the full year.",
+            "Margins held up better than expected, although freight and labour costs continue to squeeze them.",
+            "Two of our [three|four] sites beat their efficiency targets, while {site2} struggled with staff shortages.",
+            "Cash generation was healthy, and we ended the quarter with no borrowing under the revolving facility.",
         ], "numbers"),
         (["Revenue and Orders", "Sales Performance", "Demand"], "para", [
             "Revenue for the quarter was {money}, an increase of {pct} on the same quarter last year.",
@@ -242,6 +245,10 @@ T_REPORT = {
             "Price increases introduced in {month} were accepted by most customers without significant pushback.",
             "We saw some customers delay orders until the new financial year, which shifted about {money_small} of revenue.",
             "Online orders now represent {pct} of the total, continuing the steady shift away from phone and email.",
+            "Sales of older product lines declined as expected, and we plan to withdraw {num_small} of them next year.",
+            "Distributor sales were weaker than direct sales, mainly because two distributors reduced their stock levels.",
+            "Export orders rose to {pct} of revenue, helped by a new agent in the {region2} region.",
+            "Win rates on competitive tenders improved to {pct}, from {pct2} in the previous quarter.",
         ], "customer"),
         (["Operations", "Operational Performance", "Delivery and Service"], "para", [
             "On-time delivery averaged {pct_high}, against a target of {pct_target}.",
@@ -251,6 +258,10 @@ T_REPORT = {
             "The number of customer returns fell to {num}, mostly because of better checks at the packing stage.",
             "Planned maintenance was completed on schedule at all sites, and unplanned downtime was below {pct_small}.",
             "We began reporting delivery performance by customer rather than by site, which gives a clearer picture.",
+            "Lead times from order to dispatch shortened to {days2} hours for standard items.",
+            "The {site2} warehouse was reorganised over two weekends so that fast-moving items sit closest to the packing benches.",
+            "Safety performance was good, with no lost-time injuries and {num_small} near misses reported and investigated.",
+            "Quality audits at {site} found only minor issues, all of which were closed within the month.",
         ], "numbers"),
         (["Costs", "Cost Performance", "Spending"], "para", [
             "Operating costs were {money}, {pct_small} higher than plan, mainly because of overtime and agency staff.",
@@ -259,6 +270,9 @@ T_REPORT = {
             "Headcount costs were in line with plan, although two senior vacancies remain unfilled.",
             "We have identified savings of about {money_small} per quarter from consolidating software licences.",
             "Capital spending was {money_small}, mostly on equipment at {site} that had been approved in the annual budget.",
+            "Insurance and professional fees were slightly above plan because of a one-off legal review.",
+            "Agency staff costs fell in the last month of the quarter as permanent recruits completed their training.",
+            "We renegotiated the cleaning and security contracts, saving about {money_small} a year from next quarter.",
         ], "risk"),
         (["Outlook", "Priorities for Next Quarter", "Looking Ahead"], "para", [
             "We expect revenue to grow by {pct_small} next quarter as the {product} reaches more customers.",
@@ -266,6 +280,9 @@ T_REPORT = {
             "We will also complete the rollout of the new {system} to the remaining sites.",
             "Cost control will remain a focus, particularly freight and temporary labour.",
             "The full-year forecast is unchanged, although the range of outcomes has narrowed.",
+            "We will start planning for the peak season earlier this year, with temporary staff booked by {month}.",
+            "A review of our product range will report in {month}, with recommendations on which lines to keep.",
+            "We will keep a close eye on customer payment behaviour, which is an early sign of wider economic stress.",
         ], "actions"),
     ],
 }
@@ -278,6 +295,8 @@ T_MEMO = {
             "The purpose of this note is to confirm the decisions taken at last week's management meeting about {topic}.",
             "I am writing to set out a short-term plan for dealing with {topic} over the next {weeks} weeks.",
             "This memo replaces the guidance issued in {month} and should be read by every team leader.",
+            "Please read it before the team briefing on {weekday}, when there will be time for questions.",
+            "The changes described below were agreed by the leadership team on {date}.",
         ], None),
         (["Background", "Why We Are Making This Change", "Context"], "para", [
             "Over the past {months} months we have seen a steady increase in problems linked to {topic}.",
@@ -287,6 +306,9 @@ T_MEMO = {
             "Auditors raised this area as a finding in their last visit and asked us to tighten our controls.",
             "We also want to reduce the amount of manual re-keying between the {system} and spreadsheets.",
             "Several colleagues suggested improvements through the staff suggestion scheme, and many of them are reflected here.",
+            "The cost of handling each case has risen to around {money_small} a year in staff time alone.",
+            "Other companies of our size have moved to a simpler, single-queue approach with good results.",
+            "Delays in one team often create extra work for another, which is frustrating for everyone involved.",
         ], "numbers"),
         (["What Is Changing", "The New Process", "Decisions"], "para", [
             "From {date}, all requests must be logged in the {system} before any work begins.",
@@ -297,6 +319,9 @@ T_MEMO = {
             "Standard response times will be {hours} working hours for routine requests and two hours for urgent ones.",
             "The old shared spreadsheet will be archived and made read-only at the end of {month}.",
             "Exceptions to the new rules must be recorded, with a short reason, so that we can learn from them.",
+            "Routine requests will be handled in the order received, with urgent cases flagged by the requester.",
+            "A monthly summary of volumes and response times will be shared with all teams.",
+            "Templates for the most common requests are available in the {system} to save time.",
         ], "actions"),
         (["What This Means for You", "Next Steps", "Your Role"], "para", [
             "Please make sure that you have access to the {system}; if not, raise a request with IT this week.",
@@ -304,6 +329,8 @@ T_MEMO = {
             "A short training session will run on {weekday} at {clock} and will be recorded for those who cannot attend.",
             "Nobody's role is changing as a result of this memo, although some tasks will move between teams.",
             "If you think the new process will not work for a particular case, please say so early rather than working around it.",
+            "We will review how the change is working after {weeks} weeks and adjust it if needed.",
+            "Thank you in advance for your help in making this change work smoothly.",
         ], "closing"),
     ],
 }
@@ -319,6 +346,9 @@ T_EMAIL = {
             "I am writing to follow up on our conversation on {date} about your account.",
             "Thank you for your email of {date}, which our team received this morning.",
             "I appreciate you taking the time to explain the issue in such detail.",
+            "I am sorry that you had to contact us more than once about this matter.",
+            "Please accept our apologies for the delay in replying to your message.",
+            "I have now had a chance to review your account and the notes from your earlier calls.",
         ], "customer"),
         (None, "para", [
             "Having checked our records, I can confirm that {num_small} items from the order were left in our {site} warehouse because of a labelling error.",
@@ -328,6 +358,10 @@ T_EMAIL = {
             "It appears that the payment was applied to the wrong account number, which is why you received a reminder.",
             "Your subscription renewed automatically because the cancellation request did not reach our billing team.",
             "We have confirmed that the fault lies with us and not with the way the product was installed.",
+            "A change to our delivery schedule in {month} meant that your area was served on a different day, and we did not tell you in advance.",
+            "The discount agreed with your account manager was not entered on the system, so the invoice showed the full price.",
+            "Part of your order was held back because one item was out of stock, and the notification email did not reach you.",
+            "The product code on your order was mistyped, which is why a different item was sent.",
         ], "numbers"),
         (None, "para", [
             "I have arranged for the missing items to be sent by express delivery, and they should arrive by {weekday}.",
@@ -337,12 +371,18 @@ T_EMAIL = {
             "As a gesture of goodwill, we have also waived the delivery charge on your next order.",
             "We will refund the full amount of {money_small} to your original payment method within {days} working days.",
             "Your account manager, {person2}, will call you on {weekday} to confirm that everything is in order.",
+            "I have added a note to your account so that future orders are checked by a supervisor before dispatch.",
+            "The corrected invoice is attached to this email, showing the agreed price and a revised due date.",
+            "We have booked a delivery slot for {weekday} morning, and the driver will call ahead.",
+            "I have asked our warehouse team to check all open orders on your account for the same problem.",
         ], "actions"),
         (None, "para", [
             "If anything is still not right, please reply to this email or call me directly on {phone}.",
             "Please keep this email for your records, and quote reference {ticket} if you need to contact us again.",
             "Thank you again for your patience, and for being a customer of {company}.",
             "We value your business and hope this resolves the matter to your satisfaction.",
+            "If it would help, I am happy to arrange a call at a time that suits you.",
+            "I will check back with you next week to make sure everything has arrived.",
         ], "closing"),
     ],
     "signoff": ["Kind regards,\n{person}\n{role1}, {company}", "Best regards,\n{person}\n{company} Customer Service",
@@ -357,12 +397,16 @@ T_POLICY = {
             "Its aim is to protect the company, our employees and our customers while keeping processes simple.",
             "The policy reflects legal requirements as well as the standards our customers expect of us.",
             "It replaces all earlier guidance on {policy_lower}, including local procedures at individual sites.",
+            "The policy is written to be practical: where a rule seems unclear, follow its intention and ask for advice.",
+            "It supports our commitment to treat customers, suppliers and colleagues fairly and openly.",
         ], None),
         (["Scope"], "para", [
             "The policy applies to all employees, contractors and temporary staff, at every site and when working remotely.",
             "It covers activities carried out on behalf of {company}, whether or not they take place during normal working hours.",
             "Subsidiaries that have their own policy must make sure it is at least as strict as this one.",
             "Suppliers who act on our behalf are expected to follow equivalent rules, as set out in their contracts.",
+            "Members of the board are also covered, and any exception for them must be approved by the chair.",
+            "Agency workers are covered from their first day on site, and their agencies are told about the policy.",
         ], None),
         (["Policy Statements", "Rules", "Requirements"], "bullets", [
             "Expenses must be claimed within {days} days and supported by an itemised receipt.",
@@ -376,18 +420,27 @@ T_POLICY = {
             "Confidential documents must be stored in locked cabinets or encrypted folders when not in use.",
             "Managers must complete a risk assessment before approving any new remote working arrangement.",
             "Data must be kept only for as long as needed, in line with the retention schedule.",
+            "Company equipment must be returned within five working days of leaving employment.",
+            "Claims for mileage must state the start and end point of each journey and its business purpose.",
+            "Visitors must be signed in at reception and accompanied while in operational areas.",
+            "Purchases above {money_small} require at least three written quotes unless a framework agreement applies.",
+            "Any loss of a laptop, phone or access badge must be reported to IT within 24 hours.",
         ], "actions"),
         (["Responsibilities", "Roles and Responsibilities"], "para", [
             "Managers are responsible for making sure their teams understand the policy and for dealing with breaches fairly.",
             "The {dept} team maintains the policy, provides advice and monitors compliance through periodic checks.",
             "Every employee is responsible for reading the policy and asking for help when they are unsure.",
             "The {role3} reports significant breaches and trends to the audit committee twice a year.",
+            "Internal Audit tests compliance with this policy as part of its annual plan.",
+            "Human Resources makes sure the policy is included in the induction of every new starter.",
         ], "people"),
         (["Exceptions and Review", "Breaches", "Review"], "para", [
             "Exceptions must be approved in writing by a director and recorded with the reason.",
             "Breaches of this policy may lead to disciplinary action, in line with our disciplinary procedure.",
             "The policy will be reviewed at least every {months} months, or sooner if the law changes.",
             "Questions about this policy should be sent to {person}.",
+            "Changes to this policy are approved by the executive committee and announced on the intranet.",
+            "Earlier versions are kept for {years} years in the document management system.",
         ], "closing"),
     ],
 }
@@ -401,6 +454,8 @@ T_MINUTES = {
             "The action to update the onboarding checklist remains open and has been carried forward to next month.",
             "{p3_first} reported that the new shift rota had been agreed with employee representatives.",
             "All actions from the last meeting were closed except the review of courier contracts.",
+            "{p4_first} confirmed that the new visitor sign-in process is now working at all sites.",
+            "The training plan for supervisors was circulated and no comments were received.",
         ], "actions"),
         (["2. Performance Review", "2. Monthly Figures"], "para", [
             "{p1_first} presented the monthly figures, noting that revenue was {pct_small} ahead of budget.",
@@ -409,6 +464,9 @@ T_MINUTES = {
             "Members agreed that the current targets remain appropriate and should not be changed mid-year.",
             "There was a long discussion about overtime, and the meeting asked for a breakdown by team for next time.",
             "It was noted that the debtor position had improved, with overdue balances down to {money_small}.",
+            "{p3_first} pointed out that the figures for {site2} include a one-off credit that flatters the result.",
+            "The meeting asked for next month's pack to include a comparison with the same month last year.",
+            "Members welcomed the improvement in safety performance and asked that the teams involved be thanked.",
         ], "numbers"),
         (["3. {topic_title}", "3. Update on {topic_title}"], "para", [
             "{p3_first} gave an update on {topic}, explaining that the pilot at {site} had produced encouraging results.",
@@ -417,6 +475,9 @@ T_MINUTES = {
             "{p2_first} asked whether customers had been consulted, and it was agreed that a short survey would be sent.",
             "It was decided that {dept} would lead the work, with support from {dept2}.",
             "The chair summarised the discussion and thanked {p3_first} for a clear and well-prepared update.",
+            "{p4_first} noted that the approach had worked well at another company and offered to share contacts there.",
+            "Some members felt that the benefits had been overstated, and asked for a more cautious estimate.",
+            "It was agreed that a decision paper would come to the next meeting.",
         ], "risk"),
         (["4. Any Other Business", "4. AOB"], "para", [
             "{p4_first} reminded members that the office will close early on {weekday} for building maintenance.",
@@ -431,6 +492,8 @@ T_MINUTES = {
             "{p4_first} to update the risk register with the points raised today.",
             "All members to send comments on the draft plan to {p1_first} within {days} days.",
             "{p3_first} and {p4_first} to meet the IT team about access to the {system}.",
+            "{p1_first} to book the room for the next meeting and send the agenda a week in advance.",
+            "{p4_first} to share the draft customer survey with members by {weekday}.",
         ], None),
     ],
     "footer": ["Next meeting: {date2} at {clock}, {site} meeting room 2.", "The meeting closed at {clock}."],
@@ -445,6 +508,8 @@ T_PRODUCT = {
             "Since its launch in {month}, more than {bignum} units have been sold across {num_small} countries.",
             "The {product} combines a compact design with the durability needed for daily use.",
             "It is made by {company} at our {site} facility, where every unit is tested before shipment.",
+            "Customers told us they wanted something simpler to install and easier to maintain, and this model delivers both.",
+            "The design team spent {months} months testing prototypes with real users before finalising the design.",
         ], None),
         (["Key Features", "Features"], "bullets", [
             "Set-up takes less than {mins} minutes, with no special tools required.",
@@ -455,6 +520,10 @@ T_PRODUCT = {
             "Spare parts and consumables are available for at least seven years after purchase.",
             "Quiet operation, below {db} decibels in normal use.",
             "Compatible with the most common building management and office systems.",
+            "Tool-free access to all parts that need routine cleaning or replacement.",
+            "Automatic alerts by email or text when attention is needed.",
+            "Available in three finishes to suit different settings.",
+            "Firmware updates are delivered automatically and never require a site visit.",
         ], None),
         (["Specifications", "Technical Details"], "bullets", [
             "Dimensions: {dim1} x {dim2} x {dim3} millimetres.",
@@ -470,12 +539,17 @@ T_PRODUCT = {
             "Office managers choose it because it needs very little attention once installed.",
             "In a recent trial with {customer}, the {product} reduced maintenance visits by {pct}.",
             "It is also suitable for home offices, where space and noise levels matter.",
+            "Schools and libraries appreciate the low running costs and quiet operation.",
+            "Retail chains use it across many stores because it can be managed centrally.",
+            "Small workshops find that it stands up well to dust and frequent handling.",
         ], "customer"),
         (["Support and Warranty", "Ordering and Support"], "para", [
             "Every {product} comes with a {years}-year warranty covering parts and labour.",
             "Our support team answers calls within {mins} minutes on average during business hours.",
             "Orders placed before {clock} on a working day are dispatched the same day.",
             "Volume pricing is available for orders of more than {num} units; please ask your account manager.",
+            "Training videos and installation guides are available free of charge on our website.",
+            "Extended support plans include a replacement unit within one working day if a fault occurs.",
         ], "closing"),
     ],
 }
@@ -490,6 +564,8 @@ T_INCIDENT = {
             "About {num} customers were affected, and {num_small} orders were delayed by more than one day.",
             "No data was lost, and all affected transactions were recovered and processed by the next morning.",
             "This review follows our blameless format: the aim is to understand and improve, not to assign fault.",
+            "The incident lasted from the first alert until full recovery, a period of just over {hours} hours.",
+            "A similar but smaller incident occurred {months} months ago, and this review looks at both.",
         ], "numbers"),
         (["Timeline"], "bullets", [
             "{tl} Monitoring raised an alert for slow responses from the {system}.",
@@ -507,6 +583,9 @@ T_INCIDENT = {
             "We estimate the direct cost of the incident, including overtime and expedited shipping, at {money_small}.",
             "Two key customers, including {customer}, received their deliveries a day late.",
             "There was no impact on payment data or personal information.",
+            "Staff at {site} spent around {num} hours re-entering orders after the system came back.",
+            "Several customers asked for written confirmation of their order status, which added to the workload.",
+            "Our service level with {customer} was missed for the day, which may lead to a small service credit.",
         ], "customer"),
         (["Root Cause", "What Happened"], "para", [
             "The configuration change reduced the number of database connections available to the {system}.",
@@ -514,11 +593,16 @@ T_INCIDENT = {
             "The change was approved through the normal process, but the review checklist did not ask about load testing.",
             "Monitoring detected the symptoms quickly, but the alert did not point clearly to the underlying cause.",
             "A contributing factor was that the engineer who made the change was not on call when the problem appeared.",
+            "Documentation for the connection settings was out of date, so the risk of the change was not obvious.",
+            "The change was made late in the day, which left little time to observe its effect before the busy period.",
+            "There was no automatic check that compared the new settings with the expected production load.",
         ], "risk"),
         (["What Went Well"], "para", [
             "The on-call process worked as designed, and the right people joined the bridge call within {mins} minutes.",
             "Staff at {site} switched to the paper fallback procedure without being asked.",
             "Communication with customers was clear and timely.",
+            "The rollback was quick once the cause was identified, and it worked first time.",
+            "Colleagues from other teams offered help without being asked, which shortened the recovery.",
         ], "people"),
         (["Corrective Actions", "Follow-up Actions"], "bullets", [
             "Add a load-testing step to the change checklist for the {system} (owner: {p2_first}, due {date2}).",
@@ -527,6 +611,8 @@ T_INCIDENT = {
             "Require that the author of a change is reachable for {hours} hours after deployment.",
             "Rehearse the paper fallback procedure at every site twice a year (owner: {p4_first}).",
             "Review this incident at the next operations meeting and confirm all actions are on track.",
+            "Update the customer communication templates so that they can be sent within {mins} minutes of an incident being declared.",
+            "Share this review with all engineering teams as a learning example.",
         ], None),
     ],
 }
@@ -541,12 +627,16 @@ T_CONTRACT = {
             "The agreement covers the supply of {service} to all of our sites, including {site} and {site2}.",
             "It was signed on {date} after about {months} months of negotiation.",
             "The total expected value over the initial term is {money}.",
+            "Both the commercial and legal teams reviewed the final draft before signature.",
+            "The agreement uses the supplier's standard terms, with a schedule of changes that we negotiated.",
         ], None),
         (["Term and Renewal", "How Long It Lasts"], "para", [
             "The initial term is {years} years, starting on {date2}.",
             "After that, the agreement renews automatically for periods of twelve months unless either side gives notice.",
             "Notice of non-renewal must be given at least {days} days before the end of the current term.",
             "We should put the notice date in the contract calendar now, so that it is not missed.",
+            "A review meeting must take place at least six months before the end of the term to discuss renewal.",
+            "Either side may propose changes to the scope at the annual review, but changes need written agreement.",
         ], "risk"),
         (["Prices and Payment", "Fees"], "para", [
             "Prices are fixed for the first year and can then rise each year by no more than inflation plus {pct_small}.",
@@ -554,12 +644,18 @@ T_CONTRACT = {
             "If we pay late, the supplier may charge interest, so invoices should be approved promptly.",
             "Volume discounts apply once annual spending passes {money_small}.",
             "Any work outside the agreed scope must be approved in writing before it starts, or we do not have to pay for it.",
+            "Disputed invoices can be withheld, but only the disputed amount, and we must explain why in writing.",
+            "Expenses such as travel are only payable if they were agreed in advance.",
+            "The supplier must give {days} days' notice of any price change allowed under the agreement.",
         ], "numbers"),
         (["Service Levels", "What We Can Expect"], "para", [
             "The supplier must meet a service level of {pct_high} on-time performance, measured monthly.",
             "If the service level is missed, we receive service credits of up to {pct_small} of the monthly fee.",
             "Service credits are our main remedy for poor performance, so it matters that we record failures accurately.",
             "Urgent faults must be answered within {hours} hours, every day of the year.",
+            "Performance is reviewed at a monthly meeting, using a report that the supplier prepares.",
+            "If performance falls short, the supplier must produce an improvement plan within two weeks.",
+            "We must tell the supplier about faults promptly, otherwise the response clock does not start.",
         ], "customer"),
         (["Liability and Termination", "Ending the Agreement"], "para", [
             "Each party's total liability is capped at {pct_cap} of the fees paid in the previous twelve months, with the usual exceptions for fraud and personal injury.",
@@ -567,6 +663,8 @@ T_CONTRACT = {
             "Either side can terminate for a serious breach that is not put right within {days} days of written notice.",
             "On termination, the supplier must help us move the service to a new provider for up to {months} months.",
             "Confidentiality obligations continue for {years} years after the agreement ends.",
+            "We are not allowed to recruit the supplier's staff working on our account for twelve months after the end of the agreement.",
+            "The supplier must return or destroy our data at the end of the agreement and confirm this in writing.",
         ], "actions"),
     ],
 }
@@ -581,6 +679,8 @@ T_FINANCE = {
             "Operating expenses {pct_small} over budget, driven by temporary staff and IT licences.",
             "Cash at month end of {money}, with no use of the overdraft facility.",
             "Full-year forecast unchanged.",
+            "Net debt reduced by {money_small} in the month.",
+            "Headcount of {num}, {num_small} below budget.",
         ], None),
         (["Revenue"], "para", [
             "Revenue was helped by strong sales of the {product} and a one-off project for {customer}.",
@@ -588,6 +688,9 @@ T_FINANCE = {
             "Sales in the {region} region were below budget because a large order slipped into next month.",
             "Excluding the one-off project, underlying growth was {pct_small}.",
             "Price increases contributed about half of the growth, with volumes providing the rest.",
+            "Service revenue grew faster than product revenue, and now accounts for {pct} of the total.",
+            "Credit notes issued in the month were unusually high because of a pricing error that has since been corrected.",
+            "Deferred revenue increased as more customers paid annually in advance.",
         ], "customer"),
         (["Margin and Costs", "Gross Margin"], "para", [
             "Gross margin benefited from lower material prices and a better product mix.",
@@ -596,6 +699,9 @@ T_FINANCE = {
             "Marketing spending was deliberately held back until the autumn campaign.",
             "IT costs rose because licences for the new {system} were paid annually in advance.",
             "Property costs were flat, although the rent review at {site} is due next quarter.",
+            "Bad debt provisions were released after two long-standing disputes were settled.",
+            "Travel costs remain well below pre-pandemic levels, and we do not expect them to recover fully.",
+            "Depreciation rose following the commissioning of new equipment at {site2}.",
         ], "numbers"),
         (["Cash and Working Capital", "Cash Flow"], "para", [
             "Operating cash flow was {money_small}, ahead of plan because customers paid more promptly.",
@@ -603,12 +709,16 @@ T_FINANCE = {
             "Inventory rose by {money_small} as we built stock ahead of the seasonal peak.",
             "Creditor days were stable, and all suppliers were paid within agreed terms.",
             "Capital expenditure in the month was {money_small}, mainly on equipment for {site}.",
+            "The quarterly tax payment of {money_small} was made on time.",
+            "Cash conversion, measured as operating cash flow over operating profit, was {pct_high} over the last twelve months.",
         ], "risk"),
         (["Outlook", "Forecast"], "para", [
             "We are keeping the full-year forecast unchanged, as the strong month is partly a matter of timing.",
             "The main risks to the forecast are freight costs and the timing of the {customer} renewal.",
             "We will present an updated forecast with the {quarter} results.",
             "Budget holders are reminded to submit accruals by the third working day of next month.",
+            "The budget process for next year will start in {month}, with templates issued to budget holders by {date}.",
+            "We will also bring a proposal on hedging foreign currency purchases to the next board meeting.",
         ], "actions"),
     ],
 }
@@ -618,35 +728,45 @@ T_STATUS = {
     "meta": ["Project manager: {person}", "Sponsor: {person2}, {role2}", "Overall status: {rag}"],
     "sections": [
         (["Summary"], "para", [
-            "{project} aims to replace the old {system} with a modern platform by the end of {month}.",
-            "Overall the project is rated {rag}: most workstreams are on track, but data migration is behind.",
-            "Spending to date is {money}, which is {pct_small} of the approved budget.",
+            "{project} aims to [replace the old {system} with a modern platform|consolidate three regional versions of the {system} into one|move the {system} to a cloud service|automate the manual steps around the {system}] by the end of {month}.",
+            "Overall the project is rated {rag}: [most workstreams are on track, but data migration is behind|design and build are on schedule, while testing has started late|scope is stable, but two key roles are still being filled|the budget is under control, but the timeline is tight].",
+            "[Spending|Expenditure|Cost] to date is {money_small}, [which is|representing|or] {pct} of the approved budget.",
             "The steering group met on {date} and approved the revised plan for the testing phase.",
+            "User feedback on the prototype has been positive, especially on the simpler approval screens.",
+            "The main concern remains the quality of the data to be migrated.",
         ], "numbers"),
         (["Progress This Period", "Completed This Week"], "bullets", [
-            "Completed the design of the new approval workflow with the {dept} team.",
+            "Completed the design of the new [approval workflow|reporting pack|order screens|supplier onboarding flow] with the {dept} team.",
             "Ran {num_small} user workshops at {site} and collected feedback on the prototype.",
-            "Migrated {pct} of supplier records to the new platform, with error checks passed.",
+            "Migrated {pct} of [supplier|customer|product|employee] records to the new platform, with error checks passed.",
             "Signed the statement of work with the implementation partner, {supplier}.",
             "Finished the first round of integration testing with the finance system.",
             "Agreed the training plan, including short videos and drop-in sessions.",
+            "Set up the test environment with a full copy of last month's data.",
+            "Confirmed the cut-over weekend with the business and the implementation partner.",
+            "Closed {num_small} of the open design questions, leaving two for the steering group.",
         ], None),
         (["Milestones", "Upcoming Milestones"], "bullets", [
-            "User acceptance testing starts on {date} (on track).",
+            "User acceptance testing [starts|begins] on {date} ([on track|at risk|on track]).",
             "Training for super-users completes by {date2} (at risk).",
             "Go-live at the first site planned for {month} (on track).",
             "Decommissioning of the old system after {months} months of parallel running.",
         ], None),
         (["Risks and Issues"], "para", [
-            "Data quality in the old system is worse than expected, and cleaning it is taking longer than planned.",
+            "[Data quality in the old system is worse than expected|Many old records are incomplete or duplicated], and cleaning [it|them] is taking longer than planned.",
             "Two key users from {dept} are also needed for year-end work, which limits their availability for testing.",
-            "The implementation partner has replaced its lead consultant, which has caused some delay in decisions.",
+            "The implementation partner has replaced its lead consultant, which has [caused some delay in decisions|slowed down design sign-off|meant repeating two workshops].",
             "If migration slips by more than {weeks} weeks, the go-live date will need to move.",
+            "The budget contingency has been partly used to cover extra consultant days.",
+            "Some users are worried that the new system will add work, and we are addressing this through early demonstrations.",
+            "A dependency on a new network link at {site} has not yet been confirmed by the provider.",
         ], "risk"),
         (["Decisions Needed", "Requests to the Steering Group"], "para", [
-            "The steering group is asked to approve an additional {money_small} for temporary data-cleaning support.",
+            "The steering group is asked to approve an additional {money_small} for [temporary data-cleaning support|an extra test cycle|external training support|a short extension of the partner contract].",
             "We recommend that the second site goes live four weeks after the first rather than in parallel.",
             "We need a decision on whether historic records older than {years} years will be migrated or archived.",
+            "We ask sponsors to release key users for three days of testing in {month}.",
+            "We recommend freezing changes to the old system from {date} to reduce migration risk.",
         ], "actions"),
     ],
 }
@@ -659,61 +779,82 @@ T_SUPPLIER = {
             "It is one of our {num_small} strategic suppliers and accounts for {pct} of spending in its category.",
             "This review covers the twelve months to {month} and follows our standard scorecard.",
             "The relationship is managed by {person2} in Procurement, with monthly review calls.",
+            "The supplier employs about {num} people and operates from two sites.",
+            "We last reviewed the supplier in detail {years} years ago, when it was rated acceptable.",
         ], None),
         (["Delivery Performance", "Delivery"], "para", [
             "On-time delivery averaged {pct_high}, slightly below the contract target of {pct_target}.",
             "Most late deliveries occurred in {month}, when the supplier was moving to a new warehouse.",
             "Lead times have been stable at about {days} days for standard items.",
             "The supplier gives good advance warning of delays, which helps our planning team.",
+            "Urgent orders were usually delivered within two working days, which our sites value highly.",
+            "Paperwork errors on delivery notes caused some delays at goods receipt.",
         ], "numbers"),
         (["Quality"], "para", [
             "We rejected {num_small} deliveries out of {num} received, mostly for damaged packaging rather than faulty goods.",
             "One quality issue in {month} required a full sort of stock at {site}, which the supplier paid for.",
             "Certificates of conformity are provided with every delivery and are generally accurate.",
             "The supplier's own quality audit results, which they shared voluntarily, were good.",
+            "Corrective actions from last year's audit were all closed on time.",
+            "Complaints about the supplier from our own sites fell to {num_small} this year.",
         ], "risk"),
         (["Cost and Commercial Terms", "Commercial"], "para", [
             "Prices increased by {pct_small} this year, below the general rate of inflation for the category.",
             "Payment terms are {days} days, which is in line with our standard terms.",
             "The supplier agreed to hold prices for six months in return for a volume commitment.",
             "Invoices are usually accurate, although a few duplicates were found in the quarterly check.",
+            "Compared with two alternative suppliers, prices are competitive for standard items but high for specials.",
+            "The supplier has offered a rebate of {pct_small} if annual spend passes {money_small}.",
         ], "numbers"),
         (["Recommendation", "Overall Assessment"], "para", [
             "Overall, {supplier} remains a reliable partner, and we recommend renewing the agreement for a further {years} years.",
             "We recommend keeping {supplier} as the main supplier but qualifying a second source for critical items.",
             "The supplier should be asked for a written improvement plan covering delivery performance.",
             "We will repeat this review in twelve months, with a short interim check after six.",
+            "The category team will run a market test next year to confirm that prices remain competitive.",
+            "Any renewal should include clearer delivery targets and a simple service credit mechanism.",
         ], "actions"),
     ],
 }
 T_KB = {
     "titles": ["Help Article: {kb_problem}", "How to Fix: {kb_problem}", "Support Guide: {kb_problem}"],
-    "meta": ["Applies to: {product}", "Last updated: {date}"],
+    "meta": ["Applies to: {device}", "Last updated: {date}"],
     "sections": [
         (["The Problem", "Symptoms"], "para", [
-            "Some customers have reported that the {product} stops responding after a software update.",
-            "You may see an error message saying that the device cannot connect to the service.",
-            "The problem usually appears after a power cut or when the network settings change.",
-            "In most cases, no data is lost and the device works normally once the steps below are completed.",
+            "Some customers have reported that the {device} stops responding after a software update.",
+            "[You may see|The screen may show|The app may display] an error message saying that the device [cannot connect to|is unable to reach|has lost contact with] the service.",
+            "The problem [usually|tends to] [appear|appears] after [a power cut|a power interruption|the device has been unplugged] or when [the network settings change|the router is replaced|the office network is reconfigured].",
+            "[In most cases|Almost always|Usually], no data is lost and the device [works normally|returns to normal operation|behaves as expected] once the steps below [are completed|have been followed].",
+            "[The fault|This behaviour|The issue] has been seen on [a small share|a small number|fewer than one in fifty] of devices installed in the last {months} months.",
+            "Other devices on the same network are [usually not affected|normally unaffected|rarely affected].",
+            "Some users also notice that the mobile app shows an old reading or an empty screen.",
         ], "customer"),
         (["Why It Happens", "Cause"], "para", [
-            "The device keeps a copy of its settings, and this copy can become out of date after an update.",
-            "Older routers sometimes block the port that the device uses to reach our service.",
+            "The device [keeps|stores] a [local |cached |]copy of its settings, and this copy can [become out of date|go stale|fall out of step with the service] after an update.",
+            "[Older routers|Some office firewalls|Certain home routers] [sometimes block|may block|can filter out] the port that the device uses to reach our service.",
             "If the clock on the device is wrong, security checks fail and the connection is refused.",
+            "A weak [wireless|Wi-Fi] signal can cause the device to [drop its connection repeatedly|lose its connection every few minutes|disconnect and reconnect in a loop].",
+            "In rare cases, an interrupted update leaves the device running an incomplete version of its software.",
+            "[Changing|Updating|Resetting] the network name or password without [updating the device|entering the new details on the device] will also stop it connecting.",
         ], "risk"),
         (["How to Fix It", "Steps"], "bullets", [
-            "Check that the device is powered on and that the status light is steady rather than flashing.",
-            "Restart the device by holding the power button for {secs} seconds.",
-            "Open the settings menu and choose Network, then Reconnect.",
-            "If asked, enter the code printed on the label on the back of the device.",
-            "Wait up to {mins} minutes for the device to download its latest settings.",
-            "Sign in to the customer portal and confirm that the device shows as online.",
+            "[Check|Confirm|Make sure] that the device is powered on and that the status light is [steady rather than flashing|lit and not blinking].",
+            "[Restart|Reboot|Power-cycle] the device by holding the power button for {secs} seconds.",
+            "Open the [settings menu|Settings screen] and choose [Network, then Reconnect|Connections, then Reset connection].",
+            "If [asked|prompted], enter the [code|six-digit code|pairing code] printed on the label [on the back|underneath|on the side] of the device.",
+            "[Wait|Allow] up to {mins} minutes for the device to [download|fetch|retrieve] its latest settings.",
+            "[Sign in to|Log in to|Open] the customer portal and [confirm|check] that the device shows as [online|connected].",
+            "[Move the device closer to the router|Bring the router and the device closer together], or add a signal booster, if the signal indicator shows [one bar or less|a weak signal].",
+            "[Check|Verify] that the date and time shown in the settings menu are correct[, and correct them if not|].",
+            "If an update is [offered|available], install it and do not switch the device off until it has [finished|completed].",
         ], None),
         (["If This Does Not Work", "Still Need Help?"], "para", [
-            "If the device still does not connect, please contact our support team on {phone}, quoting your serial number.",
-            "You can also open a ticket through the customer portal; most tickets receive a reply within {hours} working hours.",
-            "Please do not return the device before speaking to support, as most problems can be solved remotely.",
-            "If the device is under warranty, we will replace it free of charge if it cannot be repaired.",
+            "If the device [still does not connect|remains offline|is still not working], please [contact|call|ring] our support team on {phone}, quoting [your serial number|the serial number on the label].",
+            "You can also [open a ticket|raise a request|log a case] through the customer portal; most [tickets|requests] receive a [reply|response] within {hours} working hours.",
+            "Please do not [return|send back] the device before speaking to support, as most problems can be [solved|fixed|resolved] remotely.",
+            "If the device is [under warranty|still covered by its warranty], we will replace it [free of charge|at no cost] if it cannot be repaired.",
+            "Before [calling|you call], please note the colour and pattern of the status light, as this [helps us diagnose|lets us identify|speeds up diagnosis of] the fault.",
+            "Our [community forum|user forum|online help centre] also has tips from other users who have solved similar problems.",
         ], "closing"),
     ],
 }
@@ -726,6 +867,8 @@ T_HR = {
             "The changes follow feedback from the staff survey, in which {pct_high} of respondents asked for more flexibility.",
             "We have worked closely with employee representatives to design the new arrangements.",
             "The company will invest about {money} in these changes over the next year.",
+            "The new arrangements will be reviewed after twelve months to check that they are working as intended.",
+            "Part-time colleagues will receive the same benefits on a pro-rata basis.",
         ], "people"),
         (["Details", "The New Arrangements"], "bullets", [
             "Annual leave entitlement increases by one day after {years} years of service.",
@@ -735,17 +878,24 @@ T_HR = {
             "Every employee will have a personal development budget of {money_small} per year.",
             "Parents returning from leave can work reduced hours for up to {months} months without a change to their contract.",
             "The cycle-to-work scheme is being extended to include electric bicycles.",
+            "Employees with more than {years_long} years of service will receive an additional long-service award.",
+            "An employee assistance programme offers free, confidential advice by phone at any time.",
+            "Paid volunteering leave of two days a year is available for work with registered charities.",
+            "Sick pay arrangements are unchanged.",
         ], None),
         (["What You Need to Do", "Next Steps"], "para", [
             "You do not need to do anything unless you want to take up one of the optional schemes.",
             "To apply, complete the form on the {system} before {date}.",
             "Managers will discuss the changes with their teams at the next team meeting.",
             "Information sessions will be held at {site} on {weekday} and online the following week.",
+            "If you are on leave at the moment, your manager will contact you when you return.",
+            "Please check that your personal details in the {system} are up to date.",
         ], "actions"),
         (["Questions", "Further Information"], "para", [
             "A full set of frequently asked questions is available on the HR portal.",
             "If your situation is not covered, please speak to your HR Business Partner.",
             "We hope these changes make working at {company} more rewarding.",
+            "Employee representatives can also help if you would prefer to raise a question through them.",
         ], "closing"),
     ],
 }
@@ -759,6 +909,8 @@ T_PROPOSAL = {
             "Your main goals are to reduce cost, improve reliability and get clearer reporting.",
             "You told us that the current provider often misses agreed response times, especially at weekends.",
             "The solution must also support your plans to open two new sites next year.",
+            "You also want a single point of contact rather than separate teams for each location.",
+            "Budget approval is expected in {month}, with a decision on the supplier shortly afterwards.",
         ], "customer"),
         (["Our Proposed Solution", "What We Propose"], "para", [
             "We propose a single managed service, run from our {site} centre, with a named account manager.",
@@ -766,6 +918,9 @@ T_PROPOSAL = {
             "Monthly reports will show performance against every service level, site by site.",
             "We will begin with a {weeks}-week transition period, during which both providers run in parallel.",
             "Our approach has been used successfully with similar customers in the {region} region.",
+            "Service will be available seven days a week, with out-of-hours cover for urgent requests.",
+            "We will use your existing ticketing process where possible, so your staff do not need to learn a new system.",
+            "Quarterly business reviews will look at trends and suggest improvements, not just report past performance.",
         ], "actions"),
         (["Pricing", "Commercial Summary"], "bullets", [
             "Monthly service fee: {money_small}, fixed for the first {years} years.",
@@ -778,11 +933,15 @@ T_PROPOSAL = {
             "Following contract signature, we can begin the transition within {days} days.",
             "Full service would start on {date2}, subject to access to your sites and systems.",
             "A joint review at the end of the first three months will confirm that everything is working as expected.",
+            "We will agree a detailed transition plan with your team in the first two weeks.",
+            "Staff currently working on your account may transfer to us, subject to the usual legal process.",
         ], "risk"),
         (["Why {company}", "Why Choose Us"], "para", [
             "We have provided similar services for more than {years_long} years and retain {pct_high} of our customers each year.",
             "Our service levels are backed by meaningful service credits, not just promises.",
             "We would welcome the chance to show you our {site} centre and introduce the team.",
+            "References from current customers of a similar size are available on request.",
+            "We are happy to discuss any part of this proposal and adjust it to your needs.",
         ], "closing"),
     ],
 }
@@ -802,8 +961,10 @@ SERVICES = ["facilities maintenance", "outbound logistics", "IT support", "offic
             "equipment servicing", "warehouse staffing", "document storage"]
 CATEGORIES = ["packaging materials", "industrial gases", "electronic components", "office supplies",
               "temporary labour", "freight services", "raw ingredients", "spare parts"]
-KB_PROBLEMS = ["Device Shows Offline After Update", "Cannot Sign In to the Customer Portal", "Invoice Not Received",
-               "Status Light Keeps Flashing", "Reports Do Not Load", "Payment Declined at Checkout"]
+KB_PROBLEMS = ["Device Shows Offline After Update", "Status Light Keeps Flashing", "Device Will Not Pair With the App",
+               "Readings Stop Updating", "Software Update Fails", "Device Restarts Repeatedly"]
+DEVICES = ["TrackPoint fleet tracker", "Beacon smart thermostat", "Sentinel door sensor", "Cirrus air purifier",
+           "Pulse patient monitor", "Keystone access badge reader", "NovaPrint label printer", "PocketPay card reader"]
 HR_TOPICS = ["Annual Leave and Flexible Working", "Pension and Benefits", "Learning and Development Support",
              "Working Hours", "Family Leave"]
 INCIDENT_TITLES = ["Order Processing Outage", "Delayed Payroll File", "Warehouse Scanner Failure",
@@ -827,7 +988,7 @@ SYNONYMS: list[tuple[str, list[str]]] = [
     (r"\brose\b", ["rose", "increased", "grew", "climbed"]),
     (r"\bfell\b", ["fell", "dropped", "declined", "decreased"]),
     (r"\breduce\b", ["reduce", "cut", "lower"]),
-    (r"\bexpect\b", ["expect", "anticipate"]),
+    (r"\b[Ww]e expect\b", ["we expect", "we anticipate"]),
     (r"\bmake sure\b", ["make sure", "ensure", "check"]),
     (r"\bin line with\b", ["in line with", "consistent with"]),
     (r"\bseveral\b", ["several", "a number of", "some"]),
@@ -853,14 +1014,35 @@ SYNONYMS: list[tuple[str, list[str]]] = [
     (r"\bproblems\b", ["problems", "issues", "difficulties"]),
     (r"\bimportant\b", ["important", "essential"]),
     (r"\bchanges\b", ["changes", "adjustments"]),
-    (r"\bagreed\b", ["agreed", "confirmed"]),
+    (r"\bthis period\b", ["this period", "during the period", "in the period"]),
+    (r"\bnext month\b", ["next month", "in the coming month"]),
+    (r"\b[Ee]mployees\b", ["employees", "staff", "colleagues"]),
+    (r"\bimprove\b", ["improve", "strengthen"]),
+    (r"\ba problem\b", ["a problem", "an issue"]),
+    (r"\bthe company\b", ["the company", "the business"]),
+    (r"\bsites\b", ["sites", "locations"]),
+    (r"\bhigher\b", ["higher", "greater"]),
+    (r"\bexplained that\b", ["explained that", "noted that", "said that"]),
+    (r"\breported that\b", ["reported that", "said that", "noted that"]),
+    (r"\bsuggested\b", ["suggested", "proposed"]),
+    (r"\bprevious\b", ["previous", "prior", "last"]),
+    (r"\b[Pp]lease\b", ["please", "kindly"]),
+    (r"\bquestions\b", ["questions", "queries"]),
+    (r"\b[Ss]pending\b", ["spending", "expenditure"]),
+    (r"\bexpected\b", ["expected", "anticipated"]),
+    (r"\bpeople\b", ["people", "colleagues", "staff"]),
+    (r"\bimmediately\b", ["immediately", "at once", "straight away"]),
+    (r"\bvery\b", ["very", "extremely", "highly"]),
+    (r"\bgood\b", ["good", "sound", "solid"]),
+    (r"\bwhich is\b", ["which is", "and this is"]),
+    (r"\bin advance\b", ["in advance", "ahead of time"]),
 ]
 _SYN_RE = [(re.compile(pat), alts) for pat, alts in SYNONYMS]
 # Sentence openers that may follow a connector ("Meanwhile, the ...") once lower-cased.
 _LOWERABLE = {"The", "We", "Our", "This", "It", "There", "Most", "Several", "Some", "All", "Each", "Every",
               "Customers", "Staff", "Managers", "Prices", "Revenue", "Spending", "Sales", "Two", "One", "A", "An"}
 CONNECTORS = ["In addition, ", "Meanwhile, ", "At the same time, ", "Separately, ", "Notably, ",
-              "On a related point, ", "For context, ", "As noted earlier, ", "Equally, "]
+              "On a related point, ", "For context, ", "Equally, "]
 EXTRA_SECTIONS = [
     (["Risks", "Key Risks", "Risks and Concerns"], "risk"),
     (["People", "Our People", "Team Update"], "people"),
@@ -870,6 +1052,12 @@ EXTRA_SECTIONS = [
     (["Sustainability", "Environment"], "sustain"),
     (["Systems and IT", "Technology"], "tech"),
 ]
+# Relative frequency of each document type (types with larger banks appear more often).
+TYPE_WEIGHT = {"report": 2, "memo": 2, "email": 2, "minutes": 2, "finance": 2}
+# Target word range per document type (narrow types stay short so documents share fewer sentences).
+WORD_RANGE = {"kb": (190, 330), "email": (190, 360), "hr": (200, 420), "contract": (210, 480),
+              "product": (200, 460), "proposal": (200, 480), "incident": (240, 560), "policy": (220, 560),
+              "minutes": (220, 600)}
 EXTRA_SECTION_TYPES = {"report", "memo", "finance", "status", "supplier", "minutes"}
 
 
@@ -907,7 +1095,7 @@ class Doc:
             "role1": roles[0], "role2": roles[1], "role3": roles[2],
             "site": sites[0], "site2": sites[1], "region": regions[0], "region2": regions[1],
             "dept": depts[0], "dept2": depts[1], "weekday": wds[0], "weekday2": wds[1],
-            "system": r.choice(SYSTEMS), "project": r.choice(PROJECTS), "product": product,
+            "system": r.choice(SYSTEMS), "project": r.choice(PROJECTS), "product": product, "device": r.choice(DEVICES),
             "product_title": product[0].upper() + product[1:],
             "topic": topic, "topic_title": topic[0].upper() + topic[1:],
             "policy_name": policy, "policy_lower": policy.lower(), "hr_topic": hr, "hr_lower": hr.lower(),
@@ -1014,7 +1202,8 @@ def make_doc(rng: random.Random, kind: str) -> str:
     """One document of type ``kind`` with MIN_WORDS..MAX_WORDS words."""
     spec = DOC_TYPES[kind]
     d = Doc(rng)
-    target = rng.randint(MIN_WORDS + 40, MAX_WORDS - 60)
+    lo, hi = WORD_RANGE.get(kind, (MIN_WORDS + 40, MAX_WORDS - 60))
+    target = rng.randint(lo, hi)
     sections = spec["sections"]
     per_sentence = 18
     n_sent = max(2, round(target / per_sentence / (len(sections) + 0.5)))
@@ -1031,7 +1220,8 @@ def make_doc(rng: random.Random, kind: str) -> str:
 
     blocks: list[list] = []  # each block: [heading or None, style, sentence, sentence, ...]
     for heading_alts, style, bank, fallback in sections:
-        k = max(1, min(len(bank), n_sent + rng.randint(-1, 1)))
+        k = max(3 if style == "bullets" else 2, n_sent + rng.randint(-1, 1))
+        k = min(len(bank), k)
         # keep the bank's order (openers first) so paragraphs read in a sensible sequence
         chosen = [bank[i] for i in sorted(rng.sample(range(len(bank)), k))]
         if n_sent > len(bank) and fallback:
@@ -1082,7 +1272,7 @@ def make_doc(rng: random.Random, kind: str) -> str:
 def generate(n: int = N_DOCS, seed: int = SEED) -> list[dict]:
     """``n`` rows {"id", "text"}; deterministic for a given seed."""
     master = random.Random(seed)
-    kinds = list(DOC_TYPES)
+    kinds = [k for k in DOC_TYPES for _ in range(TYPE_WEIGHT.get(k, 1))]
     order: list[str] = []
     while len(order) < n:
         block = kinds[:]

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..recipe import SpeedSpec
 from .capacity import (DEFAULT_OVERHEAD_BYTES, CapacityRow, capacity_from_run, estimate_from_config,
                        kv_bytes_per_token_from_config, max_context, max_sequences,
                        param_count_from_config, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
 from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_gate_spec,
-                   evaluate_gate, tier_order)
+                   evaluate_gate, tier_order, validate_section)
 from .ladder import Ladder, LadderStep, fallback_ladder
 from .pareto import (ParetoEntry, ParetoResult, decode_at, dominates, pareto_front, peak_bytes_at,
                      quality_value)
-from .gate import _validate
-from ..recipe import SpeedSpec
 
 __all__ = [
     "DEFAULT_OVERHEAD_BYTES", "CapacityRow", "capacity_from_run", "estimate_from_config",
@@ -67,7 +66,7 @@ def analyse_run(run: dict, tiers: dict[str, dict], recipe: dict | None = None) -
         QevalInputError: the recipe's ``speed`` or ``gate`` section does not validate.
     """
     recipe = dict(recipe if recipe is not None else (run or {}).get("recipe") or {})
-    speed = _validate(SpeedSpec, recipe.get("speed"), "speed")
+    speed = validate_section(SpeedSpec, recipe.get("speed"), "speed")
     gate = as_gate_spec(recipe.get("gate"))
     depth = int(gate.depth or speed.main_depth)
     run_for_order = {"recipe": recipe} if recipe.get("tiers") else run

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from ..errors import QevalInputError
 from ..results import STATUS_OK, get_path

@@ -126,7 +126,13 @@ class GateReport:
 
 # ---- recipe helpers ---------------------------------------------------------------------
 
-def _validate(model: type, data: Any, where: str):
+def validate_section(model: type, data: Any, where: str):
+    """Validate one recipe section dict (``None``: all defaults) with a pydantic model.
+
+    Raises:
+        QevalInputError: the first validation error, naming the dotted field
+            (``gate.quality_metric: ...``).
+    """
     try:
         return model.model_validate(data if data is not None else {})
     except ValidationError as e:
@@ -143,7 +149,7 @@ def as_gate_spec(gate: GateSpec | dict | None) -> GateSpec:
     """
     if isinstance(gate, GateSpec):
         return gate
-    return _validate(GateSpec, gate, "gate")
+    return validate_section(GateSpec, gate, "gate")
 
 
 def analysis_depth(recipe: dict | None) -> int:
@@ -154,7 +160,7 @@ def analysis_depth(recipe: dict | None) -> int:
         QevalInputError: the recipe's ``speed`` or ``gate`` section does not validate.
     """
     recipe = recipe or {}
-    speed = _validate(SpeedSpec, recipe.get("speed"), "speed")
+    speed = validate_section(SpeedSpec, recipe.get("speed"), "speed")
     gate = as_gate_spec(recipe.get("gate"))
     return int(gate.depth or speed.main_depth)
 

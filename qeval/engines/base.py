@@ -67,14 +67,15 @@ class Engine(Protocol):
     backend: str
     vocab_size: int
 
-    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
+                      first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """Teacher-forced next-token log-probabilities over the full vocabulary.
 
         Yields ``(start, logp)`` where ``logp`` has shape ``[m, vocab]`` (float32, natural
         log) and row ``j`` is the distribution of token ``start + j + 1`` given tokens
         ``0 .. start + j``. Windows of at most ``window`` positions bound memory: a long
         sequence never holds logits for every position at once. Covers positions
-        ``0 .. len(token_ids) - 2``.
+        ``first .. len(token_ids) - 2`` (earlier positions only fill the KV cache).
         """
         ...
 
@@ -100,7 +101,7 @@ def score(engine: Engine, token_ids: Sequence[int], window: int = 256) -> np.nda
     """Log-probability (nats) of each actual next token, shape ``[len(token_ids) - 1]``."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out = np.empty(max(len(ids) - 1, 0), dtype=np.float64)
-    for start, logp in engine.iter_logprobs(token_ids, window):
+    for start, logp in engine.iter_logprobs(token_ids, window):  # first=0: every position
         m = logp.shape[0]
         out[start:start + m] = logp[np.arange(m), ids[start + 1:start + 1 + m]]
     return out

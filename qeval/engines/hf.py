@@ -152,15 +152,21 @@ class HFEngine:
             self._torch.cuda.synchronize()
 
     # -- Engine API ----------------------------------------------------------------
-    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
+                      first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """See :meth:`qeval.engines.base.Engine.iter_logprobs`: chunked forward passes over
-        one cache, log-softmax in float32 on ``window`` positions at a time."""
+        one cache, log-softmax in float32 on ``window`` positions at a time; positions
+        before ``first`` only fill the cache."""
         torch = self._torch
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         n = ids.shape[1]
         cache = self.new_cache()
         with torch.inference_mode():
-            for start in range(0, n - 1, window):
+            if first > 0:  # prefix: fill the cache only
+                for start in range(0, first, window):
+                    chunk = ids[:, start:min(start + window, first)]
+                    self.model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for start in range(first, n - 1, window):
                 chunk = ids[:, start:start + window]
                 out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True)
                 m = min(chunk.shape[1], n - 1 - start)
@@ -201,6 +207,47 @@ class HFEngine:
         self.last_cache_bytes = cache_nbytes(cache)
         self.last_cache_tokens = ids.shape[1] + len(toks) - 1
         return Generation(toks, times[0], times, finished)
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       stop_ids: Sequence[int] = (), pad_id: int = 0) -> list[tuple[list[int], bool]]:
+        """Greedy answers to several prompts at once (quality only: no timings).
+
+        Uses transformers' ``generate`` with left padding and the tier's cache kind.
+        Returns per prompt ``(new token ids up to and including the stop token, finished)``.
+        Batched matmuls round differently from single-sequence ones, so the reference
+        pass and every tier's free-running answers all go through this same path.
+        """
+        torch = self._torch
+        if not prompts:
+            return []
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        kwargs: dict = {}
+        if self.kv_cache == "int8":
+            kwargs["cache_implementation"] = "quantized"
+            kwargs["cache_config"] = {"backend": "hqq", "nbits": 8, "axis_key": 1, "axis_value": 1,
+                                      "q_group_size": 64, "residual_length": 128}
+        stop = [int(s) for s in stop_ids]
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                      eos_token_id=stop or None, pad_token_id=pad_id,
+                                      temperature=None, top_p=None, top_k=None, **kwargs)
+        res = []
+        for row in out[:, width:].tolist():
+            toks: list[int] = []
+            finished = False
+            for t in row:
+                toks.append(t)
+                if t in stop:
+                    finished = True
+                    break
+            res.append((toks, finished))
+        return res
 
     def kv_bytes_per_token(self, depth: int = 256) -> float:
         """Bytes per token of a cache filled with ``depth`` tokens by one forward pass."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..analysis import RunAnalysis, analyse_run
 from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES, CapacityRow, capacity_from_run
-from ..analysis.gate import _validate
+from ..analysis.gate import validate_section
 from ..analysis.pareto import GIB, decode_at, finite, peak_bytes_at
 from ..recipe import ReportSpec
 from ..results import STATUS_OK, atomic_write_text, get_path, load_run
@@ -153,7 +153,7 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             "tier": name, "status": status, "error": t.get("error"),
             "weights_gib": _r(finite(get_path(t, "memory", "weight_bytes")), GIB),
             "bits_per_weight": bpw, "backend": t.get("backend"), "kv_cache": t.get("kv_cache"),
-            "kv_bytes_per_token": finite(get_path(t, "memory", "kv_bytes_per_token")),
+            "kv_bytes_per_token": _whole(finite(get_path(t, "memory", "kv_bytes_per_token"))),
         }
         cells = [name, status, _gib(get_path(t, "memory", "weight_bytes")), _f(bpw, ".2f"),
                  str(t.get("backend") or "-"), _f(get_path(t, "memory", "kv_bytes_per_token"), ",.0f")]
@@ -192,6 +192,10 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
     return tab
 
 
+def _whole(v: float | None) -> float | int | None:
+    return int(v) if v is not None and v.is_integer() else v
+
+
 def _r(v: float | None, div: float) -> float | None:
     return None if v is None else round(v / div, 4)
 
@@ -208,7 +212,7 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[dict, RunAnalysis, ReportSpec]:
     run, tiers = load_run(run_dir)
     a = analyse_run(run, tiers, recipe_dict)
-    spec = _validate(ReportSpec, a.recipe.get("report"), "report")
+    spec = validate_section(ReportSpec, a.recipe.get("report"), "report")
     return run, a, spec
 
 
@@ -272,10 +276,11 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:30px 0 8px;padding-bot
 .muted{color:#6b7280}
 .wide{overflow-x:auto;max-width:100%;border:1px solid #e3e6eb;border-radius:6px}
 table{border-collapse:collapse;font-size:12.5px;width:100%}
-.wide table{width:max-content;min-width:100%}
+.wide table{width:max-content;min-width:100%}.wide table.fit{width:100%}
 th,td{padding:4px 8px;border-bottom:1px solid #eceef2;text-align:right;white-space:nowrap;vertical-align:top}
-th{background:#f3f5f8;font-weight:600;position:sticky;top:0}
-td.l,th.l{text-align:left}td.wrap{white-space:normal;min-width:240px;max-width:520px}
+th{background:#f3f5f8;font-weight:600}th.c{text-align:center}
+td.grp,th.grp{border-left:1px solid #d9dde3}
+td.l,th.l{text-align:left}td.wrap{white-space:normal;min-width:150px;max-width:520px}
 tr.front td:first-child{font-weight:600}tr.notok td{color:#8b93a1}
 .star{color:#b7791f}
 ul.rules{margin:0;padding-left:16px;text-align:left}
@@ -283,7 +288,7 @@ details summary{cursor:pointer;color:#3451b2}
 pre{background:#f6f8fa;border:1px solid #e3e6eb;padding:8px;font-size:12px;overflow-x:auto;white-space:pre-wrap}
 figure{margin:14px 0}figure img{max-width:100%;height:auto;border:1px solid #eceef2;border-radius:4px}
 figcaption{font-size:12px;color:#5a6270}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:10px}
+.plots figure{max-width:880px}
 </style></head><body><main>
 <h1>qeval report: {{ name }}</h1>
 <p class="meta">model <code>{{ model }}</code> · {{ created }} · device {{ device }} · threads {{ threads }}<br>
@@ -314,7 +319,8 @@ Memory and speed rules at depth {{ depth }}. A missing figure fails its rule.</p
 <tr><th class="l">candidate</th><th class="l">status</th><th class="l">verdict</th><th class="l">failing rules</th></tr>
 {% for c in candidates %}<tr><td class="l">{{ c.tier }}</td><td class="l">{{ c.status }}</td>
 <td class="l"><span class="badge {{ c.verdict }}">{{ c.verdict|upper }}</span></td>
-<td class="l wrap">{% if c.failed %}<ul class="rules">{% for r in c.failed %}<li><code>{{ r.rule }}</code>: {{ r.message }}</li>{% endfor %}</ul>{% else %}<span class="muted">none</span>{% endif %}
+<td class="l wrap">{% if c.not_run %}<ul class="rules"><li><code>status</code>: {{ c.not_run }}</li>{% if c.n_unjudged %}<li>all {{ c.n_unjudged }} set rules fail: not judged</li>{% endif %}</ul>
+{% elif c.failed %}<ul class="rules">{% for r in c.failed %}<li><code>{{ r.rule }}</code>: {{ r.message }}</li>{% endfor %}</ul>{% else %}<span class="muted">none</span>{% endif %}
 <details><summary>all {{ c.rules|length }} checks</summary><ul class="rules">{% for r in c.rules %}<li>{{ '✔' if r.passed else '✘' }} <code>{{ r.rule }}</code>: {{ r.message }}</li>{% endfor %}</ul></details></td></tr>
 {% else %}<tr><td class="l" colspan="4">no candidates</td></tr>{% endfor %}
 </table></div>
@@ -336,14 +342,30 @@ sequences = ⌊(M − weights − overhead) / (KV bytes/token × context)⌋; lo
 {% endfor %}</table></div>
 
 <h2>Plots</h2>
-<div class="grid">
+<div class="plots">
 {% for p in plots %}<figure>{% if p.src %}<img alt="{{ p.title }}" src="{{ p.src }}">{% else %}<p class="muted">{{ p.title }}: no data.</p>{% endif %}<figcaption>{{ p.caption }}</figcaption></figure>
 {% endfor %}</div>
 
 <h2>All tiers</h2>
+<div class="wide"><table class="fit">
+<tr><th class="l">tier</th><th class="l">status</th><th>weights GiB</th><th>bits/weight</th><th class="l">backend</th><th class="l">KV cache</th><th>KV bytes/token</th><th class="l">error</th></tr>
+{% for r in table_rows %}<tr class="{{ r.cls }}">{% for c in r.build %}<td class="{{ '' if loop.index0 in (2, 3, 6) else 'l' }}{{ ' wrap' if loop.last else '' }}">{{ c }}</td>{% endfor %}</tr>
+{% endfor %}</table></div>
+
+<h2>Memory and speed by context depth</h2>
+<p class="muted">Peak memory in GiB; TTFT in seconds; decode in tokens/s; roofline % = achieved decode / (bandwidth / bytes read per token).</p>
 <div class="wide"><table>
-<tr>{% for h in table_headers %}<th class="{{ 'l' if loop.index0 in left_cols else '' }}">{{ h }}</th>{% endfor %}</tr>
-{% for r in table_rows %}<tr class="{{ r.cls }}">{% for c in r.cells %}<td class="{{ 'l' if loop.index0 in left_cols else '' }}{{ ' wrap' if loop.last else '' }}">{{ c }}</td>{% endfor %}</tr>
+<tr><th class="l" rowspan="2">tier</th>
+{% for d in depths %}<th colspan="4" class="grp c">depth {{ d }} tokens</th>{% endfor %}</tr>
+<tr>{% for d in depths %}<th class="grp">peak GiB</th><th>TTFT s</th><th>tok/s</th><th>roofline %</th>{% endfor %}</tr>
+{% for r in table_rows %}<tr class="{{ r.cls }}">{% for c in r.speed %}<td class="{{ 'l' if loop.index0 == 0 else '' }}{{ ' grp' if loop.index0 >= 1 and (loop.index0 - 1) % 4 == 0 else '' }}">{{ c }}</td>{% endfor %}</tr>
+{% endfor %}</table></div>
+
+<h2>All tiers: quality</h2>
+<p class="muted">KLD in nats against the reference on its own tokens; pass rate over the checkable items with its 95% interval; flips: share of items whose pass/fail differs from the reference (↓ pass→fail, ↑ fail→pass).</p>
+<div class="wide"><table class="fit">
+<tr>{% for h in quality_headers %}<th class="{{ 'l' if loop.index0 == 0 or loop.index0 >= quality_headers|length - 2 else '' }}">{{ h }}</th>{% endfor %}</tr>
+{% for r in table_rows %}<tr class="{{ r.cls }}">{% for c in r.quality %}<td class="{{ 'l' if loop.index0 == 0 or loop.index0 >= quality_headers|length - 2 else '' }}{{ ' wrap' if loop.last else '' }}">{{ c }}</td>{% endfor %}</tr>
 {% endfor %}</table></div>
 
 {% if unfinished %}<h2>Tiers that did not finish</h2>
@@ -380,8 +402,13 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
                     "cls": {"front": "front", "dominated": "", "not_compared": "notok"}[e.status],
                     "mem": _gib(e.memory_bytes), "dec": _f(e.decode_tokens_per_s, ".3g"),
                     "q": _f(e.quality, qfmt)} for e in a.pareto.entries]
-    cands = [{"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict,
-              "failed": c.failed_rules, "rules": c.rules} for c in a.gate.candidates]
+    cands = []
+    for c in a.gate.candidates:
+        status_rule = next((r for r in c.rules if r.rule == "status"), None)
+        not_run = status_rule.message if status_rule is not None and not status_rule.passed else None
+        cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict,
+                      "failed": c.failed_rules, "rules": c.rules, "not_run": not_run,
+                      "n_unjudged": len(c.rules) - 1})
 
     def signed(v: float | None, fmt: str) -> str:
         return "-" if v is None else f"{v:+{fmt}}"
@@ -413,7 +440,13 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
             row_cls.append("notok")
         else:
             row_cls.append("front" if name in a.pareto.front else "")
-    left = {0, 1, 4, len(tab.headers) - 2, len(tab.headers) - 1}
+    n_speed = 6 + 4 * len(a.depths)
+    rows = []
+    for (name, t), r, c in zip(a.tiers.items(), tab.rows, row_cls):
+        build = r[:5] + [str(t.get("kv_cache") or "-"), r[5],
+                         "" if t.get("status") == STATUS_OK else str(t.get("error") or "")]
+        quality = r[:1] + r[n_speed:-1] + [slow[name].text if name in slow else ""]
+        rows.append({"build": build, "speed": r[:1] + r[6:n_speed], "quality": quality, "cls": c})
     unfinished = [{"name": n, "status": t.get("status"), "error": t.get("error") or "no error recorded",
                    "log_tail": t.get("log_tail")} for n, t in a.tiers.items() if t.get("status") != STATUS_OK]
     host = run.get("host") if isinstance(run.get("host"), dict) else {}
@@ -432,8 +465,7 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
         budget=f"{budget_bytes / GIB:.2f} GiB", budget_src=budget_src, context=deepest, users=users,
         overhead=f"{overhead_bytes / GIB:.2f} GiB", capacity=capacity, plots=plot_list,
-        table_headers=tab.headers, left_cols=left,
-        table_rows=[{"cells": r, "cls": c} for r, c in zip(tab.rows, row_cls)],
+        depths=a.depths, quality_headers=tab.headers[:1] + tab.headers[n_speed:], table_rows=rows,
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
 

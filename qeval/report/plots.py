@@ -31,6 +31,11 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _color(i: int) -> str:
+    """Colour of the i-th tier in recipe order (the same tier has the same colour in every plot)."""
+    return f"C{i % 10}"
+
+
 _QUALITY_LABEL = {"kld_mean": "KLD mean vs reference (nats, lower is better)",
                   "ppl_ratio": "PPL ratio vs reference (lower is better)",
                   "pass_rate": "pass rate (higher is better)"}
@@ -38,22 +43,29 @@ _QUALITY_LABEL = {"kld_mean": "KLD mean vs reference (nats, lower is better)",
 
 def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
     """Scatter of quality (y) against peak memory at the depth (x, GiB); marker area grows
-    with decode tokens/s at that depth. Front members are filled and labelled ``★``.
-    Only tiers that took part in the front are drawn."""
+    with decode tokens/s at that depth. Front members are filled, dominated ones hollow.
+    Only tiers that took part in the front are drawn; colours follow tier order as in the
+    other plots."""
+    color_of = {e.tier: _color(i) for i, e in enumerate(pareto.entries)}
     pts = [e for e in pareto.entries if e.status in ("front", "dominated")]
     if not pts:
         return None
+    from matplotlib.lines import Line2D
+
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
     top = max(e.decode_tokens_per_s or 0.0 for e in pts) or 1.0
+    handles = []
     for e in pts:
+        c = color_of[e.tier]
         size = 40 + 460 * (e.decode_tokens_per_s or 0.0) / top
         on = e.status == "front"
-        ax.scatter([e.memory_bytes / GIB], [e.quality], s=size, alpha=0.75,
-                   facecolors="tab:blue" if on else "none", edgecolors="tab:blue", linewidths=1.5)
-        ax.annotate(("★ " if on else "") + f"{e.tier} ({e.decode_tokens_per_s:.3g} tok/s)",
-                    (e.memory_bytes / GIB, e.quality), textcoords="offset points",
-                    xytext=(8, 6), fontsize=8)
+        ax.scatter([e.memory_bytes / GIB], [e.quality], s=size, alpha=0.8, facecolors=c if on else "none",
+                   edgecolors=c, linewidths=1.8)
+        label = f"{e.tier}: {e.decode_tokens_per_s:.3g} tok/s" + ("  (front)" if on else "  (dominated)")
+        handles.append(Line2D([], [], linestyle="", marker="o", markersize=7, color=c,
+                              markerfacecolor=c if on else "none", label=label))
+    ax.legend(handles=handles, fontsize=8, loc="best", framealpha=0.9)
     ax.set_xlabel(f"peak memory at depth {pareto.depth} (GiB)")
     ax.set_ylabel(_QUALITY_LABEL.get(pareto.quality_metric, pareto.quality_metric))
     ax.set_title("Quality vs memory (marker size = decode tokens/s; filled = Pareto front)", fontsize=10)
@@ -65,6 +77,7 @@ def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
 def decode_vs_depth_png(tiers: dict[str, dict], depths: list[int]) -> bytes | None:
     """Decode tokens/s (y) against context depth (x, tokens, log scale) per ok tier."""
     series = {}
+    color_of = {n: _color(i) for i, n in enumerate(tiers)}
     for name, t in tiers.items():
         if t.get("status") != STATUS_OK:
             continue
@@ -77,7 +90,7 @@ def decode_vs_depth_png(tiers: dict[str, dict], depths: list[int]) -> bytes | No
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
     for name, pts in series.items():
-        ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name, color=color_of[name])
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(depths))
     ax.set_xticklabels([str(d) for d in depths])
@@ -99,6 +112,7 @@ def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
     """KLD mean (nats) per position bucket inside long outputs
     (``quality.fidelity.kld_by_bucket``), one line per ok tier; buckets ordered by start."""
     series: dict[str, dict[str, float]] = {}
+    color_of = {n: _color(i) for i, n in enumerate(tiers)}
     for name, t in tiers.items():
         b = get_path(t, "quality", "fidelity", "kld_by_bucket")
         if t.get("status") == STATUS_OK and isinstance(b, dict):
@@ -112,7 +126,7 @@ def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
     ax = fig.add_subplot(1, 1, 1)
     for name, vals in series.items():
         xs = [i for i, k in enumerate(buckets) if k in vals]
-        ax.plot(xs, [vals[buckets[i]] for i in xs], marker="o", label=name)
+        ax.plot(xs, [vals[buckets[i]] for i in xs], marker="o", label=name, color=color_of[name])
     ax.set_xticks(range(len(buckets)))
     ax.set_xticklabels(buckets)
     ax.set_xlabel("position inside long outputs (tokens)")

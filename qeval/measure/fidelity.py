@@ -1,0 +1,104 @@
+"""Fidelity of a tier's next-token distributions to the BF16 reference, teacher-forced on
+the reference's own tokens.
+
+Definitions (docs/design.md; llama.cpp ``perplexity --kl-divergence`` conventions):
+- KLD per position = KL(P_ref || P_tier) = sum_v p_ref(v) (log p_ref(v) - log p_tier(v)),
+  natural log (nats), full vocabulary; mean +- standard error, median, p99, max.
+- Same top token: share of positions where both argmax tokens agree ("Same top p").
+- PPL ratio = exp(mean NLL_tier - mean NLL_ref) over the same tokens, with the standard
+  error of the mean NLL difference propagated (delta method).
+- Delta p = p_tier(ref token) - p_ref(ref token): mean and RMS.
+- Drift: KLD by position bucket inside long outputs (position counted from the first answer token).
+
+Log-probabilities are stored and compared in float16 (``ROUND``): the reference's are kept
+on disk in float16, and the tier's are rounded the same way, so a tier identical to the
+reference scores exactly 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROUND = np.float16
+DEFAULT_BUCKETS = ((0, 255), (256, 1023), (1024, None))
+
+
+def bucket_name(lo: int, hi: int | None) -> str:
+    return f"{lo}-{hi}" if hi is not None else f"{lo}+"
+
+
+def kld_rows(ref_logp: np.ndarray, tier_logp: np.ndarray) -> np.ndarray:
+    """Per-row KL(P_ref || P_tier) in nats for ``[m, vocab]`` log-probability arrays.
+
+    Rows are upcast to float64; terms with p_ref == 0 contribute 0.
+    """
+    r = ref_logp.astype(np.float64)
+    t = tier_logp.astype(np.float64)
+    p = np.exp(r)
+    d = np.where(p > 0, p * (r - t), 0.0)
+    return np.maximum(d.sum(axis=1), 0.0)
+
+
+@dataclass
+class FidelityAccumulator:
+    """Collects per-position figures window by window; :meth:`summary` gives the metrics.
+
+    Feed it with :meth:`add` (``[m, vocab]`` reference and tier log-probabilities, the
+    ``[m]`` reference token ids those rows predict, and each row's position inside its answer).
+    """
+    buckets: tuple = DEFAULT_BUCKETS
+    kld: list = field(default_factory=list)
+    same_top: list = field(default_factory=list)
+    nll_ref: list = field(default_factory=list)
+    nll_tier: list = field(default_factory=list)
+    dp: list = field(default_factory=list)
+    pos: list = field(default_factory=list)
+
+    def add(self, ref_logp: np.ndarray, tier_logp: np.ndarray, target_ids: np.ndarray,
+            positions: np.ndarray) -> None:
+        ref = ref_logp.astype(ROUND)
+        tier = tier_logp.astype(ROUND)
+        rows = np.arange(len(target_ids))
+        self.kld.append(kld_rows(ref, tier))
+        self.same_top.append(ref.argmax(axis=1) == tier.argmax(axis=1))
+        lr = ref[rows, target_ids].astype(np.float64)
+        lt = tier[rows, target_ids].astype(np.float64)
+        self.nll_ref.append(-lr)
+        self.nll_tier.append(-lt)
+        self.dp.append(np.exp(lt) - np.exp(lr))
+        self.pos.append(np.asarray(positions))
+
+    def summary(self) -> dict:
+        """Metrics over every position added (keys as in qeval/results.py ``fidelity``)."""
+        if not self.kld:
+            return {"n_tokens": 0}
+        k = np.concatenate(self.kld)
+        n = len(k)
+        st = np.concatenate(self.same_top)
+        d_nll = np.concatenate(self.nll_tier) - np.concatenate(self.nll_ref)
+        dp = np.concatenate(self.dp)
+        pos = np.concatenate(self.pos)
+        mean_d = float(d_nll.mean())
+        se_d = float(d_nll.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        ratio = math.exp(mean_d)
+        by_bucket = {}
+        for lo, hi in self.buckets:
+            sel = (pos >= lo) & ((pos <= hi) if hi is not None else True)
+            if sel.any():
+                by_bucket[bucket_name(lo, hi)] = float(k[sel].mean())
+        return {
+            "n_tokens": int(n),
+            "kld_mean": float(k.mean()),
+            "kld_se": float(k.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+            "kld_median": float(np.median(k)),
+            "kld_p99": float(np.percentile(k, 99)),
+            "kld_max": float(k.max()),
+            "same_top_rate": float(st.mean()),
+            "ppl_ratio": ratio,
+            "ppl_ratio_se": ratio * se_d,
+            "delta_p_mean": float(dp.mean()),
+            "delta_p_rms": float(math.sqrt(float((dp ** 2).mean()))),
+            "kld_by_bucket": by_bucket,
+        }

@@ -1,0 +1,245 @@
+"""Quality stages: the BF16 reference pass (once per run) and each tier's quality.
+
+Reference pass: the reference tier answers every suite prompt greedily once (in
+multi-turn conversations its own answers become the history). Its answer token ids go
+to ``reference/segments.json`` and its full-vocabulary log-probabilities at every
+answer position to ``reference/logprobs.npy`` (float16, ``[answer tokens, vocab]``),
+computed once and read by every tier.
+
+Tier quality: teacher-forced fidelity on exactly the reference ids (every item), and
+free-running behaviour (the first ``limit`` items of each suite) with checks, flips,
+divergence and similarity against the reference. A tier on a slow kernel may compute
+quality on its weights dequantized into a dense model (``quality.engine: dequantized``,
+or ``auto`` below ``dequantize_below_tokens_per_s`` measured decode); speed is always
+measured with the real kernel. The tier row records which engine produced the figures.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..results import atomic_write_json
+from .behaviour import summarise_behaviour
+from .fidelity import ROUND, FidelityAccumulator
+from .suites import load_suite, run_checks
+
+
+def stop_token_ids(tokenizer: Any, source_path: str) -> list[int]:
+    """End-of-answer ids: the tokenizer's eos, generation_config's eos ids, and ``<|im_end|>``
+    / ``<|eot_id|>`` / ``<|end|>`` when the vocabulary has them."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        gc = json.loads((Path(source_path) / "generation_config.json").read_text())
+        e = gc.get("eos_token_id")
+        ids.update([e] if isinstance(e, int) else (e or []))
+    except (OSError, ValueError):
+        pass
+    vocab = tokenizer.get_vocab()
+    for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
+        if t in vocab:
+            ids.add(int(vocab[t]))
+    return sorted(ids)
+
+
+def _messages(system: str | None, history: list[tuple[str, str]], user: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    for u, a in history:
+        msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    msgs.append({"role": "user", "content": user})
+    return msgs
+
+
+def prompt_ids(tokenizer: Any, system: str | None, history: list[tuple[str, str]], user: str) -> list[int]:
+    """Token ids of the chat-templated conversation with a generation prompt appended."""
+    ids = tokenizer.apply_chat_template(_messages(system, history, user), add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def load_suites(recipe) -> list[tuple[Any, list]]:
+    """``[(suite spec, items)]`` for every suite in the recipe (items validated)."""
+    out = []
+    for s in recipe.suites:
+        items = load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
+        out.append((s, items))
+    return out
+
+
+def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[tuple[Any, list]],
+               batch_size: int, progress: Callable[[str], None], limit_items: bool) -> list[dict]:
+    """Greedy answers to every turn of every item, turn by turn (own answers become history).
+
+    Returns one segment dict per answered turn: item, suite, turn, prompt_ids, answer_ids,
+    finished, text, checks (list of bool), check_details.
+    """
+    segments: list[dict] = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    for spec, items in suite_items:
+        chosen = items[: spec.limit] if (limit_items and spec.limit) else items
+        histories: dict[str, list[tuple[str, str]]] = {it.id: [] for it in chosen}
+        max_turns = max((len(it.turns) for it in chosen), default=0)
+        for t in range(max_turns):
+            active = [it for it in chosen if len(it.turns) > t]
+            for b in range(0, len(active), batch_size):
+                batch = active[b:b + batch_size]
+                progress(f"{spec.name}: turn {t + 1}, items {b + 1}-{b + len(batch)} of {len(active)}")
+                prompts = [prompt_ids(tokenizer, it.system, histories[it.id], it.turns[t].user) for it in batch]
+                budgets = [it.max_new_tokens or spec.max_new_tokens for it in batch]
+                budget = max(budgets)
+                if hasattr(engine, "generate_batch"):
+                    outs = engine.generate_batch(prompts, budget, stop_ids=stop, pad_id=pad)
+                else:
+                    outs = []
+                    for p in prompts:
+                        g = engine.generate(p, budget, stop_ids=stop)
+                        outs.append((g.token_ids, g.finished))
+                for it, p, (ids, fin), bud in zip(batch, prompts, outs, budgets):
+                    if len(ids) > bud:  # a shorter per-item budget inside a batch
+                        ids, fin = ids[:bud], False
+                    body = ids[:-1] if (fin and ids and ids[-1] in stop) else ids
+                    text = tokenizer.decode(body, skip_special_tokens=True)
+                    res = run_checks(it.turns[t], text)
+                    histories[it.id].append((it.turns[t].user, text))
+                    segments.append({"item": f"{spec.name}/{it.id}", "suite": spec.name, "kind": spec.kind,
+                                     "turn": t, "prompt_ids": p, "answer_ids": list(ids), "finished": bool(fin),
+                                     "text": text, "checks": [r.passed for r in res],
+                                     "check_details": [f"{r.kind}: {r.detail}" for r in res]})
+    return segments
+
+
+def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
+    """Run the reference tier on every suite item; store ids and log-probabilities."""
+    from transformers import AutoTokenizer
+    from ..tiers import get_method
+
+    t0 = time.time()
+    ref_spec = recipe.tier(recipe.gate.reference)
+    method = get_method(ref_spec.method)
+    engine = method.load(ref_spec, ctx, None if not method.needs_artifact else _artifact(run_dir, ref_spec.name))
+    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    stop = stop_token_ids(tok, ctx.source_path)
+    suites = load_suites(recipe)
+    segments = answer_all(engine, tok, stop, suites, recipe.quality.batch_size, progress, limit_items=False)
+    gen_s = time.time() - t0
+    total = sum(len(s["answer_ids"]) for s in segments)
+    out_dir = run_dir / "reference"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "logprobs.tmp.npy"
+    mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=ROUND, shape=(total, engine.vocab_size))
+    off = 0
+    for i, s in enumerate(segments):
+        progress(f"reference log-probabilities: segment {i + 1}/{len(segments)}")
+        s["offset"] = off
+        seq = s["prompt_ids"] + s["answer_ids"]
+        first = len(s["prompt_ids"]) - 1
+        for start, logp in engine.iter_logprobs(seq, recipe.quality.window, first):
+            mm[off + start - first: off + start - first + len(logp)] = logp.astype(ROUND)
+        off += len(s["answer_ids"])
+    mm.flush()
+    del mm
+    tmp.replace(out_dir / "logprobs.npy")
+    atomic_write_json(out_dir / "segments.json", segments)
+    return {"segments": len(segments), "answer_tokens": total, "vocab": engine.vocab_size,
+            "generate_seconds": gen_s, "stop_ids": stop, "backend": engine.backend}
+
+
+def _artifact(run_dir: Path, tier: str) -> Path | None:
+    p = run_dir / "stages" / f"{tier}.prepare.json"
+    if p.exists():
+        a = json.loads(p.read_text()).get("artifact")
+        return Path(a) if a else None
+    return None
+
+
+def choose_quality_engine(recipe, spec, measured_decode: float | None, has_dequantized: bool) -> str:
+    """``real`` or ``dequantized`` for a tier (see module docstring)."""
+    choice = spec.quality_engine or recipe.quality.engine
+    if choice == "dequantized":
+        return "dequantized" if has_dequantized else "real"
+    if choice == "real":
+        return "real"
+    if has_dequantized and measured_decode is not None and measured_decode < recipe.quality.dequantize_below_tokens_per_s:
+        return "dequantized"
+    return "real"
+
+
+def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window: int,
+             progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Teacher-forced fidelity of ``engine`` on the reference segments (see fidelity.py)."""
+    acc = FidelityAccumulator()
+    for i, s in enumerate(segments):
+        if not s["answer_ids"]:
+            continue
+        progress(f"fidelity: segment {i + 1}/{len(segments)}")
+        seq = s["prompt_ids"] + s["answer_ids"]
+        first = len(s["prompt_ids"]) - 1
+        targets = np.asarray(s["answer_ids"], dtype=np.int64)
+        for start, logp in engine.iter_logprobs(seq, window, first):
+            j = start - first
+            m = len(logp)
+            ref = np.asarray(ref_logprobs[s["offset"] + j: s["offset"] + j + m])
+            acc.add(ref, logp, targets[j:j + m], np.arange(j, j + m))
+    return acc.summary()
+
+
+def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str], None] = print) -> dict:
+    """Quality of one tier against the stored reference: ``{"quality": {...}}``."""
+    from transformers import AutoTokenizer
+    from ..tiers import get_method
+
+    spec = recipe.tier(tier)
+    method = get_method(spec.method)
+    artifact = _artifact(run_dir, tier)
+    measured = None
+    mp = run_dir / "stages" / f"{tier}.measure.json"
+    if mp.exists():
+        sp = json.loads(mp.read_text()).get("speed") or {}
+        measured = (sp.get(str(recipe.speed.main_depth)) or {}).get("decode_tokens_per_s")
+    from ..tiers.base import TierMethod
+    has_deq = type(method).load_dequantized is not TierMethod.load_dequantized
+    which = choose_quality_engine(recipe, spec, measured, has_deq)
+    engine = None
+    if which == "dequantized":
+        engine = method.load_dequantized(spec, ctx, artifact)
+        if engine is None:
+            which = "real"
+    if engine is None:
+        engine = method.load(spec, ctx, artifact)
+    progress(f"quality on the {which} engine ({engine.backend})")
+    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    ref_dir = run_dir / "reference"
+    segments = json.loads((ref_dir / "segments.json").read_text())
+    ref_lp = np.load(ref_dir / "logprobs.npy", mmap_mode="r")
+    t0 = time.time()
+    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress)
+    fid_s = time.time() - t0
+    ref_by_key = {(s["item"], s["turn"]): s for s in segments}
+    t0 = time.time()
+    if tier == recipe.gate.reference:
+        # the reference's free-running answers are the reference pass itself
+        limited = set()
+        for spec_s in recipe.suites:
+            items = [s for s in segments if s["suite"] == spec_s.name]
+            ids = list(dict.fromkeys(s["item"] for s in items))
+            limited.update(ids[: spec_s.limit] if spec_s.limit else ids)
+        mine = [s for s in segments if s["item"] in limited]
+    else:
+        stop = json.loads((run_dir / "stages" / "_run.reference.json").read_text()).get("stop_ids") or \
+            stop_token_ids(tok, ctx.source_path)
+        mine = answer_all(engine, tok, stop, load_suites(recipe), recipe.quality.batch_size, progress,
+                          limit_items=True)
+    beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
+    beh_s = time.time() - t0
+    answers_path = run_dir / "answers" / f"{tier}.json"
+    atomic_write_json(answers_path, [{k: s[k] for k in ("item", "turn", "text", "finished", "checks",
+                                                          "check_details")} for s in mine])
+    return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
+                        "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": None}}

@@ -1,0 +1,358 @@
+"""Pareto front, release gate, fallback ladder, capacity plan, run comparison (no model)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qeval.analysis import (analyse_run, capacity_from_run, compare_markdown, compare_runs,
+                            estimate_from_config, evaluate_gate, fallback_ladder,
+                            kv_bytes_per_token_from_config, max_context, max_sequences,
+                            param_count_from_config, pareto_front, parse_size)
+from qeval.analysis.gate import RULES
+from qeval.errors import QevalInputError
+from qeval.results import load_run
+
+GIB = 2 ** 30
+D = 1024
+FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"
+
+
+def tier(mem_gib=None, dec=None, kld=None, status="ok", **kw):
+    """A minimal tier result with figures at depth ``D``; ``kw`` sets other figures."""
+    t: dict = {"status": status, "memory": {"peak_bytes": {}}, "speed": {},
+               "quality": {"fidelity": {}, "behaviour": {}}}
+    if mem_gib is not None:
+        t["memory"]["peak_bytes"][str(D)] = int(mem_gib * GIB)
+    if dec is not None:
+        t["speed"][str(D)] = {"decode_tokens_per_s": dec}
+    if kld is not None:
+        t["quality"]["fidelity"]["kld_mean"] = kld
+    for k, v in kw.items():
+        if k in ("same_top_rate", "ppl_ratio"):
+            t["quality"]["fidelity"][k] = v
+        elif k in ("pass_rate", "pass_ci_low", "flip_rate", "budget_exhausted_rate"):
+            t["quality"]["behaviour"][k] = v
+        else:
+            t[k] = v
+    return t
+
+
+# ---- Pareto -------------------------------------------------------------------------------
+
+def test_front_dominated_names_a_front_dominator():
+    tiers = {
+        "bf16": tier(4.0, 10.0, None),       # reference: KLD 0 by definition
+        "int8": tier(2.0, 15.0, 0.004),
+        "bad": tier(2.5, 12.0, 0.05),         # dominated by int8 (and by q4)
+        "worse": tier(2.6, 11.0, 0.06),       # dominated by bad, int8, q4: must name a front member
+        "q4": tier(1.0, 20.0, 0.03),
+    }
+    res = pareto_front(tiers, D, "kld_mean", reference="bf16")
+    assert res.front == ["bf16", "int8", "q4"]
+    assert res.dominated == {"bad": "int8", "worse": "int8"}
+    assert res.entry("bf16").quality == 0.0
+    assert res.entry("bad").mark == "dominated by int8"
+
+
+def test_ties_are_all_on_the_front():
+    tiers = {"a": tier(2.0, 10.0, 0.01), "b": tier(2.0, 10.0, 0.01), "c": tier(3.0, 9.0, 0.02)}
+    res = pareto_front(tiers, D, "kld_mean")
+    assert res.front == ["a", "b"]
+    assert res.dominated == {"c": "a"}
+
+
+def test_one_strictly_better_objective_is_enough():
+    tiers = {"a": tier(2.0, 10.0, 0.01), "b": tier(2.0, 10.0, 0.011)}
+    assert pareto_front(tiers, D).dominated == {"b": "a"}
+
+
+def test_not_compared_failed_missing_and_no_default_kld_for_non_reference():
+    tiers = {"ref": tier(4.0, 10.0, None), "fail": tier(status="failed"), "nb": tier(status="not_built"),
+             "nokld": tier(1.0, 30.0, None), "nomem": tier(None, 30.0, 0.01)}
+    res = pareto_front(tiers, D, reference="ref")
+    assert res.front == ["ref"]
+    nc = res.not_compared
+    assert nc["fail"] == "status failed" and nc["nb"] == "status not_built"
+    assert "kld_mean" in nc["nokld"]
+    assert f"peak memory at depth {D}" in nc["nomem"]
+
+
+def test_pass_rate_is_maximised():
+    tiers = {"a": tier(2.0, 10.0, pass_rate=0.9), "b": tier(2.0, 10.0, pass_rate=0.8)}
+    res = pareto_front(tiers, D, "pass_rate")
+    assert res.front == ["a"] and res.dominated == {"b": "a"}
+
+
+def test_unknown_quality_metric():
+    with pytest.raises(QevalInputError):
+        pareto_front({"a": tier(1, 1, 0.1)}, D, "bleu")
+
+
+# ---- gate -----------------------------------------------------------------------------------
+
+REF = tier(4.0, 10.0, None, pass_rate=0.80)
+CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.70, pass_rate=0.78,
+            flip_rate=0.10, budget_exhausted_rate=0.05)
+
+# rule: (threshold that passes, threshold that fails) for CAND against REF
+RULE_CASES = {
+    "max_kld_mean": (0.03, 0.01),
+    "min_same_top_rate": (0.90, 0.95),
+    "max_ppl_ratio": (1.05, 1.01),
+    "min_pass_rate_rel": (0.80, 0.90),        # 0.70 >= 0.64 ; 0.70 < 0.72
+    "max_flip_rate": (0.15, 0.05),
+    "max_peak_memory_gib": (2.5, 1.5),
+    "max_peak_memory_rel": (0.6, 0.4),        # 2 GiB / 4 GiB = 0.5
+    "min_decode_tokens_per_s": (15.0, 25.0),
+    "min_decode_rel": (1.5, 2.5),             # 20 / 10 = 2
+    "max_budget_exhaustion": (0.10, 0.01),
+}
+
+
+def _gate(rules, tiers=None, **kw):
+    tiers = tiers if tiers is not None else {"bf16": REF, "cand": CAND}
+    return evaluate_gate(None, tiers, {"reference": "bf16", "rules": rules, **kw}, D)
+
+
+def test_rule_cases_cover_every_gate_rule():
+    assert set(RULE_CASES) == set(RULES)
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_CASES))
+def test_each_rule_passes_and_fails(rule):
+    ok_t, bad_t = RULE_CASES[rule]
+    good = _gate({rule: ok_t}).candidate("cand")
+    assert good.passed, good.rules
+    bad = _gate({rule: bad_t}).candidate("cand")
+    assert not bad.passed
+    assert [r.rule for r in bad.failed_rules] == [rule]
+    assert "is not" in bad.failed_rules[0].message
+
+
+def test_boundary_value_passes():
+    r = _gate({"max_kld_mean": 0.02, "min_decode_rel": 2.0}).candidate("cand")
+    assert r.passed
+
+
+def test_pass_rate_rel_threshold_is_relative_to_reference():
+    res = _gate({"min_pass_rate_rel": 0.8}).candidate("cand").rules[1]
+    assert res.value == 0.70 and res.threshold == pytest.approx(0.64)
+    assert "reference pass rate 0.8" in res.message
+
+
+MISSING = {  # rule -> a CAND copy without the figure it needs
+    "max_kld_mean": ("quality", "fidelity", "kld_mean"),
+    "min_same_top_rate": ("quality", "fidelity", "same_top_rate"),
+    "max_ppl_ratio": ("quality", "fidelity", "ppl_ratio"),
+    "min_pass_rate_rel": ("quality", "behaviour", "pass_ci_low"),
+    "max_flip_rate": ("quality", "behaviour", "flip_rate"),
+    "max_peak_memory_gib": ("memory", "peak_bytes", str(D)),
+    "max_peak_memory_rel": ("memory", "peak_bytes", str(D)),
+    "min_decode_tokens_per_s": ("speed", str(D)),
+    "min_decode_rel": ("speed", str(D)),
+    "max_budget_exhaustion": ("quality", "behaviour", "budget_exhausted_rate"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(MISSING))
+def test_missing_metric_fails_closed(rule):
+    cand = json.loads(json.dumps(CAND))
+    *path, last = MISSING[rule]
+    obj = cand
+    for k in path:
+        obj = obj[k]
+    del obj[last]
+    res = _gate({rule: RULE_CASES[rule][0]}, {"bf16": REF, "cand": cand}).candidate("cand")
+    assert not res.passed
+    (r,) = res.failed_rules
+    assert r.rule == rule and "missing" in r.message and r.value is None
+
+
+@pytest.mark.parametrize("rule", ["min_pass_rate_rel", "max_peak_memory_rel", "min_decode_rel"])
+def test_relative_rule_without_reference_fails(rule):
+    res = _gate({rule: RULE_CASES[rule][0]}, {"cand": CAND}).candidate("cand")
+    assert not res.passed and "reference tier 'bf16' has no result" in res.failed_rules[0].message
+    failed_ref = {"bf16": {"status": "failed"}, "cand": CAND}
+    res = _gate({rule: RULE_CASES[rule][0]}, failed_ref).candidate("cand")
+    assert not res.passed and "status failed" in res.failed_rules[0].message
+
+
+def test_failed_and_not_built_tiers_fail_every_rule_and_status():
+    tiers = {"bf16": REF, "cand": CAND, "f": {"status": "failed", "error": "boom"},
+             "nb": {"status": "not_built", "error": None}}
+    rules = {r: RULE_CASES[r][0] for r in RULES}
+    rep = _gate(rules, tiers)
+    assert rep.candidate("cand").passed
+    for name in ("f", "nb"):
+        c = rep.candidate(name)
+        assert c.verdict == "fail"
+        assert len(c.rules) == 1 + len(RULES) and not any(r.passed for r in c.rules)
+    assert "boom" in rep.candidate("f").rules[0].message
+    assert rep.exit_code() == 1
+
+
+def test_failed_tier_fails_even_without_rules_and_absent_candidate_fails():
+    rep = _gate({}, {"bf16": REF, "cand": CAND, "f": {"status": "failed"}},
+                candidates=["cand", "f", "ghost"])
+    assert [c.verdict for c in rep.candidates] == ["pass", "fail", "fail"]
+    assert "no result" in rep.candidate("ghost").rules[0].message
+
+
+def test_exit_code_and_dict_form():
+    rep = _gate({"max_kld_mean": 0.03})
+    assert rep.exit_code() == 0 and rep.passed
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["passed"] is True and d["candidates"][0]["verdict"] == "pass"
+    assert _gate({"max_kld_mean": 0.01}).exit_code() == 1
+
+
+def test_default_candidates_follow_recipe_order_without_reference():
+    run = {"recipe": {"tiers": [{"name": "bf16"}, {"name": "z"}, {"name": "a"}]}}
+    rep = evaluate_gate(run, {"a": CAND, "z": CAND, "bf16": REF}, {"reference": "bf16"}, D)
+    assert [c.tier for c in rep.candidates] == ["z", "a"]
+
+
+def test_bad_gate_dict_is_input_error():
+    with pytest.raises(QevalInputError, match="quality_metric"):
+        evaluate_gate(None, {}, {"quality_metric": "bleu"}, D)
+
+
+# ---- ladder -----------------------------------------------------------------------------------
+
+def test_ladder_order_savings_and_quality_lost():
+    tiers = {"bf16": tier(4.0, 10.0, None), "int8": tier(2.0, 15.0, 0.004),
+             "q4": tier(1.0, 20.0, 0.03), "bad": tier(0.5, 30.0, 0.2), "f": tier(status="failed")}
+    rep = _gate({"max_kld_mean": 0.05}, tiers)
+    lad = fallback_ladder(tiers, rep, "kld_mean")
+    assert lad.order == ["bf16", "int8", "q4"]
+    s = lad.steps
+    assert s[0].saved_vs_prev_bytes == 0 and s[0].quality_lost_vs_first == 0
+    assert s[1].saved_vs_prev_bytes == 2 * GIB and s[1].saved_vs_prev_pct == pytest.approx(50.0)
+    assert s[2].saved_vs_prev_pct == pytest.approx(50.0)
+    assert s[2].saved_vs_first_bytes == 3 * GIB and s[2].saved_vs_first_pct == pytest.approx(75.0)
+    assert s[2].quality_lost_vs_prev == pytest.approx(0.026)
+    assert s[2].quality_lost_vs_first == pytest.approx(0.03)
+
+
+def test_ladder_pass_rate_loss_is_positive_when_worse_and_unplaced():
+    tiers = {"bf16": tier(4.0, 10.0, pass_rate=0.8), "a": tier(2.0, 10.0, pass_rate=0.7),
+             "nomem": tier(None, 10.0, pass_rate=0.7)}
+    rep = _gate({}, tiers)
+    lad = fallback_ladder(tiers, rep, "pass_rate")
+    assert lad.order == ["bf16", "a"]
+    assert lad.steps[1].quality_lost_vs_prev == pytest.approx(0.1)
+    assert "nomem" in lad.unplaced
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("24GiB", 24 * 2 ** 30), ("24GB", 24 * 10 ** 9), ("512MiB", 512 * 2 ** 20),
+    ("1073741824", 1073741824), ("1.5 GiB", 3 * 2 ** 29), ("24gib", 24 * 2 ** 30), (4096, 4096),
+    ("100B", 100), ("2TiB", 2 * 2 ** 40)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "24G", "24 gigs", "-1GiB", "1.5", "abc", -5, None, True, "1e9"])
+def test_parse_size_errors(bad):
+    with pytest.raises(QevalInputError):
+        parse_size(bad)
+
+
+QWEN14 = {"model_type": "qwen2", "num_hidden_layers": 48, "num_attention_heads": 40,
+          "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 5120, "intermediate_size": 13824,
+          "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 131072}
+
+
+def test_capacity_arithmetic_against_hand_computation():
+    # KV bytes/token = 2 (K,V) * 48 layers * 8 kv heads * 128 head_dim * 2 bytes
+    assert kv_bytes_per_token_from_config(QWEN14) == 196608
+    # parameters, by hand:
+    #   embed = lm_head = 152064 * 5120 = 778,567,680 (untied: both counted)
+    #   per layer: q 5120*5120 = 26,214,400; k = v = 5120*1024 = 5,242,880 each; o 26,214,400
+    #              q/k/v biases 5120 + 1024 + 1024 = 7,168; MLP 3*5120*13824 = 212,336,640
+    #              two RMSNorms 10,240  -> 275,268,608 per layer, * 48 = 13,212,893,184
+    #   final norm 5,120 -> total 13,212,893,184 + 1,557,135,360 + 5,120 = 14,770,033,664
+    assert param_count_from_config(QWEN14) == 14_770_033_664
+
+    M = 24 * GIB                                   # 25,769,803,776 bytes
+    bf16 = estimate_from_config(QWEN14, M, 32768, 8)
+    assert bf16.source == "estimate" and "estimate" in bf16.label
+    assert bf16.weights_bytes == 29_540_067_328    # 2 bytes per parameter: does not fit 24 GiB
+    assert bf16.free_bytes == 25_769_803_776 - 29_540_067_328 - GIB
+    assert bf16.sequences == 0 and bf16.max_context_tokens == 0 and bf16.fits is False
+
+    w4 = estimate_from_config(QWEN14, M, 32768, 8, weight_dtype_bytes=0.5)
+    # weights 14,770,033,664 * 0.5 = 7,385,016,832; free = 25,769,803,776 - 7,385,016,832
+    # - 1,073,741,824 = 17,311,045,120. One 32768-token sequence: 196608 * 32768 = 6,442,450,944
+    # -> floor(17,311,045,120 / 6,442,450,944) = floor(2.687) = 2 sequences.
+    # 8 users: 17,311,045,120 / (196608 * 8 = 1,572,864) = 11,006.1 -> 11,006 tokens each.
+    assert w4.weights_bytes == 7_385_016_832
+    assert w4.free_bytes == 17_311_045_120
+    assert w4.sequences == 2
+    assert w4.max_context_tokens == 11_006
+    assert w4.fits is False                         # 8 x 32768 does not fit
+
+
+def test_param_count_tied_and_llama_biases():
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+           "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True}
+    per_layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert param_count_from_config(cfg) == 2 * per_layer + 1000 * 64 + 64
+    biased = dict(cfg, attention_bias=True)
+    assert param_count_from_config(biased) - param_count_from_config(cfg) == 2 * (64 * 3 + 64)
+    with pytest.raises(QevalInputError, match="vocab_size"):
+        param_count_from_config({k: v for k, v in cfg.items() if k != "vocab_size"})
+
+
+def test_capacity_from_run_and_formula_helpers():
+    tiers = {"a": {"status": "ok", "memory": {"weight_bytes": 2 * GIB, "kv_bytes_per_token": 1024}},
+             "f": {"status": "failed"}, "nokv": {"status": "ok", "memory": {"weight_bytes": GIB}}}
+    rows = capacity_from_run(tiers, 8 * GIB, 4096, 4, overhead_bytes=GIB)
+    a = rows[0]
+    assert a.source == "measured" and a.free_bytes == 5 * GIB
+    assert a.sequences == (5 * GIB) // (1024 * 4096) == 1280
+    assert a.max_context_tokens == (5 * GIB) // (1024 * 4) and a.fits
+    assert rows[1].sequences is None and rows[1].note == "status failed"
+    assert rows[2].sequences is None and "kv_bytes_per_token" in rows[2].note
+    assert max_sequences(GIB, 2 * GIB, 0, 10, 10) == 0
+    assert max_context(10_000, 0, 0, 10, 3) == 333
+    with pytest.raises(QevalInputError):
+        capacity_from_run(tiers, 8 * GIB, 0, 4)
+
+
+# ---- the synthetic run and compare -------------------------------------------------------------
+
+def test_synthetic_run_decisions():
+    run, tiers = load_run(FIXTURE)
+    a = analyse_run(run, tiers)
+    assert a.depth == 1024 and a.reference == "bf16"
+    assert a.pareto.front == ["bf16", "int8", "q4_k_m", "q4_k_m-kv8"]
+    assert a.pareto.dominated == {"gptq": "q4_k_m"}
+    assert set(a.pareto.not_compared) == {"awq", "q2_k"}
+    assert a.gate.passing == ["int8", "q4_k_m"] and a.gate.exit_code() == 1
+    assert a.ladder.order == ["bf16", "int8", "q4_k_m"]
+
+
+def test_compare_runs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(FIXTURE, a)
+    shutil.copytree(FIXTURE, b)
+    p = b / "tiers" / "int8.json"
+    t = json.loads(p.read_text())
+    t["speed"]["1024"]["decode_tokens_per_s"] = 20.0
+    p.write_text(json.dumps(t))
+    (b / "tiers" / "gptq.json").unlink()
+    rows = compare_runs(a, b)
+    by = {r.tier: r for r in rows}
+    m = by["int8"].metrics["decode_tokens_per_s"]
+    assert (m.a, m.b, m.delta) == (16.0, 20.0, 4.0) and m.rel == pytest.approx(0.25)
+    assert by["int8"].metrics["weights_bytes"].delta == 0
+    assert by["gptq"].in_b is False and by["gptq"].metrics["kld_mean"].delta is None
+    assert by["bf16"].metrics["kld_mean"].a == 0.0
+    md = compare_markdown(rows)
+    assert "| int8 |" in md and "+4.00 (+25.0%)" in md and "ok → absent" in md
