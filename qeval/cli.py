@@ -67,8 +67,10 @@ def describe_plan(recipe) -> str:
 def validate(recipe: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe and print the resolved plan."""
     from .recipe import load_recipe
+    from .source import static_checks
     try:
         r = load_recipe(recipe)
+        static_checks(r)
     except QevalInputError as e:
         _fail(e)
     out.print(describe_plan(r), highlight=False)
@@ -86,8 +88,10 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
     from .recipe import load_recipe
     from .run import Interrupted, Runner, new_run_dir, preflight
+    from .source import static_checks
     try:
         r = load_recipe(recipe)
+        static_checks(r)
         subset = _parse_tiers(r, tiers)
         if executor is not None and executor not in ("local", "ray"):
             raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")

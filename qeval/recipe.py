@@ -154,8 +154,6 @@ class SpeedSpec(_Strict):
     def _main(self) -> "SpeedSpec":
         if self.main_depth is None:
             self.main_depth = self.depths[len(self.depths) // 2]
-        elif self.main_depth not in self.depths:
-            raise ValueError(f"main_depth {self.main_depth} is not one of depths {self.depths}")
         return self
 
 
@@ -257,33 +255,7 @@ class Recipe(_Strict):
     def _tiers(cls, v: list) -> list:
         if not v:
             raise ValueError("tiers must list at least one tier")
-        seen: set[str] = set()
-        for t in v:
-            if t.name in seen:
-                raise ValueError(f"duplicate tier name {t.name!r}")
-            seen.add(t.name)
         return v
-
-    @field_validator("suites")
-    @classmethod
-    def _suites(cls, v: list) -> list:
-        names = [s.name for s in v]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"duplicate suite name {sorted(dup)[0]!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _gate_refs(self) -> "Recipe":
-        names = [t.name for t in self.tiers]
-        if self.gate.reference not in names:
-            raise ValueError(f"gate.reference {self.gate.reference!r} is not a tier (tiers: {', '.join(names)})")
-        for c in self.gate.candidates or []:
-            if c not in names:
-                raise ValueError(f"gate.candidates names {c!r}, which is not a tier (tiers: {', '.join(names)})")
-        if self.gate.depth is not None and self.gate.depth not in self.speed.depths:
-            raise ValueError(f"gate.depth {self.gate.depth} is not one of speed.depths {self.speed.depths}")
-        return self
 
     # ---- helpers -------------------------------------------------------------------
     @property
@@ -374,6 +346,16 @@ def _clean_loc(loc: tuple, data: Any) -> tuple:
     return tuple(out)
 
 
+def _get(data: Any, loc: tuple) -> Any:
+    cur = data
+    for part in loc:
+        try:
+            cur = cur[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return cur
+
+
 def _message(err: dict) -> str:
     typ = err.get("type", "")
     msg = err.get("msg", "invalid value")
@@ -410,7 +392,8 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
         raise QevalInputError(f"not valid YAML: {problem}", file=path,
                               line=(mark.line + 1) if mark else None) from None
     if not isinstance(data, dict):
-        raise QevalInputError("a recipe must be a YAML mapping (name:, model:, tiers: ...)", file=path, line=1)
+        raise QevalInputError("a recipe must be a YAML mapping (name:, model:, tiers: ...)", file=path,
+                              line=(node.start_mark.line + 1) if node is not None else 1)
     lines: dict[tuple, int] = {}
     if node is not None:
         _node_lines(node, (), lines)
@@ -419,11 +402,46 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
     except ValidationError as e:
         err = e.errors()[0]
         loc = _clean_loc(tuple(err["loc"]), data)
+        if err.get("type") == "union_tag_not_found":  # no 'method': a misspelled key is the likelier cause
+            tier = _get(data, loc)
+            known = {"name", "method", "kv_cache", "quality_engine", "backend", "bits", "group_size", "sym",
+                     "desc_act", "type", "flash_attn"}
+            unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []
+            if unknown:
+                loc = loc + (unknown[0],)
+                raise QevalInputError(f"unknown field (and 'method' is missing)", file=path,
+                                      line=_line_for(lines, loc), field=_fmt_loc(loc)) from None
+        if err.get("type") == "union_tag_invalid":
+            loc = loc + ("method",)
         raise QevalInputError(_message(err), file=path, line=_line_for(lines, loc),
                               field=_fmt_loc(loc)) from None
     recipe._path = path
     recipe._lines = lines
+    _cross_checks(recipe)
     return recipe
+
+
+def _cross_checks(recipe: Recipe) -> None:
+    """Checks across sections, raised with the field's own line."""
+    names = [t.name for t in recipe.tiers]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise recipe.error(("tiers", i, "name"), f"duplicate tier name {n!r}")
+    snames = [s.name for s in recipe.suites]
+    for i, n in enumerate(snames):
+        if n in snames[:i]:
+            raise recipe.error(("suites", i, "name"), f"duplicate suite name {n!r}")
+    sp = recipe.speed
+    if sp.main_depth not in sp.depths:
+        raise recipe.error(("speed", "main_depth"), f"main_depth {sp.main_depth} is not one of depths {sp.depths}")
+    g = recipe.gate
+    if g.reference not in names:
+        raise recipe.error(("gate", "reference"), f"{g.reference!r} is not a tier (tiers: {', '.join(names)})")
+    for i, c in enumerate(g.candidates or []):
+        if c not in names:
+            raise recipe.error(("gate", "candidates", i), f"{c!r} is not a tier (tiers: {', '.join(names)})")
+    if g.depth is not None and g.depth not in sp.depths:
+        raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
 
 
 def load_recipe(path: str | Path) -> Recipe:

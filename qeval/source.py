@@ -194,3 +194,56 @@ def model_max_context(source_path: str | Path) -> int | None:
     except (OSError, ValueError):
         return None
     return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+
+
+def gguf_context_length(gguf_path: str | Path) -> int | None:
+    """``<arch>.context_length`` from a GGUF file's metadata (tokens), read with PyPI ``gguf``."""
+    try:
+        from gguf import GGUFReader
+        r = GGUFReader(str(gguf_path))
+        for name, fld in r.fields.items():
+            if name.endswith(".context_length"):
+                return int(fld.parts[fld.data[0]][0])
+    except Exception:
+        return None
+    return None
+
+
+def static_checks(recipe) -> None:
+    """Checks that need no model load: the model source exists (local folder with
+    config.json, or an installed GGUF package), and every depth plus decode_tokens fits
+    the model's maximum context when it can be read. Hub ids are checked at run time.
+
+    Raises:
+        QevalInputError: naming the recipe file, line and field.
+    """
+    m = recipe.model
+    maxctx = None
+    if m.gguf_package:
+        try:
+            gguf = find_package_gguf(m.gguf_package)
+        except QevalInputError as e:
+            raise recipe.error(("model", "gguf_package"), e.message) from None
+        maxctx = gguf_context_length(gguf)
+    else:
+        src = m.source or ""
+        p = Path(src).expanduser()
+        looks_local = src.startswith((".", "/", "~")) or p.exists() or not _HUB_ID.match(src)
+        if looks_local:
+            if not p.exists():
+                raise recipe.error(("model", "source"), f"model path {src!r} does not exist")
+            if not (p / "config.json").is_file():
+                raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
+            maxctx = model_max_context(p)
+    if maxctx:
+        for i, d in enumerate(recipe.speed.depths):
+            if d + recipe.speed.decode_tokens > maxctx:
+                raise recipe.error(("speed", "depths", i),
+                                   f"depth {d} + decode_tokens {recipe.speed.decode_tokens} exceeds the model's "
+                                   f"maximum context of {maxctx} tokens")
+    for i, s in enumerate(recipe.suites):
+        if not recipe.resolve_path(s.path).is_file():
+            raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
+    if any(t.method in ("gptq", "awq") for t in recipe.tiers):
+        if not recipe.resolve_path(recipe.calibration.path).is_file():
+            raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")

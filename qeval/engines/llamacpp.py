@@ -1,0 +1,461 @@
+"""Engine on llama.cpp through llama-cpp-python's low-level ctypes API, and GGUF helpers
+(quantize with fallback accounting, tensor statistics).
+
+Token ids come from the source model's Hugging Face tokenizer and go to llama.cpp as
+they are: llama.cpp's own tokenizer differs from the HF one on some inputs, and every
+tier must score the very same tokens.
+
+The decode loop is written here (``llama_decode`` one token at a time, greedy argmax in
+numpy) so each token's time is taken where it becomes known; ``Llama.generate`` was not
+used because it hides the per-token timing and samples through its own sampler chain.
+
+Settings that matter for the numbers:
+
+* threads: ``n_threads`` and ``n_threads_batch`` both from the tier context.
+* flash attention is set explicitly on or off (never llama.cpp's ``auto``) and reported as
+  ``engine.flash_attn``. An int8 (``q8_0``) KV cache needs it. On the 2-core development
+  CPU it slowed decode at depth 8000 from 13.6 to 3.7 tokens/s, so it is on by default
+  only with the int8 KV cache.
+* the context (and its KV cache, which llama.cpp allocates whole) is sized to the longest
+  sequence seen so far, rounded up to 256 tokens, and recreated when a longer one comes,
+  so peak memory at a depth reflects a cache sized for that depth.
+* scoring reads logits only for the positions of the current window (at most ``n_batch``
+  rows of ``vocab`` floats), never ``logits_all`` for the whole sequence.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .base import Generation, MemoryInfo
+
+# llama.cpp quantize types that refuse to run without an importance matrix
+# (tools/quantize/quantize.cpp: "Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or
+# Q2_K_S quantization without an importance matrix"). qeval computes no imatrix yet.
+NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_S", "IQ2_XXS", "IQ2_XS", "Q2_K_S")
+K_QUANT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"})
+_CTX_ROUND = 256
+
+_LOCK = threading.Lock()
+_BACKEND_READY = False
+_CAPTURE: list[str] | None = None
+_LAST_LEVEL = 1
+
+
+def _llama() -> Any:
+    """``llama_cpp`` imported, the backend initialised once, and qeval's log callback set
+    (llama.cpp's info chatter off; errors to stderr; capture for quantize)."""
+    global _BACKEND_READY, _LOG_CB
+    import llama_cpp
+    with _LOCK:
+        if not _BACKEND_READY:
+            llama_cpp.llama_backend_init()
+            _LOG_CB = _make_log_callback()
+            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+            _BACKEND_READY = True
+    return llama_cpp
+
+
+def _make_log_callback() -> Any:
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback
+    def cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C callback
+        global _LAST_LEVEL
+        lvl = _LAST_LEVEL if level == 5 else level  # 5: continuation of the previous line
+        _LAST_LEVEL = lvl
+        s = text.decode("utf-8", "replace")
+        if _CAPTURE is not None:
+            _CAPTURE.append(s)
+        if lvl == 3 or os.environ.get("QEVAL_LLAMA_VERBOSE"):
+            print(s, end="", file=sys.stderr, flush=True)
+    return cb
+
+
+_LOG_CB: Any = None  # the ctypes callback, kept alive for the life of the process
+
+
+# ---- ftypes and quantization -------------------------------------------------------------
+
+def ftype_names() -> dict[str, int]:
+    """llama.cpp file types by recipe name (``Q4_K_M`` -> ``LLAMA_FTYPE_MOSTLY_Q4_K_M``),
+    from the installed llama-cpp-python; ``F32`` is ``LLAMA_FTYPE_ALL_F32``."""
+    import llama_cpp
+    out = {}
+    for attr in dir(llama_cpp):
+        for prefix in ("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_"):
+            if attr.startswith(prefix):
+                out[attr[len(prefix):]] = int(getattr(llama_cpp, attr))
+    return dict(sorted(out.items()))
+
+
+_FALLBACK = re.compile(r"^(\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\w+)\)"
+                       r"\s+-> falling back to\s+(\w+)", re.M)
+
+
+def quantize_gguf(src: str | Path, dst: str | Path, ftype: str | int, *, threads: int = 1) -> dict:
+    """``llama_model_quantize`` from an F16/BF16/F32 GGUF to ``ftype`` (a name such as
+    ``Q4_K_M`` or a ``LLAMA_FTYPE_*`` value).
+
+    Writes ``<dst>.part`` and renames it when llama.cpp reports success; a failed run
+    leaves no file behind (neither ``dst`` nor the partial file).
+
+    Returns:
+        ``{"seconds", "ftype", "fallback_tensors", "fallbacks", "fallback_names"}``:
+        ``fallbacks`` maps ``"q4_K->q5_0"`` to a count, from llama.cpp's per-tensor
+        warnings (rows not a multiple of the K-quant block of 256, for example).
+
+    Raises:
+        ValueError: unknown ftype name.
+        RuntimeError: llama.cpp refused or failed (its error lines in the message).
+    """
+    global _CAPTURE
+    llama_cpp = _llama()
+    if isinstance(ftype, str):
+        names = ftype_names()
+        key = ftype.upper()
+        if key not in names:
+            raise ValueError(f"unknown llama.cpp file type {ftype!r} (valid: {', '.join(names)})")
+        ftype_id = names[key]
+    else:
+        ftype_id = int(ftype)
+    dst = Path(dst)
+    part = dst.with_name(dst.name + ".part")
+    part.unlink(missing_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype_id
+    params.nthread = max(1, int(threads))
+    lines: list[str] = []
+    t0 = time.time()
+    ok = False
+    try:
+        with _LOCK:
+            _CAPTURE = lines
+        try:
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
+        finally:
+            with _LOCK:
+                _CAPTURE = None
+        log = "".join(lines)
+        if rc != 0 or not part.is_file():
+            errs = [ln.strip() for ln in log.splitlines()
+                    if re.search(r"error|failed|invalid|requires|please", ln, re.I)]
+            raise RuntimeError(f"llama.cpp quantize to {ftype} failed (code {rc}): "
+                               + (" | ".join(errs[-4:]) or "no error message"))
+        os.replace(part, dst)
+        ok = True
+    finally:
+        if not ok:
+            part.unlink(missing_ok=True)
+    fb = _FALLBACK.findall(log)
+    counts = collections.Counter(f"{want}->{got}" for _, want, got in fb)
+    return {"seconds": time.time() - t0, "ftype": ftype_id, "fallback_tensors": len(fb),
+            "fallbacks": dict(sorted(counts.items())), "fallback_names": [n for n, _, _ in fb]}
+
+
+def gguf_tensor_stats(path: str | Path) -> dict:
+    """Storage figures of a GGUF file, read with the PyPI ``gguf`` package's reader.
+
+    Returns:
+        ``stored_bytes`` (tensor data bytes), ``parameters`` (elements of all tensors; a
+        tied output shares ``token_embd``), ``bits_per_weight`` (stored bits / parameters),
+        ``bits_per_weight_quantized`` (the same over 2-D weight tensors only, leaving out
+        F32 norms and biases), ``tensor_types`` (type name -> tensor count),
+        ``tensor_type_bytes``, ``non_kquant_matrices`` (2-D tensors outside the K-quant
+        family Q2_K..Q8_K), ``file_bytes`` and the GGUF ``file_type``.
+    """
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    types: collections.Counter = collections.Counter()
+    tbytes: collections.Counter = collections.Counter()
+    nb = ne = mb = me = 0
+    non_k = 0
+    for t in r.tensors:
+        name = t.tensor_type.name
+        types[name] += 1
+        b, n = int(t.n_bytes), int(t.n_elements)
+        tbytes[name] += b
+        nb += b
+        ne += n
+        if sum(1 for d in t.shape if int(d) > 1) >= 2:
+            mb += b
+            me += n
+            if name not in K_QUANT_TYPES:
+                non_k += 1
+    ft = r.fields.get("general.file_type")
+    file_type = int(ft.parts[ft.data[0]][0]) if ft is not None else None
+    del r
+    return {"stored_bytes": nb, "parameters": ne, "bits_per_weight": 8 * nb / ne if ne else None,
+            "bits_per_weight_quantized": 8 * mb / me if me else None,
+            "tensor_types": dict(sorted(types.items())), "tensor_type_bytes": dict(sorted(tbytes.items())),
+            "non_kquant_matrices": non_k, "tensors": sum(types.values()),
+            "file_bytes": Path(path).stat().st_size, "file_type": file_type}
+
+
+def kv_type_bytes(ggml_type: int) -> float:
+    """Bytes per element of a ggml type (``Q8_0``: 34/32) from the gguf package's table."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+    return size / block
+
+
+# ---- the engine ------------------------------------------------------------------------
+
+class LlamaCppEngine:
+    """Engine over a GGUF file on llama.cpp.
+
+    Args:
+        path: the GGUF file.
+        threads: ``n_threads`` and ``n_threads_batch``.
+        kv_cache: "model" (F16 K and V) or "int8" (``q8_0`` K and V; needs flash attention).
+        flash_attn: True/False, or None for "on only with the int8 KV cache".
+        device: "cpu" or "cuda"; layers are offloaded only when the llama.cpp build
+            supports it (``llama_supports_gpu_offload``), otherwise it runs on the CPU and
+            ``device`` says so.
+        n_ctx: the smallest context to create (grown on demand).
+        n_batch: tokens per ``llama_decode`` call (and logits rows per scoring window).
+
+    Raises:
+        ValueError: int8 KV cache with flash attention off.
+        RuntimeError: llama.cpp cannot load the file.
+    """
+
+    name = "llamacpp"
+
+    def __init__(self, path: str | Path, *, threads: int = 1, kv_cache: str = "model",
+                 flash_attn: bool | None = None, device: str = "cpu", n_ctx: int = 512,
+                 n_batch: int = 512) -> None:
+        L = _llama()
+        self._L = L
+        self.path = str(path)
+        self.threads = max(1, int(threads))
+        self.kv_cache = kv_cache
+        self.flash_attn = (kv_cache == "int8") if flash_attn is None else bool(flash_attn)
+        if kv_cache == "int8" and not self.flash_attn:
+            raise ValueError("llama.cpp's q8_0 (int8) KV cache needs flash attention; set flash_attn true or null")
+        if kv_cache not in ("model", "int8"):
+            raise ValueError(f"kv_cache {kv_cache!r}: expected 'model' or 'int8'")
+        self.type_kv = L.GGML_TYPE_Q8_0 if kv_cache == "int8" else L.GGML_TYPE_F16
+        offload = device == "cuda" and bool(L.llama_supports_gpu_offload())
+        self.device = "cuda" if offload else "cpu"
+        self.backend = f"llama.cpp-{self.device}"
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = -1 if offload else 0
+        self._model = L.llama_model_load_from_file(self.path.encode(), mp)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp cannot load {self.path}")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(self._model))
+        self.n_batch = int(n_batch)
+        self._min_ctx = max(int(n_ctx), _CTX_ROUND)
+        self._ctx = None
+        self._batch = None
+        self.n_ctx = 0
+        self.last_cache_bytes: int | None = None
+        self.last_cache_tokens: int | None = None
+        self.last_state_bytes: int | None = None
+        self.last_perf: dict | None = None
+        self._stats: dict | None = None
+
+    # -- context -------------------------------------------------------------------------
+    def _ensure_ctx(self, n_tokens: int) -> Any:
+        """A context holding at least ``n_tokens``, its cache cleared."""
+        L = self._L
+        if self._ctx is None or n_tokens > self.n_ctx:
+            self._free_ctx()
+            n = max(self._min_ctx, -(-int(n_tokens) // _CTX_ROUND) * _CTX_ROUND)
+            cp = L.llama_context_default_params()
+            cp.n_ctx = n
+            cp.n_batch = cp.n_ubatch = self.n_batch
+            cp.n_seq_max = 1
+            cp.n_threads = cp.n_threads_batch = self.threads
+            cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+                                  else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            cp.type_k = cp.type_v = self.type_kv
+            cp.no_perf = False
+            cp.embeddings = False
+            ctx = L.llama_init_from_model(self._model, cp)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp cannot create a context of {n} tokens "
+                                   f"(flash_attn={self.flash_attn}, kv_cache={self.kv_cache})")
+            self._ctx = ctx
+            self.n_ctx = int(L.llama_n_ctx(ctx))
+            self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        return self._ctx
+
+    def _free_ctx(self) -> None:
+        L = self._L
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        self.n_ctx = 0
+
+    def _decode(self, ids: Sequence[int], pos0: int, logits: str) -> None:
+        """One ``llama_decode`` of ``ids`` at positions ``pos0..``; ``logits`` is "all",
+        "last" or "none" (which rows llama.cpp computes and keeps)."""
+        b = self._batch
+        n = len(ids)
+        b.n_tokens = n
+        for i, t in enumerate(ids):
+            b.token[i] = int(t)
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = logits == "all" or (logits == "last" and i == n - 1)
+        rc = self._L.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} at position {pos0} ({n} tokens, n_ctx {self.n_ctx})")
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._L.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"token id out of range for this GGUF's vocabulary of {self.vocab_size}")
+
+    # -- Engine API ----------------------------------------------------------------------
+    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256) -> Iterator[tuple[int, np.ndarray]]:
+        """See :meth:`qeval.engines.base.Engine.iter_logprobs`. The sequence is evaluated
+        in chunks of ``min(window, n_batch)`` tokens on one cache; only the chunk's logits
+        are read, and log-softmax runs in float32."""
+        ids = [int(t) for t in token_ids]
+        self._check_ids(ids)
+        n = len(ids)
+        if n < 2:
+            return
+        self._ensure_ctx(n)
+        step = max(1, min(int(window), self.n_batch))
+        for start in range(0, n - 1, step):
+            chunk = ids[start:start + step]
+            m = min(len(chunk), n - 1 - start)
+            self._decode(chunk, start, "all")
+            ptr = self._L.llama_get_logits(self._ctx)
+            x = np.ctypeslib.as_array(ptr, shape=(len(chunk), self.vocab_size))[:m].astype(np.float32, copy=True)
+            x -= x.max(axis=1, keepdims=True)
+            x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
+            yield start, x
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
+        """Greedy decoding with per-token timings (seconds since the call): the prompt in
+        ``n_batch`` chunks, then one ``llama_decode`` per new token. Sets
+        ``last_cache_bytes`` (KV bytes held for the tokens in the cache),
+        ``last_cache_tokens`` and ``last_perf`` (llama.cpp's own prompt/eval timings)."""
+        L = self._L
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("generate needs at least one prompt token")
+        self._check_ids(ids)
+        stop = set(int(s) for s in stop_ids)
+        ctx = self._ensure_ctx(len(ids) + max_new_tokens)
+        L.llama_perf_context_reset(ctx)
+        toks: list[int] = []
+        times: list[float] = []
+        finished = False
+        t0 = time.perf_counter()
+        for s in range(0, len(ids), self.n_batch):
+            chunk = ids[s:s + self.n_batch]
+            self._decode(chunk, s, "last" if s + len(chunk) == len(ids) else "none")
+        tok = int(np.argmax(self._last_logits()))
+        times.append(time.perf_counter() - t0)
+        toks.append(tok)
+        pos = len(ids)
+        while True:
+            if not ignore_stop and tok in stop:
+                finished = True
+                break
+            if len(toks) >= max_new_tokens:
+                break
+            self._decode([tok], pos, "last")
+            pos += 1
+            tok = int(np.argmax(self._last_logits()))
+            times.append(time.perf_counter() - t0)
+            toks.append(tok)
+        L.llama_synchronize(ctx)
+        pc = L.llama_perf_context(ctx)
+        self.last_perf = {"t_p_eval_ms": pc.t_p_eval_ms, "n_p_eval": pc.n_p_eval,
+                          "t_eval_ms": pc.t_eval_ms, "n_eval": pc.n_eval}
+        self.last_cache_tokens = pos
+        self.last_cache_bytes = int(round(self.kv_bytes_per_token_analytic() * pos))
+        # llama.cpp's own count (K/V rows + ~12 bytes of cell metadata per token + header)
+        self.last_state_bytes = int(L.llama_state_seq_get_size(ctx, 0))
+        return Generation(toks, times[0], times, finished)
+
+    # -- memory --------------------------------------------------------------------------
+    def kv_bytes_per_token_analytic(self) -> float:
+        """n_layer x n_head_kv x (head_dim_k + head_dim_v) x bytes per element of the cache
+        type: the bytes one token's K and V rows occupy in llama.cpp's cache buffer."""
+        L = self._L
+        n_layer = int(L.llama_model_n_layer(self._model))
+        n_head = int(L.llama_model_n_head(self._model))
+        n_head_kv = int(L.llama_model_n_head_kv(self._model))
+        n_embd = int(L.llama_model_n_embd(self._model))
+        arch = self._meta("general.architecture") or "llama"
+        dk = int(self._meta(f"{arch}.attention.key_length") or n_embd // n_head)
+        dv = int(self._meta(f"{arch}.attention.value_length") or n_embd // n_head)
+        return n_layer * n_head_kv * (dk + dv) * kv_type_bytes(self.type_kv)
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    def kv_bytes_per_token(self, depth: int = 256) -> float:
+        """Measured: the growth of llama.cpp's serialized sequence state
+        (``llama_state_seq_get_size``: K and V rows plus a few bytes of cell metadata per
+        token) between ``depth/2`` and ``depth`` cached tokens, divided by the tokens added."""
+        L = self._L
+        depth = max(int(depth), 4)
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, self.vocab_size, size=depth).tolist()
+        sizes = []
+        for n in (depth // 2, depth):
+            self._ensure_ctx(depth)
+            for s in range(0, n, self.n_batch):
+                self._decode(ids[s:min(s + self.n_batch, n)], s, "none" if s + self.n_batch < n else "last")
+            L.llama_synchronize(self._ctx)
+            sizes.append(int(L.llama_state_seq_get_size(self._ctx, 0)))
+        return (sizes[1] - sizes[0]) / (depth - depth // 2)
+
+    def stats(self) -> dict:
+        """:func:`gguf_tensor_stats` of the loaded file (cached)."""
+        if self._stats is None:
+            self._stats = gguf_tensor_stats(self.path)
+        return self._stats
+
+    def memory(self) -> MemoryInfo:
+        """Weight bytes = GGUF tensor data bytes; KV bytes per token measured from the
+        state size (the analytic figure in ``details``)."""
+        st = self.stats()
+        return MemoryInfo(st["stored_bytes"], self.kv_bytes_per_token(256), self.device,
+                          {"backend": self.backend, "kv_cache": self.kv_cache, "flash_attn": self.flash_attn,
+                           "kv_bytes_per_token_analytic": self.kv_bytes_per_token_analytic(),
+                           "tensor_type_bytes": st["tensor_type_bytes"]})
+
+    def close(self) -> None:
+        self._free_ctx()
+        if getattr(self, "_model", None):
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

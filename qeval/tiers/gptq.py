@@ -1,0 +1,301 @@
+"""GPTQ and AWQ weight-only tiers (W4A16 by default) through gptqmodel, on the
+transformers engine.
+
+Both quantize every ``nn.Linear`` of the decoder blocks (not the output head) with the
+recipe's calibration set (``calibration.samples`` texts cut to ``calibration.seq_len``
+tokens of the source tokenizer) and save a gptqmodel checkpoint (safetensors:
+``qweight``/``qzeros`` packed int32, ``scales`` in the source dtype, ``g_idx`` for GPTQ;
+``quantize_config.json``). The artifact is loaded again with ``GPTQModel.load``, which
+picks the fastest kernel for the device (on CPU the ATen ``_weight_int4pack_mm_for_cpu``
+kernel; ``engine.backend`` names the class that ran).
+
+Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
+- gptqmodel's loader asks for 2 CPU workers: ``GPTQMODEL_CPU_WORKERS`` must be at least
+  2 or it fails ("requests 2 workers but parent 'cpu' only has 1"); set here when unset.
+- AWQ quantization on CPU needs ``backend=AWQ_TORCH`` ("AWQ: CUDA is not available").
+- The int4pack CPU kernel needs each layer's in_features divisible by the group size
+  (group 128 on a 576-wide model quantizes but cannot generate): :meth:`check` refuses
+  such a group size before any work, or picks one with ``group_size: auto``.
+- Quantization offloads finished layers to disk; the folder is a temporary sibling of the
+  artifact, deleted afterwards (gptqmodel's default is a model-sized folder in /tmp).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..engines.hf import HFEngine, tensor_storage_bytes
+from ..errors import QevalInputError
+from .base import TierContext, TierMethod
+from .int8 import (check_no_pickle, decoder_linear_in_features, lib_version, quant_summary,
+                   source_parameter_count)
+
+# Group sizes gptqmodel's kernels accept (TorchLinear: -1 and powers of two 16..1024; the
+# CPU int4pack and most GPU kernels: 16..128).
+KERNEL_GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+AUTO_MAX_GROUP = 128
+
+
+def _setup_env() -> None:
+    """Environment gptqmodel reads at import time (see the module notes)."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, min(4, os.cpu_count() or 2))))
+    if "GPTQMODEL_TORCH_EXTENSIONS_DIR" not in os.environ:
+        from ..source import cache_root
+        os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"] = str(cache_root() / "torch_extensions")
+    # gptqmodel's tokenizer helper (tokenicer) points HF_HOME at /tmp when it is unset
+    os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+
+
+def _import_gptqmodel() -> Any:
+    _setup_env()
+    try:
+        import gptqmodel
+    except ImportError as e:
+        raise RuntimeError("gptq/awq tiers need gptqmodel (pip install 'gptqmodel>=7.6,<7.7'; "
+                           f"see pyproject extra 'quant'): {e}") from e
+    return gptqmodel
+
+
+def working_group_sizes(in_features: dict[str, int]) -> list[int]:
+    """Kernel group sizes dividing every layer's in_features (largest last)."""
+    return [g for g in KERNEL_GROUP_SIZES if all(n % g == 0 for n in in_features.values())]
+
+
+def resolve_group_size(spec: Any, in_features: dict[str, int]) -> int:
+    """The group size to quantize with: ``spec.group_size`` checked against every quantized
+    layer, or for ``auto`` the largest power of two not above 128 dividing them all (-1,
+    one group per output channel, when none does).
+
+    Raises:
+        QevalInputError: a group size that does not divide a layer's in_features, or one
+            no gptqmodel kernel runs; the message names the layer and the sizes that work.
+    """
+    field = f"tiers.{spec.name}.group_size"
+    ok = working_group_sizes(in_features)
+    if spec.group_size == "auto":
+        fits = [g for g in ok if g <= AUTO_MAX_GROUP]
+        return fits[-1] if fits else -1
+    g = int(spec.group_size)
+    works = ", ".join(str(x) for x in ok) or "none"
+    if g == -1:
+        return g
+    if g not in KERNEL_GROUP_SIZES:
+        raise QevalInputError(f"group size {g} is not one gptqmodel's kernels run; sizes that work for this "
+                              f"model: {works}, -1 (per channel) or 'auto'", field=field)
+    for name, n in in_features.items():
+        if n % g:
+            sizes = sorted({k for k, v in in_features.items() if v == n})
+            where = name if len(sizes) == 1 else f"{name} (and {len(sizes) - 1} more layers)"
+            raise QevalInputError(f"group size {g} does not divide the input features {n} of layer {where}; "
+                                  f"sizes that work for this model: {works}, -1 (per channel) or 'auto'",
+                                  field=field)
+    return g
+
+
+def _quant_layers(model: Any) -> list[Any]:
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
+
+
+def _layer_tensors(mod: Any) -> list[Any]:
+    """A quantized layer's stored tensors (persistent buffers: qweight, qzeros, scales,
+    g_idx), bias left out."""
+    return [t for k, t in mod.state_dict().items() if k != "bias" and t is not None]
+
+
+class _GptqModelMethod(TierMethod):
+    """Shared by GPTQ and AWQ: both go through gptqmodel's quantize/save/load."""
+    quant_method = "gptq"
+
+    # -- what identifies the artifact ---------------------------------------------------
+    def _format(self) -> str:
+        return "gptq" if self.quant_method == "gptq" else "gemm"
+
+    def _quant_backend(self, device: str) -> str:
+        """gptqmodel backend used while quantizing (name of its BACKEND enum)."""
+        if self.quant_method == "awq" and device != "cuda":
+            return "awq_torch"
+        return "auto"
+
+    def key_fields(self, spec: Any, ctx: TierContext) -> dict:
+        return {"method": self.method, "source_sha256": ctx.source_sha256, "dtype": ctx.dtype,
+                "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
+                "desc_act": spec.desc_act if self.quant_method == "gptq" else None,
+                "format": self._format(), "quant_backend": self._quant_backend(ctx.device),
+                "calibration": dict(ctx.calibration_fields),
+                "library": {"gptqmodel": lib_version("gptqmodel"), "transformers": lib_version("transformers"),
+                            "torch": lib_version("torch")}}
+
+    # -- before any work ----------------------------------------------------------------
+    def check(self, spec: Any, ctx: TierContext) -> dict:
+        if lib_version("gptqmodel") is None:
+            raise QevalInputError("needs the 'gptqmodel' package, which is not installed "
+                                  "(pip install 'gptqmodel>=7.6,<7.7')", field=f"tiers.{spec.name}.method")
+        if self.quant_method == "awq" and spec.desc_act:
+            raise QevalInputError("desc_act applies to GPTQ only; remove it from this AWQ tier",
+                                  field=f"tiers.{spec.name}.desc_act")
+        feats = decoder_linear_in_features(ctx.source_path, ctx.trust_remote_code)
+        if not feats:
+            raise QevalInputError("the model has no Linear layers to quantize", field=f"tiers.{spec.name}.method")
+        return {"group_size": resolve_group_size(spec, feats)}
+
+    # -- build --------------------------------------------------------------------------
+    def _calibration(self, ctx: TierContext) -> tuple[list[dict], int]:
+        from transformers import AutoTokenizer
+
+        if ctx.calibration is None:
+            raise RuntimeError(f"{self.method} needs calibration text (TierContext.calibration is None)")
+        texts = ctx.calibration()
+        seq_len = int(ctx.calibration_fields.get("seq_len") or 512)
+        tok = AutoTokenizer.from_pretrained(ctx.source_path, trust_remote_code=ctx.trust_remote_code)
+        rows, n_tok = [], 0
+        for t in texts:
+            ids = tok(t, add_special_tokens=True, truncation=False)["input_ids"][:seq_len]
+            rows.append({"input_ids": ids, "attention_mask": [1] * len(ids)})
+            n_tok += len(ids)
+        return rows, n_tok
+
+    def _quantize_config(self, spec: Any, group_size: int, offload: str) -> Any:
+        from gptqmodel import QuantizeConfig
+        from gptqmodel.quantization import FORMAT, METHOD
+
+        kw: dict[str, Any] = {"bits": spec.bits, "group_size": group_size, "sym": spec.sym,
+                              "offload_to_disk": True, "offload_to_disk_path": offload}
+        if self.quant_method == "gptq":
+            kw.update(desc_act=spec.desc_act, method=METHOD.GPTQ, format=FORMAT.GPTQ)
+        else:
+            kw.update(method=METHOD.AWQ, format=FORMAT.GEMM)
+        return QuantizeConfig(**kw)
+
+    def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
+        import torch
+
+        gptqmodel = _import_gptqmodel()
+        from gptqmodel import BACKEND, GPTQModel
+
+        group = self.check(spec, ctx)["group_size"]
+        calib, n_tok = self._calibration(ctx)
+        offload = tempfile.mkdtemp(prefix=f".{out_dir.name}.offload-", dir=out_dir.parent)
+        try:
+            t0 = time.time()
+            qc = self._quantize_config(spec, group, offload)
+            gm = GPTQModel.load(ctx.source_path, qc, device=ctx.device, trust_remote_code=ctx.trust_remote_code,
+                                dtype=getattr(torch, ctx.dtype))
+            torch.set_num_threads(ctx.threads)  # gptqmodel may re-pin threads while loading
+            ctx.log(f"{self.method}: quantizing with {len(calib)} calibration rows ({n_tok} tokens), "
+                    f"bits {spec.bits}, group {group}")
+            gm.quantize(calib, batch_size=1, backend=BACKEND(self._quant_backend(ctx.device)))
+            quant_s = time.time() - t0
+            gm.save(str(out_dir))
+        finally:
+            shutil.rmtree(offload, ignore_errors=True)
+        check_no_pickle(out_dir)
+        return {"quant_seconds": quant_s, "group_size": group, "bits": spec.bits,
+                "backend": f"gptqmodel:{self._quant_backend(ctx.device)}",
+                "calibration_rows": len(calib), "calibration_tokens": n_tok,
+                "library": {"gptqmodel": gptqmodel.__version__}}
+
+    # -- load ---------------------------------------------------------------------------
+    def _load_qmodel(self, ctx: TierContext, artifact: Path, device: str, backend: str = "auto") -> Any:
+        import torch
+
+        _import_gptqmodel()
+        from gptqmodel import BACKEND, GPTQModel
+
+        gm = GPTQModel.load(str(artifact), device=device, backend=BACKEND(backend),
+                            trust_remote_code=ctx.trust_remote_code)
+        torch.set_num_threads(ctx.threads)
+        gm.model.eval()
+        return gm
+
+    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+        if artifact is None:
+            raise ValueError(f"{self.method} needs its artifact")
+        gm = self._load_qmodel(ctx, artifact, ctx.device)
+        kernels = sorted({type(m).__name__ for _, m in _quant_layers(gm.model)})
+        if not kernels:
+            raise RuntimeError(f"{artifact} loaded without any quantized layer")
+        engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels))
+        engine.qmodel = gm  # keep gptqmodel's wrapper alive with the model
+        return engine
+
+    def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+        """Dense transformers model whose Linear weights are the artifact's weights
+        dequantized (scale * (q - zero), in ``ctx.dtype``). Loaded with gptqmodel's plain
+        torch kernels on CPU, unpacked before any forward pass (the fused CPU kernels
+        repack their buffers on first use)."""
+        import torch
+
+        if artifact is None:
+            raise ValueError(f"{self.method} needs its artifact")
+        backend = "gptq_torch" if self.quant_method == "gptq" else "awq_torch"
+        gm = self._load_qmodel(ctx, artifact, "cpu", backend)
+        model = gm.model
+        dtype = getattr(torch, ctx.dtype)
+        for name, mod in _quant_layers(model):
+            w = dequantize_layer(mod)[: mod.out_features, : mod.in_features]
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  device="cpu", dtype=dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w.to(dtype))
+                if mod.bias is not None:
+                    lin.bias.copy_(mod.bias.to(dtype))
+            lin.requires_grad_(False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, lin)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
+        if ctx.device == "cuda":
+            model = model.to("cuda")
+        model.eval()
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
+                        backend=f"torch-{ctx.dtype} (dequantized {self.method})")
+
+    def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
+        import json
+
+        model = engine.model
+        params = source_parameter_count(ctx.source_path, ctx.trust_remote_code)
+        layers = [(_layer_tensors(m), int(m.in_features) * int(m.out_features)) for _, m in _quant_layers(model)]
+        group = None
+        if artifact is not None and (artifact / "quantize_config.json").is_file():
+            group = json.loads((artifact / "quantize_config.json").read_text()).get("group_size")
+        info = quant_summary(model, params, layers, group)
+        info.update(bits=spec.bits, backend=engine.backend, quantized_layers=len(layers))
+        return info
+
+
+def dequantize_layer(mod: Any) -> Any:
+    """Dense ``[out_features, in_features]`` float weight of a gptqmodel quantized layer,
+    from gptqmodel's own unpacking (``dequantize_weight`` for GPTQ layouts,
+    ``dequantize_gemm`` for AWQ GEMM)."""
+    if hasattr(mod, "dequantize_weight"):
+        return mod.dequantize_weight().T.float()
+    if hasattr(mod, "qweight") and hasattr(mod, "qzeros") and hasattr(mod, "scales"):
+        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+        return dequantize_gemm(mod.qweight, mod.qzeros, mod.scales, mod.bits, mod.group_size).T.float()
+    raise RuntimeError(f"cannot dequantize {type(mod).__name__}")
+
+
+class GptqMethod(_GptqModelMethod):
+    """GPTQ (Frantar et al. 2022, arXiv:2210.17323) through gptqmodel."""
+    method = "gptq"
+    quant_method = "gptq"
+
+
+class AwqMethod(_GptqModelMethod):
+    """AWQ (Lin et al. 2023, arXiv:2306.00978) through gptqmodel."""
+    method = "awq"
+    quant_method = "awq"
+
+
+METHODS = {"gptq": GptqMethod(), "awq": AwqMethod()}
+
+__all__ = ["GptqMethod", "AwqMethod", "METHODS", "resolve_group_size", "working_group_sizes",
+           "dequantize_layer", "tensor_storage_bytes"]

