@@ -301,8 +301,9 @@ BAD_CASES = {
                              "turns[0].checks[0].value", "integer"),
     "max_words negative": ([GOOD, row("x", turns=[turn([{"kind": "max_words", "value": -5}])])], None, 2,
                            "turns[0].checks[0].value", ">= 1"),
-    "check in a later turn": ([row("m0", turns=[turn()] * 3), row("x", turns=[turn(), turn(), turn([{"kind": "min_words", "value": 1},
-                                                                          {"kind": "regex", "pattern": "["}])])],
+    "check in a later turn": ([row("m0", turns=[turn()] * 3),
+                               row("x", turns=[turn(), turn(), turn([{"kind": "min_words", "value": 1},
+                                                                     {"kind": "regex", "pattern": "["}])])],
                               True, 2, "turns[2].checks[1].pattern", "invalid regular expression"),
 }
 
@@ -401,7 +402,8 @@ def test_shipped_suite_checks_are_satisfiable_by_a_good_reply():
         (mt["mt-015"], 1, "No. Monday 22 December falls inside the change freeze."),
         (mt["mt-004"], 3, '```json\n{"invoice_number": "INV-7781", "supplier": "Marlowe Print", "net": 3262.50, '
                           '"vat": 652.50, "total": 3915.00}\n```'),
-        (lo["lo-006"], 0, "| Region | Revenue Q2 2025 | Change vs Q2 2024 |\n|---|---|---|\n| North | €1.20M | +8% |\n"
+        (lo["lo-006"], 0, "| Region | Revenue Q2 2025 | Change vs Q2 2024 |\n|---|---|---|\n"
+                          "| North | €1.20M | +8% |\n"
                           "| South | €0.90M | −3% |\n| East | €1.50M | +12% |\n| West | €1.10M | +1% |\n\n"
                           + "East was strongest and South weakest. " * 40),
         (lo["lo-021"], 0, "| Metric | 2023 | 2024 | Change |\n|---|---|---|---|\n| Electricity (MWh) | 2,140 | 1,980 "

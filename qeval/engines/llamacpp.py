@@ -29,6 +29,7 @@ import ctypes
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def _make_log_callback() -> Any:
         s = text.decode("utf-8", "replace")
         if _CAPTURE is not None:
             _CAPTURE.append(s)
-        if lvl == 3 or os.environ.get("QEVAL_LLAMA_VERBOSE"):
+        elif lvl == 4 or os.environ.get("QEVAL_LLAMA_VERBOSE"):  # ggml: 1 debug 2 info 3 warn 4 error
             print(s, end="", file=sys.stderr, flush=True)
     return cb
 
@@ -98,7 +99,7 @@ def ftype_names() -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-_FALLBACK = re.compile(r"^(\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\w+)\)"
+_FALLBACK = re.compile(r"^(?:warning:\s*)?(\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\w+)\)"
                        r"\s+-> falling back to\s+(\w+)", re.M)
 
 
@@ -138,13 +139,23 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str | int, *, threads
     t0 = time.time()
     ok = False
     try:
+        # llama.cpp reports through its log callback and, for the per-tensor fallback
+        # warnings, straight to stderr: capture both (fd 2 redirected for the call).
         with _LOCK:
             _CAPTURE = lines
-        try:
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
-        finally:
-            with _LOCK:
-                _CAPTURE = None
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as err:
+            os.dup2(err.fileno(), 2)
+            try:
+                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                with _LOCK:
+                    _CAPTURE = None
+            err.seek(0)
+            lines.append(err.read().decode("utf-8", "replace"))
         log = "".join(lines)
         if rc != 0 or not part.is_file():
             errs = [ln.strip() for ln in log.splitlines()
@@ -156,10 +167,10 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str | int, *, threads
     finally:
         if not ok:
             part.unlink(missing_ok=True)
-    fb = _FALLBACK.findall(log)
-    counts = collections.Counter(f"{want}->{got}" for _, want, got in fb)
+    fb = {name: (want, got) for name, want, got in _FALLBACK.findall(log)}  # one entry per tensor
+    counts = collections.Counter(f"{want}->{got}" for want, got in fb.values())
     return {"seconds": time.time() - t0, "ftype": ftype_id, "fallback_tensors": len(fb),
-            "fallbacks": dict(sorted(counts.items())), "fallback_names": [n for n, _, _ in fb]}
+            "fallbacks": dict(sorted(counts.items())), "fallback_names": list(fb)}
 
 
 def gguf_tensor_stats(path: str | Path) -> dict:

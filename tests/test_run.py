@@ -1,0 +1,197 @@
+"""Whole runs on the tiny random llama, through the CLI in a subprocess: outputs, per-tier
+isolation (a hard crash), SIGKILL at random moments with --resume, Ctrl-C."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import write_recipe
+
+TIERS = """  - {name: bf16, method: bf16}
+  - {name: bf16-kv8, method: bf16, kv_cache: int8}
+"""
+GATE = "gate: {reference: bf16, rules: {max_kld_mean: 10.0}}"
+
+
+def _qeval(*args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "qeval.cli", *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def _env(cache: Path, **extra) -> dict:
+    env = dict(os.environ, QEVAL_CACHE=str(cache), **extra)
+    return env
+
+
+def _run_dir(base: Path) -> Path | None:
+    found = sorted(base.glob("tiny/*"))
+    return found[0] if found else None
+
+
+def _stable(tier: dict) -> dict:
+    """The parts of a tier result that do not depend on timing or memory noise."""
+    q = tier.get("quality") or {}
+    return {"status": tier["status"], "kv_cache": tier.get("kv_cache"), "backend": tier.get("backend"),
+            "weight_bytes": (tier.get("memory") or {}).get("weight_bytes"),
+            "stored_bytes": (tier.get("quant") or {}).get("stored_bytes"),
+            "fidelity": {k: v for k, v in (q.get("fidelity") or {}).items()},
+            "behaviour": {k: v for k, v in (q.get("behaviour") or {}).items()}}
+
+
+def _load_all_json(run_dir: Path) -> dict[str, str]:
+    """Parse every JSON file in the run folder (fails on a corrupt one); return their hashes."""
+    out = {}
+    for p in run_dir.rglob("*.json"):
+        if p.name.startswith("."):
+            continue  # an in-flight temporary file of an atomic write
+        text = p.read_text()
+        json.loads(text)
+        out[str(p.relative_to(run_dir))] = hashlib.sha256(text.encode()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_llama, tmp_path_factory):
+    """One uninterrupted run of the tiny recipe."""
+    tmp = tmp_path_factory.mktemp("ref")
+    recipe = write_recipe(tmp / "tiny.yaml", tiny_llama, tiers=TIERS, extra=GATE)
+    p = _qeval("run", recipe, "--out", tmp / "results", env=_env(tmp / "cache"))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    return recipe, _run_dir(tmp / "results"), out
+
+
+def test_run_writes_every_output(reference_run):
+    recipe, run_dir, out = reference_run
+    for f in ("run.json", "table.md", "table.csv", "gate.json", "report.html", "tiers/bf16.json",
+              "tiers/bf16-kv8.json", "reference/segments.json", "reference/logprobs.npy"):
+        assert (run_dir / f).is_file(), f
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["bandwidth_bytes_per_s"] > 1e8 and run["threads"] == 1 and run["versions"]["torch"]
+    bf16 = json.loads((run_dir / "tiers/bf16.json").read_text())
+    assert bf16["status"] == "ok"
+    assert set(bf16["speed"]) == {"16", "48"} and bf16["speed"]["48"]["decode_tokens_per_s"] > 0
+    assert bf16["memory"]["kv_bytes_per_token"] > 0 and bf16["memory"]["peak_bytes"]["48"] > 0
+    assert bf16["quality"]["fidelity"]["kld_mean"] == 0.0
+    kv8 = json.loads((run_dir / "tiers/bf16-kv8.json").read_text())
+    assert kv8["quality"]["fidelity"]["kld_mean"] > 0
+    table = (run_dir / "table.md").read_text()
+    assert "bf16-kv8" in table and "decode" in table
+    assert "gate: PASS" in out
+
+
+def test_gate_exit_code_follows_the_recipe(reference_run, tmp_path):
+    recipe, run_dir, _ = reference_run
+    assert subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(run_dir)],
+                          capture_output=True).returncode == 0
+    # tighten the gate in the stored recipe: KLD must be below 0, which bf16-kv8 cannot meet
+    run = json.loads((run_dir / "run.json").read_text())
+    run["recipe"]["gate"]["rules"]["max_kld_mean"] = 0.0
+    strict = tmp_path / "strict"
+    import shutil
+    shutil.copytree(run_dir, strict)
+    (strict / "run.json").write_text(json.dumps(run))
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(strict), "--junit", str(tmp_path / "j.xml")],
+                       capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert "max_kld_mean" in (tmp_path / "j.xml").read_text()
+
+
+def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE)
+    p = _qeval("run", recipe, "--out", tmp_path / "results",
+               env=_env(tmp_path / "cache", QEVAL_TEST_CRASH="bf16-kv8:measure"))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 1, err[-2000:]  # the gate fails closed on the crashed candidate
+    run_dir = _run_dir(tmp_path / "results")
+    crashed = json.loads((run_dir / "tiers/bf16-kv8.json").read_text())
+    assert crashed["status"] == "failed" and "SIGABRT" in crashed["error"]
+    ok = json.loads((run_dir / "tiers/bf16.json").read_text())
+    assert ok["status"] == "ok" and ok["speed"]["48"]["decode_tokens_per_s"] > 0
+    assert "failed" in (run_dir / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_matches(reference_run, tmp_path):
+    recipe, ref_dir, _ = reference_run
+    base = tmp_path / "results"
+    env = _env(tmp_path / "cache")
+    rng = random.Random(1234)
+    kills = 0
+    finished_hashes: dict[str, str] = {}
+    run_dir = None
+    for attempt in range(40):
+        if run_dir is None or not (run_dir / "run.json").exists():
+            if run_dir is not None:
+                import shutil
+                shutil.rmtree(run_dir)
+            p = _qeval("run", recipe, "--out", base, env=env)
+        else:
+            p = _qeval("run", recipe, "--resume", run_dir, env=env)
+        if kills < 10:
+            time.sleep(rng.uniform(0.3, 7.0))
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                kills += 1
+        p.communicate(timeout=600)
+        run_dir = _run_dir(base)
+        if run_dir is None:
+            continue
+        hashes = _load_all_json(run_dir)  # every JSON parses after a kill: no corrupt file
+        # a finished stage is never redone: its file stays byte-identical
+        for k, h in finished_hashes.items():
+            assert hashes.get(k) == h, f"{k} changed after it was finished"
+        finished_hashes.update({k: h for k, h in hashes.items() if k.startswith("stages/") and ".error" not in k})
+        if kills >= 10 and p.returncode == 0:
+            break
+    assert kills >= 10
+    assert p.returncode == 0
+    for tier in ("bf16", "bf16-kv8"):
+        got = json.loads((run_dir / "tiers" / f"{tier}.json").read_text())
+        want = json.loads((ref_dir / "tiers" / f"{tier}.json").read_text())
+        assert _stable(got) == _stable(want), tier
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_llama, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE)
+    env = _env(tmp_path / "cache")
+    p = _qeval("run", recipe, "--out", tmp_path / "results", env=env)
+    run_dir = None
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the first tier is finished
+        run_dir = _run_dir(tmp_path / "results")
+        if run_dir and (run_dir / "stages" / "bf16.measure.json").exists():
+            break
+        time.sleep(0.2)
+    os.kill(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    if p.returncode == 0:
+        pytest.skip("the run finished before Ctrl-C arrived")
+    assert p.returncode == 130, err[-2000:]
+    assert "resume" in err and "Traceback" not in err
+    assert (run_dir / "stages" / "bf16.measure.json").exists()
+    before = (run_dir / "stages" / "bf16.measure.json").read_bytes()
+    q = _qeval("run", recipe, "--resume", run_dir, env=env)
+    q.communicate(timeout=600)
+    assert q.returncode == 0
+    assert (run_dir / "stages" / "bf16.measure.json").read_bytes() == before
+    assert json.loads((run_dir / "tiers/bf16-kv8.json").read_text())["status"] == "ok"
+
+
+def test_resume_refuses_a_changed_recipe(reference_run, tmp_path):
+    recipe, run_dir, _ = reference_run
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(recipe.read_text().replace("decode_tokens: 4", "decode_tokens: 6"))
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(changed), "--resume", str(run_dir)],
+                       capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "cannot resume" in p.stderr and "speed" in p.stderr and "Traceback" not in p.stderr
