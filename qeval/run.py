@@ -153,8 +153,13 @@ class Runner:
         self._proc: subprocess.Popen | None = None
 
     # -- stage execution --------------------------------------------------------------
-    def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None) -> StageOutcome:
-        """Run one stage in a child process and wait for it (polling the log for progress)."""
+    def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None,
+                  fingerprint: str | None = None) -> StageOutcome:
+        """Run one stage in a child process and wait for it (polling the log for progress).
+
+        The child runs in its own session (a timeout kills its whole process group) and
+        is killed by the kernel if this process dies (PR_SET_PDEATHSIG), so a killed run
+        leaves no orphan that would write a stage file behind a later ``--resume``."""
         log = self.run_dir / "logs" / f"{tier}.{stage}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         err_file = stage_path(self.run_dir, tier, stage, error=True)
@@ -166,8 +171,10 @@ class Runner:
         with open(log, "ab") as lf:
             lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
             lf.flush()
-            self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=self.env,
-                                                 start_new_session=True, stdin=subprocess.DEVNULL)
+            env = dict(self.env, QEVAL_FINGERPRINT=fingerprint or "")
+            self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True, stdin=subprocess.DEVNULL,
+                                                 preexec_fn=_die_with_parent)
             last = ""
             try:
                 while True:
@@ -313,14 +320,10 @@ class Runner:
                         failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
                         break
                 self.on_event(tier, stage, "starting")
-                out = self.run_stage(stage, tier)
+                out = self.run_stage(stage, tier, fingerprint=fp)
                 if not out.ok:
                     failed = out
                     break
-                p = stage_path(self.run_dir, tier, stage)
-                d = read_json(p)
-                d["fingerprint"] = fp
-                atomic_write_json(p, d)
             if failed:
                 results[tier] = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
                 self.on_event(tier, "failed", failed.reason or "")
@@ -354,6 +357,16 @@ class Runner:
                 res["quality"] = d.get("quality")
         atomic_write_json(self.run_dir / "tiers" / f"{tier}.json", res)
         return res
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGKILL us when the parent dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:

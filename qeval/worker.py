@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         out = STAGES[stage](recipe, run_dir, None if tier == "_run" else tier)
         out["stage_seconds"] = time.time() - t0
         out["host"] = platform.node()
+        out["fingerprint"] = os.environ.get("QEVAL_FINGERPRINT") or None
         atomic_write_json(stage_path(run_dir, tier, stage), out)
         return 0
     except QevalInputError as e:

@@ -20,6 +20,7 @@ TIERS = """  - {name: bf16, method: bf16}
   - {name: bf16-kv8, method: bf16, kv_cache: int8}
 """
 GATE = "gate: {reference: bf16, rules: {max_kld_mean: 10.0}}"
+GATE_SPEED = "gate: {reference: bf16, rules: {min_decode_tokens_per_s: 0.001}}"  # for runs without suites
 
 
 def _qeval(*args, env=None, **kw):
@@ -107,7 +108,7 @@ def test_gate_exit_code_follows_the_recipe(reference_run, tmp_path):
 
 
 def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
-    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE)
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE_SPEED)
     p = _qeval("run", recipe, "--out", tmp_path / "results",
                env=_env(tmp_path / "cache", QEVAL_TEST_CRASH="bf16-kv8:measure"))
     out, err = p.communicate(timeout=600)
@@ -162,7 +163,7 @@ def test_sigkill_at_random_moments_then_resume_matches(reference_run, tmp_path):
 
 
 def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_llama, tmp_path):
-    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE)
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE_SPEED)
     env = _env(tmp_path / "cache")
     p = _qeval("run", recipe, "--out", tmp_path / "results", env=env)
     run_dir = None

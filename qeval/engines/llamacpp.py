@@ -450,14 +450,18 @@ class LlamaCppEngine:
             self._stats = gguf_tensor_stats(self.path)
         return self._stats
 
+    def weight_bytes(self) -> int:
+        """Tensor data bytes of the loaded model (``llama_model_size``; equal to the GGUF
+        file's tensor bytes, :func:`gguf_tensor_stats` ``stored_bytes``)."""
+        return int(self._L.llama_model_size(self._model))
+
     def memory(self) -> MemoryInfo:
         """Weight bytes = GGUF tensor data bytes; KV bytes per token measured from the
         state size (the analytic figure in ``details``)."""
-        st = self.stats()
-        return MemoryInfo(st["stored_bytes"], self.kv_bytes_per_token(256), self.device,
+        return MemoryInfo(self.weight_bytes(), self.kv_bytes_per_token(256), self.device,
                           {"backend": self.backend, "kv_cache": self.kv_cache, "flash_attn": self.flash_attn,
                            "kv_bytes_per_token_analytic": self.kv_bytes_per_token_analytic(),
-                           "tensor_type_bytes": st["tensor_type_bytes"]})
+                           "parameters": int(self._L.llama_model_n_params(self._model)), "n_ctx": self.n_ctx})
 
     def close(self) -> None:
         self._free_ctx()

