@@ -5,6 +5,7 @@ line on stderr naming file, line and field; no traceback), 130 interrupted.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -95,6 +96,12 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         subset = _parse_tiers(r, tiers)
         if executor is not None and executor not in ("local", "ray"):
             raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")
+        if r.storage and out_dir is None and resume is None:
+            if "://" in r.storage:
+                raise r.error(("storage",), "storage URLs are not supported: mount the bucket on every node "
+                                            "(s3fs, gcsfuse, NFS) and give the mount path")
+            out_dir = Path(r.storage).expanduser() / "results"
+            os.environ.setdefault("QEVAL_CACHE", str(Path(r.storage).expanduser() / "cache"))
         if resume is not None:
             if not (resume / "run.json").is_file():
                 raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")

@@ -276,7 +276,6 @@ class Runner:
 
     def run(self) -> dict[str, dict]:
         """Run every stage that is not done yet. Returns ``{tier: tier result}``."""
-        from .tiers import get_method
         self.check_resume()
         self.write_run_json()
         src = self.run_global("source")
@@ -291,47 +290,63 @@ class Runner:
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
                              "device": env.get("device"), "gpu": env.get("gpu"),
                              "gpu_memory_bytes": env.get("gpu_memory_bytes")})
-        ref = self.recipe.gate.reference
-        needs_reference = bool(self.recipe.suites)
-        results: dict[str, dict] = {}
-        order = [ref] + [t for t in self.tiers if t != ref] if ref in self.tiers else list(self.tiers)
-        reference_failed: str | None = None
-        for tier in order:
-            spec = self.recipe.tier(tier)
-            method = get_method(spec.method)
-            if method is None:
-                results[tier] = self._finish(tier, STATUS_NOT_BUILT, error=f"method {spec.method!r} is not built yet")
-                continue
-            fp = tier_fingerprint(self.recipe_dict, tier)
-            failed: StageOutcome | None = None
-            for stage in TIER_STAGES:
-                if stage == "quality" and not needs_reference:
-                    continue
-                if stage == "quality" and reference_failed:
-                    failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
-                    break
-                if stage_path(self.run_dir, tier, stage).exists():
-                    continue
-                if stage == "quality":
-                    try:
-                        self.run_global("reference")
-                    except (RuntimeError, QevalInputError) as e:
-                        reference_failed = str(e).splitlines()[0]
-                        failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
-                        break
-                self.on_event(tier, stage, "starting")
-                out = self.run_stage(stage, tier, fingerprint=fp)
-                if not out.ok:
-                    failed = out
-                    break
-            if failed:
-                results[tier] = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
-                self.on_event(tier, "failed", failed.reason or "")
-            else:
-                results[tier] = self._finish(tier, STATUS_OK)
-                self.on_event(tier, "done", "")
+        reference_failed = self.reference_stage() if self.recipe.suites else None
+        if self.executor == "ray":
+            from .executors import run_tiers_on_ray
+            results = run_tiers_on_ray(self, reference_failed)
+        else:
+            results = {tier: self.run_tier(tier, reference_failed) for tier in self.tiers}
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
         return results
+
+    def reference_stage(self) -> str | None:
+        """Run the reference pass (after preparing the reference tier's artifact if it has
+        one). Returns None, or why it failed (every tier's quality then fails with it)."""
+        from .tiers import get_method
+        ref = self.recipe.gate.reference
+        method = get_method(self.recipe.tier(ref).method)
+        try:
+            if method is None:
+                return f"reference tier {ref!r} uses a method that is not built yet"
+            if method.needs_artifact and not stage_path(self.run_dir, ref, "prepare").exists():
+                out = self.run_stage("prepare", ref, fingerprint=tier_fingerprint(self.recipe_dict, ref))
+                if not out.ok:
+                    return f"preparing {ref}: {out.reason}"
+            self.run_global("reference")
+        except (RuntimeError, QevalInputError) as e:
+            return str(e).splitlines()[0]
+        return None
+
+    def run_tier(self, tier: str, reference_failed: str | None = None) -> dict:
+        """Run the tier's unfinished stages (prepare, measure, quality) in child processes
+        and write ``tiers/<tier>.json``; returns that result."""
+        from .tiers import get_method
+        spec = self.recipe.tier(tier)
+        method = get_method(spec.method)
+        if method is None:
+            return self._finish(tier, STATUS_NOT_BUILT, error=f"method {spec.method!r} is not built yet")
+        fp = tier_fingerprint(self.recipe_dict, tier)
+        failed: StageOutcome | None = None
+        for stage in TIER_STAGES:
+            if stage == "quality" and not self.recipe.suites:
+                continue
+            if stage_path(self.run_dir, tier, stage).exists():
+                continue
+            if stage == "quality" and reference_failed:
+                failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
+                break
+            self.on_event(tier, stage, "starting")
+            out = self.run_stage(stage, tier, fingerprint=fp)
+            if not out.ok:
+                failed = out
+                break
+        if failed:
+            res = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
+            self.on_event(tier, "failed", failed.reason or "")
+        else:
+            res = self._finish(tier, STATUS_OK)
+            self.on_event(tier, "done", "")
+        return res
 
     def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> dict:
         """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""

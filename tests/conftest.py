@@ -82,3 +82,40 @@ quality: {{window: 16, bootstrap: 50}}
 {extra}
 """)
     return path
+
+
+TIERS = """  - {name: bf16, method: bf16}
+  - {name: bf16-kv8, method: bf16, kv_cache: int8}
+"""
+GATE = "gate: {reference: bf16, rules: {max_kld_mean: 10.0}}"
+
+
+def run_dir_of(base: Path) -> Path | None:
+    """The single run folder under ``base/tiny/``."""
+    found = sorted(base.glob("tiny/*"))
+    return found[0] if found else None
+
+
+def stable_fields(tier: dict) -> dict:
+    """The parts of a tier result that do not depend on timing or memory noise."""
+    q = tier.get("quality") or {}
+    return {"status": tier["status"], "kv_cache": tier.get("kv_cache"), "backend": tier.get("backend"),
+            "weight_bytes": (tier.get("memory") or {}).get("weight_bytes"),
+            "kv_bytes_per_token": (tier.get("memory") or {}).get("kv_bytes_per_token"),
+            "stored_bytes": (tier.get("quant") or {}).get("stored_bytes"),
+            "depths": sorted((tier.get("speed") or {}).keys()),
+            "fidelity": dict(q.get("fidelity") or {}),
+            "behaviour": dict(q.get("behaviour") or {})}
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_llama, tmp_path_factory):
+    """One uninterrupted local run of the tiny recipe: (recipe path, run folder, stdout)."""
+    import subprocess
+    tmp = tmp_path_factory.mktemp("ref")
+    recipe = write_recipe(tmp / "tiny.yaml", tiny_llama, tiers=TIERS, extra=GATE)
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp / "results")],
+                       env=dict(os.environ, QEVAL_CACHE=str(tmp / "cache")), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return recipe, run_dir_of(tmp / "results"), p.stdout

@@ -183,6 +183,16 @@ def test_f16_gguf_scores_the_same_tokens_as_the_hf_engine(tiny):
     assert kld.mean() < 1e-3, kld.mean()
     assert same_top > 0.97
     assert shifted > 100 * max(kld.mean(), 1e-6)
+    # a prefix that only fills the cache: the same rows from `first` on
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        first = 70
+        parts = list(eng.iter_logprobs(ids, 32, first))
+        assert parts[0][0] == first and sum(len(p) for _, p in parts) == len(ids) - 1 - first
+        assert np.abs(np.concatenate([p for _, p in parts]) - got[first:]).max() < 1e-3
+        assert list(eng.iter_logprobs(ids, 32, len(ids) - 1)) == []
+    finally:
+        eng.close()
     # flash attention changes the kernels, not the distributions
     fa = LlamaCppEngine(tiny["f16"], threads=1, flash_attn=True)
     try:

@@ -16,10 +16,7 @@ import pytest
 
 from conftest import write_recipe
 
-TIERS = """  - {name: bf16, method: bf16}
-  - {name: bf16-kv8, method: bf16, kv_cache: int8}
-"""
-GATE = "gate: {reference: bf16, rules: {max_kld_mean: 10.0}}"
+from conftest import GATE, TIERS, run_dir_of as _run_dir, stable_fields as _stable
 GATE_SPEED = "gate: {reference: bf16, rules: {min_decode_tokens_per_s: 0.001}}"  # for runs without suites
 
 
@@ -33,21 +30,6 @@ def _env(cache: Path, **extra) -> dict:
     return env
 
 
-def _run_dir(base: Path) -> Path | None:
-    found = sorted(base.glob("tiny/*"))
-    return found[0] if found else None
-
-
-def _stable(tier: dict) -> dict:
-    """The parts of a tier result that do not depend on timing or memory noise."""
-    q = tier.get("quality") or {}
-    return {"status": tier["status"], "kv_cache": tier.get("kv_cache"), "backend": tier.get("backend"),
-            "weight_bytes": (tier.get("memory") or {}).get("weight_bytes"),
-            "stored_bytes": (tier.get("quant") or {}).get("stored_bytes"),
-            "fidelity": {k: v for k, v in (q.get("fidelity") or {}).items()},
-            "behaviour": {k: v for k, v in (q.get("behaviour") or {}).items()}}
-
-
 def _load_all_json(run_dir: Path) -> dict[str, str]:
     """Parse every JSON file in the run folder (fails on a corrupt one); return their hashes."""
     out = {}
@@ -58,17 +40,6 @@ def _load_all_json(run_dir: Path) -> dict[str, str]:
         json.loads(text)
         out[str(p.relative_to(run_dir))] = hashlib.sha256(text.encode()).hexdigest()
     return out
-
-
-@pytest.fixture(scope="module")
-def reference_run(tiny_llama, tmp_path_factory):
-    """One uninterrupted run of the tiny recipe."""
-    tmp = tmp_path_factory.mktemp("ref")
-    recipe = write_recipe(tmp / "tiny.yaml", tiny_llama, tiers=TIERS, extra=GATE)
-    p = _qeval("run", recipe, "--out", tmp / "results", env=_env(tmp / "cache"))
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
-    return recipe, _run_dir(tmp / "results"), out
 
 
 def test_run_writes_every_output(reference_run):

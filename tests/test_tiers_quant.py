@@ -152,6 +152,32 @@ def test_int8_round_trip(tiny, tmp_path):
     assert len(g.token_ids) == 5
 
 
+def test_int8_bitsandbytes_round_trip(tiny, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    m = get_method("int8")
+    spec, ctx = _spec("int8", backend="bitsandbytes"), _ctx(tiny)
+    try:
+        art, info = _prepare("int8", spec, ctx, tmp_path)
+    except RuntimeError as e:  # a bitsandbytes build without a kernel for this device
+        assert "bitsandbytes 8-bit quantization failed" in str(e)
+        pytest.skip(str(e))
+    eng = m.load(spec, ctx, art)
+    assert eng.backend == "bitsandbytes-llm.int8"
+    got = _logprobs(eng.model, _ids())
+    assert float((_ref_logprobs(tiny) - got).abs().max()) < 0.1
+    q = m.quant_info(spec, ctx, art, eng)
+    assert q["stored_bytes"] < _bf16_bytes(tiny) and 8.0 < q["bits_per_weight_quantized"] < 8.6
+    deq = m.load_dequantized(spec, ctx, art)
+    assert float((_logprobs(deq.model, _ids()) - got).abs().max()) < 0.1
+
+
+def test_int8_missing_package_is_input_error(tiny, monkeypatch):
+    import qeval.tiers.int8 as mod
+    monkeypatch.setattr(mod, "lib_version", lambda name: None)
+    with pytest.raises(QevalInputError, match="bitsandbytes"):
+        get_method("int8").check(_spec("int8", backend="bitsandbytes"), _ctx(tiny))
+
+
 def test_int8_key_changes_with_backend(tiny):
     m = get_method("int8")
     ctx = _ctx(tiny)

@@ -165,7 +165,12 @@ def ensure_converter(version: str | None = None, log: Callable[[str], None] = pr
         if converter_present(dest):  # another process won the race
             return dest
         shutil.rmtree(dest, ignore_errors=True)
-        os.replace(stage, dest)
+        try:
+            os.replace(stage, dest)
+        except OSError:
+            if not converter_present(dest):  # not a lost race: a real error
+                raise
+            return dest
     log(f"converter ready in {time.time() - t0:.0f} s")
     return dest
 

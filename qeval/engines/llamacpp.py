@@ -341,18 +341,23 @@ class LlamaCppEngine:
             raise ValueError(f"token id out of range for this GGUF's vocabulary of {self.vocab_size}")
 
     # -- Engine API ----------------------------------------------------------------------
-    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256) -> Iterator[tuple[int, np.ndarray]]:
-        """See :meth:`qeval.engines.base.Engine.iter_logprobs`. The sequence is evaluated
-        in chunks of ``min(window, n_batch)`` tokens on one cache; only the chunk's logits
-        are read, and log-softmax runs in float32."""
+    def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
+                      first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        """See :meth:`qeval.engines.base.Engine.iter_logprobs`. Positions before ``first``
+        only fill the cache (no logits computed); from ``first`` on the sequence is
+        evaluated in chunks of ``min(window, n_batch)`` tokens on the same cache, only the
+        chunk's logits are read, and log-softmax runs in float32."""
         ids = [int(t) for t in token_ids]
         self._check_ids(ids)
         n = len(ids)
-        if n < 2:
+        first = max(0, int(first))
+        if n < 2 or first >= n - 1:
             return
         self._ensure_ctx(n)
+        for s in range(0, first, self.n_batch):
+            self._decode(ids[s:min(s + self.n_batch, first)], s, "none")
         step = max(1, min(int(window), self.n_batch))
-        for start in range(0, n - 1, step):
+        for start in range(first, n - 1, step):
             chunk = ids[start:start + step]
             m = min(len(chunk), n - 1 - start)
             self._decode(chunk, start, "all")

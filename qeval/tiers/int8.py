@@ -167,11 +167,21 @@ class Int8Method(TierMethod):
             raise ValueError("int8 needs its artifact")
         model = load_hf_model(str(artifact), "cpu", ctx.dtype, trust_remote_code=ctx.trust_remote_code)
         dtype = getattr(torch, ctx.dtype)
-        for mod in model.modules():
-            w = getattr(mod, "weight", None)
-            if isinstance(mod, torch.nn.Linear) or hasattr(mod, "in_features"):
-                if w is not None and _is_packed(w):
-                    mod.weight = torch.nn.Parameter(_dequantize(mod, w).to(dtype), requires_grad=False)
+        packed = [(n, m) for n, m in model.named_modules()
+                  if hasattr(m, "in_features") and getattr(m, "weight", None) is not None and _is_packed(m.weight)]
+        for name, mod in packed:  # a plain Linear in place of each quantized one
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
+            with torch.no_grad():
+                lin.weight.copy_(_dequantize(mod, mod.weight).to(dtype))
+                if mod.bias is not None:
+                    lin.bias.copy_(mod.bias.to(dtype))
+            lin.requires_grad_(False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, lin)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         if ctx.device == "cuda":
             model = model.to("cuda")
         return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
