@@ -286,6 +286,7 @@ class Runner:
                     raise self.recipe.error(("speed", "depths", i),
                                             f"depth {d} + decode_tokens {self.recipe.speed.decode_tokens} exceeds "
                                             f"the model's maximum context of {maxctx} tokens")
+        self.check_disk(src)
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
                              "device": env.get("device"), "gpu": env.get("gpu"),
@@ -298,6 +299,27 @@ class Runner:
             results = {tier: self.run_tier(tier, reference_failed) for tier in self.tiers}
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
         return results
+
+    def check_disk(self, src: dict) -> None:
+        """Pre-flight: free disk in the artifact cache against what the tiers will write.
+
+        Raises:
+            QevalInputError: too little free disk (names both figures).
+        """
+        from .source import cache_root
+        folder = Path(src["path"])
+        weight_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        dtype_bytes = 4 if self.recipe.model.dtype == "float32" else 2
+        params = weight_bytes // dtype_bytes
+        todo = [t for t in self.tiers if not (self.run_dir / "tiers" / f"{t}.json").exists()]
+        need = estimate_disk_bytes(self.recipe, todo, params)
+        probe = cache_root()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        if need and free < need:
+            raise QevalInputError(f"the tiers need about {need / 2**30:.1f} GiB of disk for artifacts, but {probe} "
+                                  f"has {free / 2**30:.1f} GiB free", file=self.recipe.path, field="tiers")
 
     def reference_stage(self) -> str | None:
         """Run the reference pass (after preparing the reference tier's artifact if it has
@@ -432,11 +454,11 @@ def new_run_dir(recipe: Recipe, out: Path | None) -> Path:
 
 
 def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
-    """Checks before any work.
+    """Checks before any work (the disk check follows once the source's size is known:
+    :meth:`Runner.check_disk`).
 
     Raises:
-        QevalInputError: a CUDA recipe on a machine without CUDA (naming both), or too
-            little free disk for the artifacts the tiers will write.
+        QevalInputError: a CUDA recipe on a machine without CUDA (naming both).
     """
     if recipe.device == "cuda":
         try:
@@ -447,15 +469,6 @@ def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
         if not has_cuda:
             raise recipe.error(("device",), "the recipe asks for device cuda, but this machine has no CUDA "
                                             "device visible to torch (use device: auto or cpu)")
-    from .source import cache_root
-    need = estimate_disk_bytes(recipe, tiers)
-    probe = cache_root()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if need and free < need:
-        raise QevalInputError(f"needs about {need / 2**30:.1f} GiB free for artifacts, {probe} has "
-                              f"{free / 2**30:.1f} GiB", field="tiers")
 
 
 _BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6, "gguf": 2.7}  # gguf: F16 GGUF + quant

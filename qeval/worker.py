@@ -145,6 +145,11 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     t0 = time.time()
     engine = method.load(spec, ctx, artifact)
     load_s = time.time() - t0
+    engine_device = getattr(engine, "device", device)
+    if engine_device != device or engine.name != "hf":
+        # an engine outside torch (llama.cpp): torch's CUDA counters do not see its memory
+        peak = PeakMemory(engine_device if engine.name == "hf" else ("nvml" if engine_device == "cuda" else "cpu"),
+                          baseline)
     after_load = peak.read()
     quant = method.quant_info(spec, ctx, artifact, engine)
     weight_bytes = quant.get("stored_bytes")

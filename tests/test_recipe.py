@@ -74,3 +74,33 @@ def test_run_flags_are_checked(tmp_path):
     assert "--tiers" in res.output and "nope" in res.output
     res = CliRunner().invoke(app, ["run", str(REPO / "recipes" / "smollm2-135m.yaml"), "--resume", str(tmp_path)])
     assert res.exit_code == 2 and "--resume" in res.output
+
+
+def test_preflight_cuda_recipe_without_cuda_names_both(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from qeval.run import preflight
+    r = parse_recipe("name: x\nmodel: {source: /tmp}\ndevice: cuda\ntiers: [{name: bf16, method: bf16}]\n",
+                     tmp_path / "r.yaml")
+    with pytest.raises(QevalInputError) as e:
+        preflight(r, tmp_path, ["bf16"])
+    msg = str(e.value)
+    assert "r.yaml:3: device:" in msg and "cuda" in msg and "no CUDA" in msg
+
+
+def test_disk_check_refuses_when_artifacts_do_not_fit(tmp_path, monkeypatch):
+    import collections
+    from qeval import run as run_mod
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.safetensors").write_bytes(b"\0" * 2_000_000)  # 1M BF16 parameters
+    r = parse_recipe("name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}, {name: g, method: gguf}]\n",
+                     tmp_path / "r.yaml")
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    runner = run_mod.Runner(r, tmp_path / "run")
+    with pytest.raises(QevalInputError, match="GiB of disk"):
+        runner.check_disk({"path": str(tmp_path / "src")})
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
+    runner.check_disk({"path": str(tmp_path / "src")})  # plenty: no error

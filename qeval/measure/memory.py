@@ -56,9 +56,23 @@ class PeakMemory:
     def __init__(self, device: str, baseline: int | None = None) -> None:
         self.device = device
         self.baseline = baseline or 0
-        self.kind = "cuda_max_allocated" if device == "cuda" else "cpu_vmhwm"
+        self.kind = {"cuda": "cuda_max_allocated", "nvml": "cuda_nvml_used"}.get(device, "cpu_vmhwm")
+        if device == "nvml":  # engines outside torch on a GPU: device memory in use, via NVML
+            self.baseline = self._nvml_used() or 0
+
+    @staticmethod
+    def _nvml_used() -> int | None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        except Exception:
+            return None
 
     def reset(self) -> None:
+        if self.device == "nvml":
+            return
         if self.device == "cuda":
             import torch
             torch.cuda.synchronize()
@@ -67,7 +81,11 @@ class PeakMemory:
             reset_cpu_peak()
 
     def read(self) -> int | None:
-        """Peak bytes since :meth:`reset` (CPU: less the baseline)."""
+        """Peak bytes since :meth:`reset` (CPU: less the baseline; NVML: memory in use now
+        less the baseline, a lower bound of the peak)."""
+        if self.device == "nvml":
+            u = self._nvml_used()
+            return None if u is None else max(u - self.baseline, 0)
         if self.device == "cuda":
             import torch
             torch.cuda.synchronize()

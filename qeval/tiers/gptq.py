@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engines.hf import HFEngine, tensor_storage_bytes
+from ..engines.hf import HFEngine
 from ..errors import QevalInputError
 from .base import TierContext, TierMethod
-from .int8 import (check_no_pickle, decoder_linear_in_features, lib_version, quant_summary,
+from .int8 import (check_no_pickle, decoder_linear_in_features, layer_tensors, lib_version, quant_summary,
                    source_parameter_count)
 
 # Group sizes gptqmodel's kernels accept (TorchLinear: -1 and powers of two 16..1024; the
@@ -99,12 +99,6 @@ def resolve_group_size(spec: Any, in_features: dict[str, int]) -> int:
 def _quant_layers(model: Any) -> list[Any]:
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
-
-
-def _layer_tensors(mod: Any) -> list[Any]:
-    """A quantized layer's stored tensors (persistent buffers: qweight, qzeros, scales,
-    g_idx), bias left out."""
-    return [t for k, t in mod.state_dict().items() if k != "bias" and t is not None]
 
 
 class _GptqModelMethod(TierMethod):
@@ -262,7 +256,7 @@ class _GptqModelMethod(TierMethod):
 
         model = engine.model
         params = source_parameter_count(ctx.source_path, ctx.trust_remote_code)
-        layers = [(_layer_tensors(m), int(m.in_features) * int(m.out_features)) for _, m in _quant_layers(model)]
+        layers = [(layer_tensors(m), int(m.in_features) * int(m.out_features)) for _, m in _quant_layers(model)]
         group = None
         if artifact is not None and (artifact / "quantize_config.json").is_file():
             group = json.loads((artifact / "quantize_config.json").read_text()).get("group_size")
@@ -298,4 +292,4 @@ class AwqMethod(_GptqModelMethod):
 METHODS = {"gptq": GptqMethod(), "awq": AwqMethod()}
 
 __all__ = ["GptqMethod", "AwqMethod", "METHODS", "resolve_group_size", "working_group_sizes",
-           "dequantize_layer", "tensor_storage_bytes"]
+           "dequantize_layer"]

@@ -71,6 +71,13 @@ def stored_bytes(model: Any) -> int:
     return tensor_storage_bytes(list(model.state_dict().values()))
 
 
+def layer_tensors(mod: Any) -> list[Any]:
+    """A quantized layer's stored tensors: its own state_dict (packed weight, scales,
+    zeros, g_idx, bitsandbytes' SCB), bias left out."""
+    return [t for k, t in mod.state_dict(keep_vars=True).items()
+            if k != "bias" and hasattr(t, "shape")]
+
+
 def check_no_pickle(folder: Path) -> None:
     """Refuse an artifact that contains pickle-based weight files."""
     bad = [p.name for p in folder.rglob("*") if p.suffix in PICKLE_SUFFIXES]
@@ -190,20 +197,10 @@ class Int8Method(TierMethod):
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         model = engine.model
         params = source_parameter_count(ctx.source_path, ctx.trust_remote_code)
-        layers = []
-        for mod in model.modules():
-            w = getattr(mod, "weight", None)
-            if w is not None and hasattr(mod, "in_features") and _is_packed(w):
-                tensors = [w]
-                scb = getattr(w, "SCB", None)  # bitsandbytes row scales live beside the int8 data
-                if scb is not None:
-                    tensors.append(scb)
-                layers.append((tensors, int(mod.in_features) * int(mod.out_features)))
+        layers = [(layer_tensors(mod), int(mod.in_features) * int(mod.out_features))
+                  for mod in model.modules()
+                  if hasattr(mod, "in_features") and getattr(mod, "weight", None) is not None and _is_packed(mod.weight)]
         info = quant_summary(model, params, layers, None)
-        if spec.backend == "bitsandbytes":  # SCB is not in every state_dict layout; count it once
-            info["stored_bytes"] = tensor_storage_bytes(list(model.state_dict().values()) +
-                                                        [t for ts, _ in layers for t in ts])
-            info["bits_per_weight"] = 8 * info["stored_bytes"] / params
         info["backend"] = engine.backend
         return info
 
@@ -213,6 +210,8 @@ def _dequantize(mod: Any, w: Any) -> Any:
     if hasattr(w, "dequantize") and type(w).__name__ != "Int8Params":
         return w.dequantize()
     scb = getattr(w, "SCB", None)
+    if scb is None:  # bitsandbytes moves SCB to the module state on the first forward
+        scb = getattr(getattr(mod, "state", None), "SCB", None)
     if scb is not None:  # LLM.int8(): w = int8 * row_absmax / 127
         return w.data.float() * (scb.float().unsqueeze(1) / 127.0)
     raise RuntimeError(f"cannot dequantize weight of type {type(w).__name__}")
