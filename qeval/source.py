@@ -244,6 +244,9 @@ def static_checks(recipe) -> None:
     for i, s in enumerate(recipe.suites):
         if not recipe.resolve_path(s.path).is_file():
             raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
+    for i, t in enumerate(recipe.quality.lm_eval_tasks):
+        if not recipe.resolve_path(t).is_file():
+            raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
     if any(t.method in ("gptq", "awq") for t in recipe.tiers):
         if not recipe.resolve_path(recipe.calibration.path).is_file():
             raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")

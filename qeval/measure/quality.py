@@ -238,8 +238,14 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
                           limit_items=True)
     beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
     beh_s = time.time() - t0
+    lm_eval = None
+    if recipe.quality.lm_eval_tasks:
+        from .lmeval import run_lm_eval
+        progress("lm-eval tasks")
+        lm_eval = run_lm_eval(engine, tok, [recipe.resolve_path(p) for p in recipe.quality.lm_eval_tasks],
+                              run_dir / "lm_eval_tasks" / tier, recipe.quality.lm_eval_limit)
     answers_path = run_dir / "answers" / f"{tier}.json"
     atomic_write_json(answers_path, [{k: s[k] for k in ("item", "turn", "text", "finished", "checks",
                                                           "check_details")} for s in mine])
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
-                        "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": None}}
+                        "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval}}

@@ -42,7 +42,8 @@ AUTO_MAX_GROUP = 128
 
 def _setup_env() -> None:
     """Environment gptqmodel reads at import time (see the module notes)."""
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, min(4, os.cpu_count() or 2))))
+    if "GPTQMODEL_CPU_WORKERS" not in os.environ and (os.cpu_count() or 1) < 3:
+        os.environ["GPTQMODEL_CPU_WORKERS"] = "2"  # its default, (cores + 1) // 2, is 1 here
     if "GPTQMODEL_TORCH_EXTENSIONS_DIR" not in os.environ:
         from ..source import cache_root
         os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"] = str(cache_root() / "torch_extensions")

@@ -1,0 +1,74 @@
+"""Optional lm-evaluation-harness suites on a tier's loaded model.
+
+A recipe lists local task YAMLs (``quality.lm_eval_tasks``); each may point at local JSONL
+through ``dataset_kwargs.data_files`` (relative to the YAML). qeval writes resolved copies
+(absolute data paths) into the run folder and runs them offline through
+``lm_eval.simple_evaluate`` with the tier's already loaded transformers model (``HFLM``
+wraps it; nothing is loaded twice). Engines outside transformers (llama.cpp) are reported
+as skipped.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import QevalInputError
+
+
+def resolve_tasks(task_paths: list[Path], out_dir: Path) -> list[str]:
+    """Copy task YAMLs into ``out_dir`` with data file paths made absolute; return task names.
+
+    Raises:
+        QevalInputError: a missing or malformed YAML, a task without ``task:``, a missing data file.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for p in task_paths:
+        try:
+            doc = yaml.safe_load(Path(p).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise QevalInputError(f"cannot read lm-eval task: {e}".splitlines()[0], file=p,
+                                  field="quality.lm_eval_tasks") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("task"), str):
+            raise QevalInputError("an lm-eval task YAML needs a 'task:' name", file=p, field="task")
+        files = (doc.get("dataset_kwargs") or {}).get("data_files")
+        if isinstance(files, dict):
+            for split, f in files.items():
+                q = Path(f)
+                if not q.is_absolute():
+                    q = (Path(p).parent / q).resolve()
+                if not q.is_file():
+                    raise QevalInputError(f"data file {f!r} not found", file=p,
+                                          field=f"dataset_kwargs.data_files.{split}")
+                files[split] = str(q)
+        (out_dir / f"{doc['task']}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        names.append(doc["task"])
+    return names
+
+
+def run_lm_eval(engine: Any, tokenizer: Any, task_paths: list[Path], out_dir: Path,
+                limit: int | None = None) -> dict[str, Any]:
+    """Scores ``{task: {metric: value}}`` of the tier's model on the local tasks.
+
+    Returns ``{"skipped": reason}`` for an engine lm-eval cannot drive.
+    """
+    if not task_paths:
+        return {}
+    if getattr(engine, "name", "") != "hf":
+        return {"skipped": f"lm-eval runs on the transformers engine; this tier runs on {engine.name}"}
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    names = resolve_tasks(task_paths, out_dir)
+    lm = HFLM(pretrained=engine.model, tokenizer=tokenizer, batch_size=1, device=engine.device)
+    tm = TaskManager(include_path=str(out_dir), include_defaults=False)
+    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, log_samples=False,
+                          bootstrap_iters=0)
+    out: dict[str, Any] = {}
+    for task, metrics in (res or {}).get("results", {}).items():
+        out[task] = {k.split(",")[0]: float(v) for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not k.startswith("alias") and "stderr" not in k}
+    return out
