@@ -132,7 +132,7 @@ class HFEngine:
         self.model = model
         self.device = device
         self.kv_cache = kv_cache
-        self.backend = backend
+        self.backend = backend + (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self._torch = __import__("torch")
 

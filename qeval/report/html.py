@@ -123,10 +123,10 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         tab.headers += [f"peak GiB @{d}", f"TTFT s @{d}", f"decode tok/s @{d}", f"roofline % @{d}"]
         tab.csv_fields += [f"peak_gib_{d}", f"ttft_s_{d}", f"decode_tokens_per_s_{d}", f"roofline_share_{d}"]
     tab.headers += ["KLD mean ± se", "same-top %", "PPL ratio", "pass % [95% CI]", "flips",
-                    "budget exh. %", "Pareto", "notes"]
+                    "budget exh. %", "quality engine", "lm-eval", "Pareto", "notes"]
     tab.csv_fields += ["kld_mean", "kld_se", "same_top_rate", "ppl_ratio", "pass_rate", "pass_ci_low",
                        "pass_ci_high", "flip_rate", "flips_pass_to_fail", "flips_fail_to_pass",
-                       "budget_exhausted_rate", "pareto", "slow_path"]
+                       "budget_exhausted_rate", "quality_engine", "lm_eval", "pareto", "slow_path"]
     dtype = get_path(a.recipe, "model", "dtype") or "bfloat16"
     for name, t in a.tiers.items():
         status = t.get("status") or "?"
@@ -183,13 +183,39 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         notes = []
         if sp:
             notes.append(sp.text)
+        base = _kv_base_tier(a.tiers, name)
+        if base is not None and status == STATUS_OK:
+            d = max(depths)
+            mine, theirs = (finite(get_path(x, "speed", str(d), "ttft_s")) for x in (t, a.tiers[base]))
+            if mine and theirs:
+                notes.append(f"int8 KV adds {100 * (mine / theirs - 1):+.0f}% prefill time vs {base} @{d}")
         if status != STATUS_OK and t.get("error"):
             notes.append(str(t["error"]))
+        q_engine = get_path(t, "quality", "engine")
+        lm = get_path(t, "quality", "lm_eval") or {}
+        lm_cell = "; ".join(f"{task} {k} {v:.3f}" for task, ms in lm.items() if isinstance(ms, dict)
+                            for k, v in ms.items()) or ("skipped" if "skipped" in lm else "-")
+        raw.update({"quality_engine": q_engine, "lm_eval": lm_cell if lm else None})
         cells += [kld_cell, _f(top, ".1f", 100), _f(ppl, ".4f"), pass_cell, flips_cell,
-                  _f(budget, ".1f", 100), mark, "; ".join(notes) or ""]
+                  _f(budget, ".1f", 100), str(q_engine or "-"), lm_cell, mark, "; ".join(notes) or ""]
         tab.rows.append(cells)
         tab.csv_rows.append(raw)
     return tab
+
+
+def _kv_base_tier(tiers: dict[str, dict], name: str) -> str | None:
+    """For an int8-KV tier, the tier with the same spec and the model's KV cache (or None)."""
+    t = tiers[name]
+    spec = dict(t.get("spec") or {})
+    if spec.get("kv_cache") != "int8":
+        return None
+    want = {k: v for k, v in spec.items() if k not in ("name", "kv_cache", "flash_attn")}
+    for other, o in tiers.items():
+        os_ = dict(o.get("spec") or {})
+        if other != name and os_.get("kv_cache", "model") == "model" and \
+                {k: v for k, v in os_.items() if k not in ("name", "kv_cache", "flash_attn")} == want:
+            return other
+    return None
 
 
 def _whole(v: float | None) -> float | int | None:
