@@ -226,7 +226,9 @@ class Recipe(_Strict):
     name: str
     model: ModelSpec
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = Field(1, gt=0, description="torch intra-op threads and OMP_NUM_THREADS in every worker")
+    threads: int = Field(1, gt=0, description="torch intra-op threads and OMP_NUM_THREADS in timed stages")
+    work_threads: int | None = Field(None, gt=0, description="threads for untimed stages (quantize, "
+                                     "reference, quality); default: all cores")
     tiers: list[Tier]
     speed: SpeedSpec = Field(default_factory=SpeedSpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)

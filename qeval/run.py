@@ -29,6 +29,15 @@ from .results import (STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, atomic_write_j
 from .worker import stage_path
 
 TIER_STAGES = ("prepare", "measure", "quality")
+TIMED_STAGES = ("measure", "env")
+
+
+def stage_threads(recipe: Recipe, stage: str) -> int:
+    """Threads of a stage: the recipe's pinned ``threads`` where speed or bandwidth is
+    measured, ``work_threads`` (default: every core) where nothing is timed."""
+    if stage in TIMED_STAGES:
+        return recipe.threads
+    return recipe.work_threads or os.cpu_count() or recipe.threads
 
 
 @dataclass
@@ -172,6 +181,9 @@ class Runner:
             lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
             lf.flush()
             env = dict(self.env, QEVAL_FINGERPRINT=fingerprint or "")
+            if stage not in TIMED_STAGES:  # nothing is timed here: use the machine
+                t = str(stage_threads(self.recipe, stage))
+                env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, QEVAL_STAGE_THREADS=t)
             self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
                                                  start_new_session=True, stdin=subprocess.DEVNULL,
                                                  preexec_fn=_die_with_parent)

@@ -44,8 +44,10 @@ def load_recipe_from_run(run_dir: Path):
 
 
 def pin_threads(threads: int) -> None:
-    """Pin torch intra-op and inter-op threads (OMP_NUM_THREADS is set by the parent)."""
+    """Pin torch intra-op and inter-op threads (OMP_NUM_THREADS is set by the parent).
+    Untimed stages get their count from OMP_NUM_THREADS (see ``qeval.run.stage_threads``)."""
     import torch
+    threads = int(os.environ.get("QEVAL_STAGE_THREADS") or threads)
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
@@ -61,8 +63,9 @@ def tier_context(recipe, run_dir: Path, device: str):
     def calib() -> list[str]:
         return load_calibration_texts(recipe)
 
+    threads = int(os.environ.get("QEVAL_STAGE_THREADS") or recipe.threads)
     return TierContext(source_path=src["path"], source_sha256=src["sha256"], device=device,
-                       dtype=recipe.model.dtype, threads=recipe.threads, calibration=calib,
+                       dtype=recipe.model.dtype, threads=threads, calibration=calib,
                        calibration_fields=calibration_fields(recipe), log=_progress,
                        trust_remote_code=recipe.model.trust_remote_code)
 

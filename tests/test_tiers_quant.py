@@ -252,11 +252,15 @@ def test_w4_keys_include_calibration(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_w4_round_trip(method, tiny, tmp_path):
+def test_w4_round_trip(method, tiny, tmp_path, monkeypatch):
     pytest.importorskip("gptqmodel")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # gptqmodel would write ./logs/ here
     m = get_method(method)
     spec, ctx = _spec(method), _ctx(tiny)
     art, info = _prepare(method, spec, ctx, tmp_path)
+    assert not list(cwd.iterdir()), list(cwd.iterdir())
     assert info["group_size"] == 64 and info["library"]["gptqmodel"]
     assert json.loads((art / "quantize_config.json").read_text())["group_size"] == 64
     assert not list(art.parent.glob(".*offload*"))  # the offload folder is gone

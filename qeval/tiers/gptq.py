@@ -18,6 +18,8 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
   such a group size before any work, or picks one with ``group_size: auto``.
 - Quantization offloads finished layers to disk; the folder is a temporary sibling of the
   artifact, deleted afterwards (gptqmodel's default is a model-sized folder in /tmp).
+  gptqmodel's own quantization log (``./logs/<method>_log_*.log`` in the current
+  directory) goes there too.
 """
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ def _import_gptqmodel() -> Any:
         raise RuntimeError("gptq/awq tiers need gptqmodel (pip install 'gptqmodel>=7.6,<7.7'; "
                            f"see pyproject extra 'quant'): {e}") from e
     return gptqmodel
+
+
+def _redirect_quant_logs(folder: Path) -> None:
+    """gptqmodel writes a per-processor log to ``./logs/`` of the current directory (the
+    repository when run from there); point it at ``folder`` (deleted after quantizing;
+    the per-layer losses stay in the artifact's ``quant_log.csv``)."""
+    try:
+        from gptqmodel.looper import loop_processor
+    except ImportError:
+        return
+    if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
+        loop_processor._PROJECT_LOG_DIR = folder
 
 
 def working_group_sizes(in_features: dict[str, int]) -> list[int]:
@@ -176,6 +190,7 @@ class _GptqModelMethod(TierMethod):
         calib, n_tok = self._calibration(ctx)
         offload = tempfile.mkdtemp(prefix=f".{out_dir.name}.offload-", dir=out_dir.parent)
         try:
+            _redirect_quant_logs(Path(offload) / "logs")
             t0 = time.time()
             qc = self._quantize_config(spec, group, offload)
             gm = GPTQModel.load(ctx.source_path, qc, device=ctx.device, trust_remote_code=ctx.trust_remote_code,

@@ -103,6 +103,8 @@ def quant_summary(model: Any, params: int, layers: Iterable[tuple[Any, int]], gr
 
 def _is_packed(t: Any) -> bool:
     """True for a weight held as a tensor subclass (torchao) or a bitsandbytes Int8Params."""
+    if t is None:
+        return False
     data = getattr(t, "data", t)
     return type(data).__name__ not in ("Tensor", "Parameter") or type(t).__name__ == "Int8Params"
 
@@ -122,7 +124,8 @@ class Int8Method(TierMethod):
 
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
         return {"method": self.method, "source_sha256": ctx.source_sha256, "dtype": ctx.dtype,
-                "bits": 8, "scheme": "weight-only, per output channel, symmetric",
+                "bits": 8, "scheme": ("weight-only, per output channel, symmetric" if spec.backend == "torchao"
+                                      else "LLM.int8(): int8 rows, fp16 outlier columns above 6.0"),
                 "backend": spec.backend, "library": self._libs(spec)}
 
     def check(self, spec: Any, ctx: TierContext) -> dict:
