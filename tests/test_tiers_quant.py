@@ -146,6 +146,9 @@ def test_int8_round_trip(tiny, tmp_path):
     deq = m.load_dequantized(spec, ctx, art)
     assert type(deq.model.model.layers[0].self_attn.q_proj.weight.data).__name__ == "Tensor"
     assert float((_logprobs(deq.model, _ids()) - got).abs().max()) < 0.05
+    kd = _kld(_logprobs(deq.model, _ids()), got)
+    print(f"KLD dequantized vs real kernel (int8): {kd:.2e}")
+    assert kd < 1e-3, kd  # issue 5: the two quality paths agree
     # generation works through the engine, with the int8 KV cache too
     from qeval.engines.hf import HFEngine
     g = HFEngine(eng.model, "cpu", kv_cache="int8").generate(list(range(3, 40)), 5, ignore_stop=True)
@@ -281,4 +284,5 @@ def test_w4_round_trip(method, tiny, tmp_path, monkeypatch):
     assert "dequantized" in deq.backend
     assert all(type(x).__name__ == "Linear" for x in deq.model.model.layers[0].mlp.children() if hasattr(x, "in_features"))
     kd = _kld(_logprobs(deq.model, _ids()), got)
-    assert kd < 2e-3, kd
+    print(f"KLD dequantized vs real kernel ({method}): {kd:.2e}")
+    assert kd < 1e-3, kd  # issue 5: the two quality paths agree
