@@ -8,7 +8,8 @@ so every tier scores the very same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+import time
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -95,6 +96,37 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the model."""
         ...
+
+
+def greedy_loop(prefill: "Callable[[], int]", step: "Callable[[int], int]", max_new_tokens: int,
+                stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
+    """The timed greedy loop every engine shares.
+
+    Args:
+        prefill: runs the prompt, returns the first new token id.
+        step: feeds one token, returns the next token id.
+    Returns:
+        :class:`Generation` with each token's time (seconds since the call) taken when the
+        token id is known on the host.
+    """
+    stop = set(int(s) for s in stop_ids)
+    toks: list[int] = []
+    times: list[float] = []
+    finished = False
+    t0 = time.perf_counter()
+    tok = prefill()
+    times.append(time.perf_counter() - t0)
+    toks.append(tok)
+    while True:
+        if not ignore_stop and tok in stop:
+            finished = True
+            break
+        if len(toks) >= max_new_tokens:
+            break
+        tok = step(tok)
+        times.append(time.perf_counter() - t0)
+        toks.append(tok)
+    return Generation(toks, times[0], times, finished)
 
 
 def score(engine: Engine, token_ids: Sequence[int], window: int = 256) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .base import Generation, MemoryInfo
+from .base import Generation, MemoryInfo, greedy_loop
 
 
 def tensor_storage_bytes(tensors: Any) -> int:
@@ -178,35 +178,27 @@ class HFEngine:
                  stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
         """Greedy decoding; see :class:`qeval.engines.base.Generation` for timings (seconds)."""
         torch = self._torch
-        stop = set(int(s) for s in stop_ids)
         model = self.model
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         cache = self.new_cache()
-        toks: list[int] = []
-        times: list[float] = []
-        finished = False
+        state = {}
+
+        def prefill() -> int:
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])  # the host copy synchronises CUDA too
+
+        def step(_tok: int) -> int:
+            out = model(input_ids=state["nxt"], past_key_values=cache, use_cache=True)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])
+
         with torch.inference_mode():
             self._sync()
-            t0 = time.perf_counter()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            tok = int(nxt)
-            times.append(time.perf_counter() - t0)
-            toks.append(tok)
-            while True:
-                if not ignore_stop and tok in stop:
-                    finished = True
-                    break
-                if len(toks) >= max_new_tokens:
-                    break
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                tok = int(nxt)
-                times.append(time.perf_counter() - t0)
-                toks.append(tok)
+            gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
         self.last_cache_bytes = cache_nbytes(cache)
-        self.last_cache_tokens = ids.shape[1] + len(toks) - 1
-        return Generation(toks, times[0], times, finished)
+        self.last_cache_tokens = ids.shape[1] + len(gen.token_ids) - 1
+        return gen
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                        stop_ids: Sequence[int] = (), pad_id: int = 0) -> list[tuple[list[int], bool]]:

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .base import Generation, MemoryInfo
+from .base import Generation, MemoryInfo, greedy_loop
 
 # llama.cpp quantize types that refuse to run without an importance matrix
 # (tools/quantize/quantize.cpp: "Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or
@@ -378,31 +378,23 @@ class LlamaCppEngine:
         if not ids:
             raise ValueError("generate needs at least one prompt token")
         self._check_ids(ids)
-        stop = set(int(s) for s in stop_ids)
         ctx = self._ensure_ctx(len(ids) + max_new_tokens)
         L.llama_perf_context_reset(ctx)
-        toks: list[int] = []
-        times: list[float] = []
-        finished = False
-        t0 = time.perf_counter()
-        for s in range(0, len(ids), self.n_batch):
-            chunk = ids[s:s + self.n_batch]
-            self._decode(chunk, s, "last" if s + len(chunk) == len(ids) else "none")
-        tok = int(np.argmax(self._last_logits()))
-        times.append(time.perf_counter() - t0)
-        toks.append(tok)
-        pos = len(ids)
-        while True:
-            if not ignore_stop and tok in stop:
-                finished = True
-                break
-            if len(toks) >= max_new_tokens:
-                break
-            self._decode([tok], pos, "last")
-            pos += 1
-            tok = int(np.argmax(self._last_logits()))
-            times.append(time.perf_counter() - t0)
-            toks.append(tok)
+        state = {"pos": len(ids)}
+
+        def prefill() -> int:
+            for s in range(0, len(ids), self.n_batch):
+                chunk = ids[s:s + self.n_batch]
+                self._decode(chunk, s, "last" if s + len(chunk) == len(ids) else "none")
+            return int(np.argmax(self._last_logits()))
+
+        def step(tok: int) -> int:
+            self._decode([tok], state["pos"], "last")
+            state["pos"] += 1
+            return int(np.argmax(self._last_logits()))
+
+        gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+        pos = state["pos"]
         L.llama_synchronize(ctx)
         pc = L.llama_perf_context(ctx)
         self.last_perf = {"t_p_eval_ms": pc.t_p_eval_ms, "n_p_eval": pc.n_p_eval,
@@ -411,7 +403,7 @@ class LlamaCppEngine:
         self.last_cache_bytes = int(round(self.kv_bytes_per_token_analytic() * pos))
         # llama.cpp's own count (K/V rows + ~12 bytes of cell metadata per token + header)
         self.last_state_bytes = int(L.llama_state_seq_get_size(ctx, 0))
-        return Generation(toks, times[0], times, finished)
+        return gen
 
     # -- memory --------------------------------------------------------------------------
     def kv_bytes_per_token_analytic(self) -> float:
