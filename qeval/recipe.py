@@ -181,6 +181,9 @@ class QualitySpec(_Strict):
     window: int = Field(256, gt=0, description="positions per scoring window (bounds full-vocabulary memory)")
     bootstrap: int = Field(1000, gt=0, description="bootstrap resamples for the pass-rate interval")
     batch_size: int = Field(8, gt=0, description="free-running answers generated together (transformers engine)")
+    fidelity_max_new_tokens: int | None = Field(
+        None, gt=0, description="reference answers to items past a suite's limit (used for fidelity only) "
+                                "stop at this many tokens; None: the suite's max_new_tokens")
     lm_eval_tasks: list[str] = Field(default_factory=list, description="paths to local lm-eval task YAMLs")
     lm_eval_limit: int | None = Field(None, gt=0)
 

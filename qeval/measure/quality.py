@@ -74,8 +74,13 @@ def load_suites(recipe) -> list[tuple[Any, list]]:
 
 
 def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[tuple[Any, list]],
-               batch_size: int, progress: Callable[[str], None], limit_items: bool) -> list[dict]:
+               batch_size: int, progress: Callable[[str], None], limit_items: bool,
+               short_budget: int | None = None) -> list[dict]:
     """Greedy answers to every turn of every item, turn by turn (own answers become history).
+
+    ``limit_items``: only the first ``limit`` items of each suite (free-running behaviour).
+    ``short_budget``: for the reference pass, items beyond a suite's ``limit`` (used for
+    teacher-forced fidelity only) are answered with at most this many tokens.
 
     Returns one segment dict per answered turn: item, suite, turn, prompt_ids, answer_ids,
     finished, text, checks (list of bool), check_details.
@@ -86,13 +91,20 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
         chosen = items[: spec.limit] if (limit_items and spec.limit) else items
         histories: dict[str, list[tuple[str, str]]] = {it.id: [] for it in chosen}
         max_turns = max((len(it.turns) for it in chosen), default=0)
+        index = {it.id: i for i, it in enumerate(chosen)}
         for t in range(max_turns):
             active = [it for it in chosen if len(it.turns) > t]
-            for b in range(0, len(active), batch_size):
-                batch = active[b:b + batch_size]
-                progress(f"{spec.name}: turn {t + 1}, items {b + 1}-{b + len(batch)} of {len(active)}")
+            # batches never mix full-budget items (within the limit) and short-budget ones
+            cut = spec.limit if (short_budget and spec.limit) else len(chosen)
+            groups = [[it for it in active if index[it.id] < cut], [it for it in active if index[it.id] >= cut]]
+            batches = [g[b:b + batch_size] for g in groups for b in range(0, len(g), batch_size)]
+            done = 0
+            for batch in batches:
+                b_index = [index[it.id] for it in batch]
+                progress(f"{spec.name}: turn {t + 1}, items {done + 1}-{done + len(batch)} of {len(active)}")
+                done += len(batch)
                 prompts = [prompt_ids(tokenizer, it.system, histories[it.id], it.turns[t].user) for it in batch]
-                budgets = [it.max_new_tokens or spec.max_new_tokens for it in batch]
+                budgets = [_budget(spec, it, i, short_budget) for it, i in zip(batch, b_index)]
                 budget = max(budgets)
                 if hasattr(engine, "generate_batch"):
                     outs = engine.generate_batch(prompts, budget, stop_ids=stop, pad_id=pad)
@@ -115,6 +127,15 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
     return segments
 
 
+def _budget(spec: Any, item: Any, position: int, short_budget: int | None) -> int:
+    """Token budget of one answer: the item's own, else the suite's; capped at
+    ``short_budget`` for items past the suite's behaviour ``limit``."""
+    full = item.max_new_tokens or spec.max_new_tokens
+    if short_budget and spec.limit and position >= spec.limit:
+        return min(full, short_budget)
+    return full
+
+
 def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
     """Run the reference tier on every suite item; store ids and log-probabilities."""
     from transformers import AutoTokenizer
@@ -127,7 +148,8 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     stop = stop_token_ids(tok, ctx.source_path)
     suites = load_suites(recipe)
-    segments = answer_all(engine, tok, stop, suites, recipe.quality.batch_size, progress, limit_items=False)
+    segments = answer_all(engine, tok, stop, suites, recipe.quality.batch_size, progress, limit_items=False,
+                          short_budget=recipe.quality.fidelity_max_new_tokens)
     gen_s = time.time() - t0
     total = sum(len(s["answer_ids"]) for s in segments)
     out_dir = run_dir / "reference"
