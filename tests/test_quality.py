@@ -115,3 +115,35 @@ def test_bootstrap_interval_brackets_the_rate():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_multi_turn_prompts_keep_the_answers_token_exact(tiny_llama, bf16_engine):
+    from transformers import AutoTokenizer
+    from qeval.measure.quality import answer_all, conversations, fidelity, iter_answer_logprobs
+    from qeval.measure.suites import load_suite
+    from pathlib import Path
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    items = load_suite(Path(__file__).parent / "data" / "suite_multi.jsonl", "mt", multi_turn=True)
+
+    class Spec:
+        name, kind, limit, max_new_tokens = "mt", "multi_turn", None, 6
+
+    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+    segs = answer_all(bf16_engine, tok, stop, [(Spec, items)], 4, lambda s: None, limit_items=False)
+    assert len(segs) == 6
+    for a, b in zip(segs, segs[1:]):
+        if a["item"] == b["item"]:
+            full = a["prompt_ids"] + a["answer_ids"]
+            assert b["prompt_ids"][:len(full)] == full  # the generated ids are inside the next prompt
+            tail = tok.decode(b["prompt_ids"][len(full):])
+            assert "<|im_start|>user" in tail and tail.rstrip().endswith("<|im_start|>assistant")
+    groups = conversations(segs)
+    assert [len(g) for g in groups] == [3, 3]  # one scoring pass per conversation
+    # one pass per conversation gives the same rows as one pass per turn
+    for g in groups:
+        joint_rows = list(iter_answer_logprobs(bf16_engine, g, 4))
+        for s in g:
+            alone = [lp for _, _, lp in iter_answer_logprobs(bf16_engine, [s], 4)]
+            joint = [lp for seg, _, lp in joint_rows if seg is s]
+            assert sum(len(x) for x in joint) == len(s["answer_ids"])
+            np.testing.assert_allclose(np.concatenate(alone), np.concatenate(joint), atol=0.05)

@@ -32,13 +32,14 @@ def bucket_name(lo: int, hi: int | None) -> str:
 def kld_rows(ref_logp: np.ndarray, tier_logp: np.ndarray) -> np.ndarray:
     """Per-row KL(P_ref || P_tier) in nats for ``[m, vocab]`` log-probability arrays.
 
-    Rows are upcast to float64; terms with p_ref == 0 contribute 0.
+    Terms are computed in float32 (inputs are float16-rounded) and summed in float64;
+    terms with p_ref == 0 contribute 0.
     """
-    r = ref_logp.astype(np.float64)
-    t = tier_logp.astype(np.float64)
+    r = ref_logp.astype(np.float32)
+    t = tier_logp.astype(np.float32)
     p = np.exp(r)
-    d = np.where(p > 0, p * (r - t), 0.0)
-    return np.maximum(d.sum(axis=1), 0.0)
+    d = np.where(p > 0, p * (r - t), np.float32(0.0))
+    return np.maximum(d.sum(axis=1, dtype=np.float64), 0.0)
 
 
 @dataclass

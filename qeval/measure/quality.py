@@ -64,6 +64,36 @@ def prompt_ids(tokenizer: Any, system: str | None, history: list[tuple[str, str]
     return [int(i) for i in ids]
 
 
+_MARK = "\u2063qeval-answer\u2063"
+
+
+def continuation_ids(tokenizer: Any, system: str | None, user: str, answer_ids: list[int],
+                     finished: bool, stop: list[int]) -> list[int] | None:
+    """Token ids that follow an assistant answer to start the next user turn, so that a
+    conversation's prompt for turn k+1 is exactly turn k's prompt + answer ids + these ids
+    (the answers stay the very tokens generated, not a re-tokenization of their text).
+
+    Derived from the chat template: render a conversation whose assistant content is a
+    marker, with and without the next user turn, and take what follows the marker.
+    Returns None when the template does not extend a conversation that way.
+    """
+    msgs = _messages(system, [("u", _MARK)], "v")
+    try:
+        closed = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
+        extended = tokenizer.apply_chat_template(msgs[:-1] + [{"role": "user", "content": user}],
+                                                 tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return None
+    head = closed.split(_MARK)[0] + _MARK
+    if not extended.startswith(head):
+        return None
+    ids = tokenizer(extended[len(head):], add_special_tokens=False)["input_ids"]
+    ids = [int(i) for i in ids]
+    if finished and answer_ids and ids and ids[0] == answer_ids[-1] and answer_ids[-1] in stop:
+        ids = ids[1:]  # the answer already ends with the end-of-turn token
+    return ids
+
+
 def load_suites(recipe) -> list[tuple[Any, list]]:
     """``[(suite spec, items)]`` for every suite in the recipe (items validated)."""
     out = []
@@ -90,6 +120,7 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
     for spec, items in suite_items:
         chosen = items[: spec.limit] if (limit_items and spec.limit) else items
         histories: dict[str, list[tuple[str, str]]] = {it.id: [] for it in chosen}
+        last: dict[str, tuple[list[int], list[int], bool]] = {}  # item -> (prompt, answer, finished)
         max_turns = max((len(it.turns) for it in chosen), default=0)
         index = {it.id: i for i, it in enumerate(chosen)}
         for t in range(max_turns):
@@ -103,7 +134,7 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
                 b_index = [index[it.id] for it in batch]
                 progress(f"{spec.name}: turn {t + 1}, items {done + 1}-{done + len(batch)} of {len(active)}")
                 done += len(batch)
-                prompts = [prompt_ids(tokenizer, it.system, histories[it.id], it.turns[t].user) for it in batch]
+                prompts = [_next_prompt(tokenizer, it, t, histories[it.id], last.get(it.id), stop) for it in batch]
                 budgets = [_budget(spec, it, i, short_budget) for it, i in zip(batch, b_index)]
                 budget = max(budgets)
                 if hasattr(engine, "generate_batch"):
@@ -120,11 +151,65 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
                     text = tokenizer.decode(body, skip_special_tokens=True)
                     res = run_checks(it.turns[t], text)
                     histories[it.id].append((it.turns[t].user, text))
+                    last[it.id] = (p, list(ids), bool(fin))
                     segments.append({"item": f"{spec.name}/{it.id}", "suite": spec.name, "kind": spec.kind,
                                      "turn": t, "prompt_ids": p, "answer_ids": list(ids), "finished": bool(fin),
                                      "text": text, "checks": [r.passed for r in res],
                                      "check_details": [f"{r.kind}: {r.detail}" for r in res]})
     return segments
+
+
+def _next_prompt(tokenizer: Any, item: Any, t: int, history: list[tuple[str, str]],
+                 last: tuple[list[int], list[int], bool] | None, stop: list[int]) -> list[int]:
+    """Prompt ids for turn ``t``: the chat template for turn 0; afterwards the previous
+    prompt + the previous answer's own ids + :func:`continuation_ids` (re-rendering the
+    text history only when the template cannot be extended)."""
+    user = item.turns[t].user
+    if t > 0 and last is not None:
+        prev_prompt, prev_answer, fin = last
+        cont = continuation_ids(tokenizer, item.system, user, prev_answer, fin, stop)
+        if cont is not None:
+            return prev_prompt + prev_answer + cont
+    return prompt_ids(tokenizer, item.system, history, user)
+
+
+def conversations(segments: list[dict]) -> list[list[dict]]:
+    """Segments grouped into sequences scored in one pass: the turns of one item whose
+    prompts extend each other token for token; any other segment stands alone."""
+    groups: list[list[dict]] = []
+    by_item: dict[str, list[dict]] = {}
+    for s in segments:
+        by_item.setdefault(s["item"], []).append(s)
+    for segs in by_item.values():
+        segs = sorted(segs, key=lambda x: x["turn"])
+        cur = [segs[0]]
+        for s in segs[1:]:
+            prev = cur[-1]
+            full = prev["prompt_ids"] + prev["answer_ids"]
+            if s["prompt_ids"][:len(full)] == full:
+                cur.append(s)
+            else:
+                groups.append(cur)
+                cur = [s]
+        groups.append(cur)
+    return groups
+
+
+def iter_answer_logprobs(engine: Any, group: list[dict], window: int):
+    """One teacher-forced pass over a conversation; yields ``(segment, j, logp)`` where
+    ``logp`` rows predict answer tokens ``j .. j + len(logp) - 1`` of ``segment``."""
+    seq = group[-1]["prompt_ids"] + group[-1]["answer_ids"]
+    spans = [(s, len(s["prompt_ids"]) - 1, len(s["prompt_ids"]) - 1 + len(s["answer_ids"])) for s in group
+             if s["answer_ids"]]
+    if not spans:
+        return
+    first = spans[0][1]
+    for start, logp in engine.iter_logprobs(seq, window, first):
+        end = start + len(logp)
+        for s, a, b in spans:  # answer rows are [a, b) in sequence positions
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                yield s, lo - a, logp[lo - start:hi - start]
 
 
 def _budget(spec: Any, item: Any, position: int, short_budget: int | None) -> int:
@@ -157,14 +242,14 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
     tmp = out_dir / "logprobs.tmp.npy"
     mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=ROUND, shape=(total, engine.vocab_size))
     off = 0
-    for i, s in enumerate(segments):
-        progress(f"reference log-probabilities: segment {i + 1}/{len(segments)}")
+    for s in segments:
         s["offset"] = off
-        seq = s["prompt_ids"] + s["answer_ids"]
-        first = len(s["prompt_ids"]) - 1
-        for start, logp in engine.iter_logprobs(seq, recipe.quality.window, first):
-            mm[off + start - first: off + start - first + len(logp)] = logp.astype(ROUND)
         off += len(s["answer_ids"])
+    groups = conversations(segments)
+    for i, group in enumerate(groups):
+        progress(f"reference log-probabilities: sequence {i + 1}/{len(groups)}")
+        for s, j, logp in iter_answer_logprobs(engine, group, recipe.quality.window):
+            mm[s["offset"] + j: s["offset"] + j + len(logp)] = logp.astype(ROUND)
     mm.flush()
     del mm
     tmp.replace(out_dir / "logprobs.npy")
@@ -197,18 +282,14 @@ def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window
              progress: Callable[[str], None] = lambda s: None) -> dict:
     """Teacher-forced fidelity of ``engine`` on the reference segments (see fidelity.py)."""
     acc = FidelityAccumulator()
-    for i, s in enumerate(segments):
-        if not s["answer_ids"]:
-            continue
-        progress(f"fidelity: segment {i + 1}/{len(segments)}")
-        seq = s["prompt_ids"] + s["answer_ids"]
-        first = len(s["prompt_ids"]) - 1
-        targets = np.asarray(s["answer_ids"], dtype=np.int64)
-        for start, logp in engine.iter_logprobs(seq, window, first):
-            j = start - first
+    groups = conversations(segments)
+    for i, group in enumerate(groups):
+        progress(f"fidelity: sequence {i + 1}/{len(groups)}")
+        for s, j, logp in iter_answer_logprobs(engine, group, window):
             m = len(logp)
             ref = np.asarray(ref_logprobs[s["offset"] + j: s["offset"] + j + m])
-            acc.add(ref, logp, targets[j:j + m], np.arange(j, j + m))
+            targets = np.asarray(s["answer_ids"][j:j + m], dtype=np.int64)
+            acc.add(ref, logp, targets, np.arange(j, j + m))
     return acc.summary()
 
 
