@@ -2,7 +2,9 @@
 
 Definitions (docs/design.md): TTFT (s) = prompt of depth d in, first new token out.
 Decode tokens/s = (n - 1) / (t_last - t_first) over n new tokens after depth d.
-Warm-up runs first, then the median of ``repeats``; thread count pinned by the worker.
+Warm-up runs first (``warmup`` runs at the shallowest depth, as llama-bench warms up once
+before its tests), then the median of ``repeats`` at each depth; thread count pinned by
+the worker. Each depth's peak memory is taken over its repeats.
 """
 from __future__ import annotations
 
@@ -49,11 +51,12 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
     speed: dict[str, dict] = {}
     peaks: dict[str, int | None] = {}
     kv: dict[str, int] = {}
+    shallowest = min(prompts)
+    for _ in range(warmup):  # once, at the shallowest depth: first-call costs, allocator, kernels
+        progress(f"warm-up at depth {shallowest}")
+        engine.generate(list(prompts[shallowest]), decode_tokens, ignore_stop=True)
     for depth in sorted(prompts):
         ids = list(prompts[depth])
-        progress(f"depth {depth}: warm-up")
-        for _ in range(warmup):
-            engine.generate(ids, decode_tokens, ignore_stop=True)
         peak.reset()
         ttfts: list[float] = []
         decs: list[float] = []
