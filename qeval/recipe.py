@@ -214,6 +214,7 @@ class GateSpec(_Strict):
 
 
 class ReportSpec(_Strict):
+    """Report settings: a tier decoding below ``slow_path_fraction`` x the reference at the deepest depth is flagged."""
     slow_path_fraction: float = Field(0.5, gt=0, le=1)
 
 

@@ -229,6 +229,7 @@ class Runner:
 
     # -- the run ----------------------------------------------------------------------
     def write_run_json(self, extra: dict | None = None) -> dict:
+        """Write ``run.json`` atomically: resolved recipe, versions, CPU, threads, git commit, plus ``extra``."""
         p = self.run_dir / "run.json"
         run = read_json(p) if p.exists() else {}
         run.update({

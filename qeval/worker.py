@@ -56,6 +56,7 @@ def pin_threads(threads: int) -> None:
 
 
 def tier_context(recipe, run_dir: Path, device: str):
+    """The :class:`~qeval.tiers.base.TierContext` of this run (source from the source stage; threads from QEVAL_STAGE_THREADS or the recipe)."""
     from .tiers.base import TierContext
     src = json.loads(stage_path(run_dir, "_run", "source").read_text())
     from .calibration import calibration_fields, load_calibration_texts
@@ -73,6 +74,7 @@ def tier_context(recipe, run_dir: Path, device: str):
 # ---- stages -----------------------------------------------------------------------------
 
 def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
+    """Resolve (convert once, then reuse) the BF16 source checkpoint; adds its max context (tokens)."""
     from .source import model_max_context, resolve_source
     _progress("resolving source checkpoint")
     src = resolve_source(recipe.model, convert=True)
@@ -82,6 +84,7 @@ def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
 
 
 def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
+    """Device, GPU name and memory (bytes), and the memory bandwidth (bytes/s) for the roofline."""
     import torch
     from .engines.hf import pick_device
     from .measure.bandwidth import measure_bandwidth
@@ -96,6 +99,7 @@ def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
 
 
 def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
+    """Check the tier against the model, then build or reuse its artifact (quantization time in s, peak bytes)."""
     from .artifacts import get_or_build
     from .engines.hf import pick_device
     from .measure.memory import hwm_bytes, rss_bytes
@@ -128,6 +132,7 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
 
 
 def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
+    """In a fresh process: load the artifact, then weight bytes, KV bytes/token, peak memory (bytes), TTFT (s) and decode tokens/s at every depth."""
     from .engines.hf import pick_device
     from .measure.memory import PeakMemory, rss_bytes
     from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
@@ -179,6 +184,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
 
 
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
+    """The reference tier answers every suite item; ids and log-probabilities stored once (see measure/quality.py)."""
     from .measure.quality import reference_pass
     from .engines.hf import pick_device
     device = pick_device(recipe.device)
@@ -188,6 +194,7 @@ def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
 
 
 def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
+    """Fidelity and behaviour of one tier against the stored reference."""
     from .measure.quality import tier_quality
     from .engines.hf import pick_device
     device = pick_device(recipe.device)
@@ -201,6 +208,7 @@ STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "m
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``STAGE RUN_DIR [TIER]``; exit 0 ok, 1 exception (recorded), 2 bad input (recorded)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     stage, run_dir = argv[0], Path(argv[1])
     tier = argv[2] if len(argv) > 2 else "_run"
