@@ -167,3 +167,18 @@ def test_resume_refuses_a_changed_recipe(reference_run, tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert "cannot resume" in p.stderr and "speed" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_second_run_reuses_the_reference_pass(reference_run, tmp_path):
+    recipe, first_dir, _ = reference_run
+    p = _qeval("run", recipe, "--out", tmp_path / "again", env=_env(recipe.parent / "cache"))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    second = _run_dir(tmp_path / "again")
+    a = json.loads((first_dir / "stages/_run.reference.json").read_text())
+    b = json.loads((second / "stages/_run.reference.json").read_text())
+    assert a["reused"] is False and b["reused"] is True and a["artifact"] == b["artifact"]
+    assert (second / "reference/segments.json").read_bytes() == (first_dir / "reference/segments.json").read_bytes()
+    got = json.loads((second / "tiers/bf16-kv8.json").read_text())["quality"]["fidelity"]
+    want = json.loads((first_dir / "tiers/bf16-kv8.json").read_text())["quality"]["fidelity"]
+    assert got == want

@@ -16,6 +16,8 @@ measured with the real kernel. The tier row records which engine produced the fi
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -221,8 +223,48 @@ def _budget(spec: Any, item: Any, position: int, short_budget: int | None) -> in
     return full
 
 
+def reference_fields(recipe, ctx) -> dict:
+    """What determines the reference pass (its cache key): source, reference tier, every
+    suite file and setting, the quality settings that shape answers, device, threads and
+    library versions."""
+    from importlib.metadata import version
+    from ..source import file_sha256
+    suites = [{**s.model_dump(mode="json"), "sha256": file_sha256(recipe.resolve_path(s.path))}
+              for s in recipe.suites]
+    q = recipe.quality
+    return {"kind": "reference", "source_sha256": ctx.source_sha256,
+            "tier": recipe.tier(recipe.gate.reference).model_dump(mode="json"), "suites": suites,
+            "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
+            "device": ctx.device, "threads": ctx.threads,
+            "versions": {p: version(p) for p in ("torch", "transformers")}}
+
+
 def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
-    """Run the reference tier on every suite item; store ids and log-probabilities."""
+    """Reference answers and log-probabilities into ``run_dir/reference/``: built once per
+    :func:`reference_fields` in the artifact cache (a second run of the same recipe
+    reuses them) and linked into the run folder."""
+    from ..artifacts import get_or_build
+    folder, manifest, reused = get_or_build("reference", reference_fields(recipe, ctx),
+                                            lambda out: build_reference(recipe, run_dir, ctx, out, progress),
+                                            log=progress)
+    out_dir = run_dir / "reference"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("segments.json", "logprobs.npy"):
+        dst = out_dir / name
+        tmp = out_dir / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(folder / name, tmp)  # same file system: no copy of the log-probabilities
+        except OSError:
+            shutil.copyfile(folder / name, tmp)
+        os.replace(tmp, dst)
+    progress(f"reference {'reused' if reused else 'built'}: {folder}")
+    return {**manifest["info"], "reused": reused, "artifact": str(folder)}
+
+
+def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callable[[str], None] = print) -> dict:
+    """Run the reference tier on every suite item; write ``segments.json`` (ids, texts,
+    checks) and ``logprobs.npy`` (float16 ``[answer tokens, vocab]``) into ``out_dir``."""
     from transformers import AutoTokenizer
     from ..tiers import get_method
 
@@ -237,10 +279,8 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
                           short_budget=recipe.quality.fidelity_max_new_tokens)
     gen_s = time.time() - t0
     total = sum(len(s["answer_ids"]) for s in segments)
-    out_dir = run_dir / "reference"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "logprobs.tmp.npy"
-    mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=ROUND, shape=(total, engine.vocab_size))
+    mm = np.lib.format.open_memmap(out_dir / "logprobs.npy", mode="w+", dtype=ROUND,
+                                   shape=(total, engine.vocab_size))
     off = 0
     for s in segments:
         s["offset"] = off
@@ -252,10 +292,10 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
             mm[s["offset"] + j: s["offset"] + j + len(logp)] = logp.astype(ROUND)
     mm.flush()
     del mm
-    tmp.replace(out_dir / "logprobs.npy")
     atomic_write_json(out_dir / "segments.json", segments)
     return {"segments": len(segments), "answer_tokens": total, "vocab": engine.vocab_size,
-            "generate_seconds": gen_s, "stop_ids": stop, "backend": engine.backend}
+            "generate_seconds": gen_s, "reference_seconds": time.time() - t0, "stop_ids": stop,
+            "backend": engine.backend}
 
 
 def _artifact(run_dir: Path, tier: str) -> Path | None:
