@@ -18,8 +18,10 @@ STAMP := $(VENV)/.qeval-installed
 PYTEST_ARGS ?=
 
 .PHONY: demo test setup clean-venv
+# exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
 demo: $(STAMP)
-	$(VENV)/bin/qeval run $(RECIPE)
+	@$(VENV)/bin/qeval run $(RECIPE); rc=$$?; \
+	if [ $$rc -eq 1 ]; then echo "demo finished; the recipe's gate failed a candidate (exit 1 in CI)"; exit 0; fi; exit $$rc
 
 test: $(STAMP)
 	@set +e; $(PY) -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \

@@ -70,5 +70,6 @@ def run_lm_eval(engine: Any, tokenizer: Any, task_paths: list[Path], out_dir: Pa
     out: dict[str, Any] = {}
     for task, metrics in (res or {}).get("results", {}).items():
         out[task] = {k.split(",")[0]: float(v) for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and not k.startswith("alias") and "stderr" not in k}
+                     if isinstance(v, (int, float)) and not k.startswith(("alias", "sample_len"))
+                     and "stderr" not in k}
     return out
