@@ -483,7 +483,7 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
     return env.from_string(_TEMPLATE).render(
         name=a.recipe.get("name", "run"),
         model=get_path(a.recipe, "model", "source") or get_path(a.recipe, "model", "gguf_package") or "?",
-        created=run.get("created_utc") or run.get("created") or "time not recorded",
+        created=run.get("started_at") or run.get("created_utc") or "time not recorded",
         device=device, threads=a.recipe.get("threads", "?"), depth=a.depth,
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
         reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
