@@ -97,9 +97,6 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         if executor is not None and executor not in ("local", "ray"):
             raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")
         if r.storage and out_dir is None and resume is None:
-            if "://" in r.storage:
-                raise r.error(("storage",), "storage URLs are not supported: mount the bucket on every node "
-                                            "(s3fs, gcsfuse, NFS) and give the mount path")
             out_dir = Path(r.storage).expanduser() / "results"
             os.environ.setdefault("QEVAL_CACHE", str(Path(r.storage).expanduser() / "cache"))
         if resume is not None:

