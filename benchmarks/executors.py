@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tests"))
 TIERS = """  - {name: bf16, method: bf16}
   - {name: bf16-kv8, method: bf16, kv_cache: int8}
   - {name: int8, method: int8}
-  - {name: gguf-q8, method: gguf, type: Q8_0}
+  - {name: gptq, method: gptq, group_size: 64}
 """
 
 
@@ -44,7 +44,8 @@ def main() -> None:
     model = build_tiny_llama(tmp / "model", hidden=a.hidden, layers=a.layers, heads=4, kv_heads=2,
                              intermediate=2 * a.hidden)
     recipe = load_recipe(write_recipe(tmp / "r.yaml", model, tiers=TIERS, suites=False,
-                                      extra="resources: {num_cpus: 1}"))
+                                      extra="resources: {num_cpus: 1}\n"
+                                            f"calibration: {{path: {REPO}/datasets/calibration.jsonl, samples: 8, seq_len: 128}}"))
     # warm the artifact cache once so both executors measure the same work
     Runner(recipe, new_run_dir(recipe, tmp / "warm")).run()
     t = time.perf_counter()
