@@ -169,7 +169,8 @@ class SuiteSpec(_Strict):
     name: str
     path: str
     kind: Literal["long_output", "multi_turn"]
-    max_new_tokens: int = Field(512, gt=0)
+    max_new_tokens: int = Field(512, gt=0, description="cap on every answer; an item's own "
+                                "max_new_tokens applies when smaller")
     limit: int | None = Field(None, gt=0, description="free-running behaviour on the first N items only")
 
 

@@ -147,3 +147,19 @@ def test_multi_turn_prompts_keep_the_answers_token_exact(tiny_llama, bf16_engine
             joint = [lp for seg, _, lp in joint_rows if seg is s]
             assert sum(len(x) for x in joint) == len(s["answer_ids"])
             np.testing.assert_allclose(np.concatenate(alone), np.concatenate(joint), atol=0.05)
+
+
+def test_recipe_caps_the_item_budget():
+    from qeval.measure.quality import _budget
+
+    class Spec:
+        max_new_tokens, limit = 100, 2
+
+    class Item:
+        def __init__(self, n):
+            self.max_new_tokens = n
+
+    assert _budget(Spec, Item(768), 0, None) == 100   # the recipe caps a longer item budget
+    assert _budget(Spec, Item(40), 0, None) == 40     # a smaller item budget applies
+    assert _budget(Spec, Item(None), 0, None) == 100
+    assert _budget(Spec, Item(768), 5, 32) == 32      # past the limit: fidelity-only answers are short

@@ -215,9 +215,10 @@ def iter_answer_logprobs(engine: Any, group: list[dict], window: int):
 
 
 def _budget(spec: Any, item: Any, position: int, short_budget: int | None) -> int:
-    """Token budget of one answer: the item's own, else the suite's; capped at
-    ``short_budget`` for items past the suite's behaviour ``limit``."""
-    full = item.max_new_tokens or spec.max_new_tokens
+    """Token budget of one answer: the recipe's ``max_new_tokens`` for the suite, or the
+    item's own when that is smaller (the recipe caps what a run may spend); capped again
+    at ``short_budget`` for items past the suite's behaviour ``limit``."""
+    full = min(item.max_new_tokens or spec.max_new_tokens, spec.max_new_tokens)
     if short_budget and spec.limit and position >= spec.limit:
         return min(full, short_budget)
     return full
