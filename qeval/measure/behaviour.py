@@ -15,7 +15,6 @@ text similarity, budget exhaustion.
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import numpy as np
@@ -146,4 +145,3 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
     }
 
 
-_WS = re.compile(r"\s+")
