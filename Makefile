@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # -march=native segfaults in the Intel AMX path on some CPUs. For CUDA:
 #   make demo LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
-EXTRAS ?= quant,gguf,ray,lmeval,test
+EXTRAS ?= quant,gguf,ray,storage,lmeval,test
 RECIPE ?= recipes/smollm2-135m.yaml
 STAMP := $(VENV)/.qeval-installed
 PYTEST_ARGS ?=

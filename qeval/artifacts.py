@@ -62,18 +62,38 @@ def verify(folder: Path) -> tuple[bool, str]:
 
 
 def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
-                 log: Callable[[str], None] = print) -> tuple[Path, dict, bool]:
+                 log: Callable[[str], None] = print, remote: Any = None) -> tuple[Path, dict, bool]:
     """Return ``(folder, manifest, reused)`` for the artifact of ``fields``, building it with
     ``build(tmp_folder) -> info`` when absent or corrupt. The build writes into a temporary
-    sibling folder renamed into place only after the manifest is written."""
+    sibling folder renamed into place only after the manifest is written.
+
+    With ``remote`` (a :class:`qeval.storage.RemoteStorage`), an artifact missing here is
+    first fetched from the store (and verified like a local one); a built or local one is
+    uploaded when the store lacks it, so other nodes and later runs reuse it."""
     key = artifact_key(fields)
     folder = artifact_dir(method, key)
-    if folder.exists():
-        ok, why = verify(folder)
-        if ok:
-            return folder, json.loads((folder / "manifest.json").read_text()), True
-        log(f"artifact {folder.name} is unusable ({why}): rebuilding")
-        shutil.rmtree(folder, ignore_errors=True)
+    remote_bad = False
+    for attempt in ("local", "remote"):
+        if attempt == "remote":
+            if remote is None:
+                break
+            try:
+                if not _fetch(remote, folder):
+                    break
+            except Exception as e:  # a broken store copy is rebuilt like a broken local one
+                log(f"artifact {folder.name}: fetching from {remote.url} failed ({e.__class__.__name__}: {e})")
+                break
+            log(f"artifact {folder.name} fetched from {remote.url}")
+        if folder.exists():
+            ok, why = verify(folder)
+            if ok:
+                manifest = json.loads((folder / "manifest.json").read_text())
+                _publish(remote, folder, log)
+                return folder, manifest, True
+            log(f"artifact {folder.name}{' from the store' if attempt == 'remote' else ''} is unusable "
+                f"({why}): rebuilding")
+            remote_bad = attempt == "remote"
+            shutil.rmtree(folder, ignore_errors=True)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -90,4 +110,20 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish(remote, folder, log, replace=remote_bad)
     return folder, manifest, False
+
+
+def _fetch(remote: Any, folder: Path) -> bool:
+    from .storage import fetch_artifact
+    return fetch_artifact(remote, folder.name, folder)
+
+
+def _publish(remote: Any, folder: Path, log: Callable[[str], None], replace: bool = False) -> None:
+    """Upload a verified artifact to the store (when there is one and it lacks it, or its
+    copy there was unusable)."""
+    if remote is None:
+        return
+    from .storage import publish_artifact
+    if publish_artifact(remote, folder.name, folder, replace=replace):
+        log(f"artifact {folder.name} uploaded to {remote.url}")

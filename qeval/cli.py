@@ -81,7 +81,8 @@ def validate(recipe: Path = typer.Argument(..., help="recipe YAML")) -> None:
 def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         tiers: Optional[str] = typer.Option(None, "--tiers", help="comma-separated subset, e.g. bf16,int8"),
         out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default: results/)"),
-        resume: Optional[Path] = typer.Option(None, "--resume", help="an unfinished run folder to complete"),
+        resume_arg: Optional[str] = typer.Option(None, "--resume", help="an unfinished run folder (or its URL "
+                                                 "under a storage URL) to complete"),
         executor: Optional[str] = typer.Option(None, "--executor", help="local or ray"),
         ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address"),
         junit: Optional[Path] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
@@ -90,15 +91,27 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     from .recipe import load_recipe
     from .run import Interrupted, Runner, new_run_dir, preflight
     from .source import static_checks
+    resume = Path(resume_arg) if resume_arg else None
     try:
         r = load_recipe(recipe)
         static_checks(r)
         subset = _parse_tiers(r, tiers)
         if executor is not None and executor not in ("local", "ray"):
             raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")
-        if r.storage and out_dir is None and resume is None:
+        from .storage import is_url, storage_for
+        remote = storage_for(r)
+        if remote is not None:  # a URL: work in a local staging folder, copy through the store
+            remote.probe()
+            if out_dir is None:
+                out_dir = _staging_root()
+            if resume is not None and is_url(str(resume_arg)):
+                resume = _fetch_run(remote, str(resume_arg))
+        elif r.storage and out_dir is None and resume is None:
             out_dir = Path(r.storage).expanduser() / "results"
             os.environ.setdefault("QEVAL_CACHE", str(Path(r.storage).expanduser() / "cache"))
+        if resume is not None and is_url(str(resume_arg)) and remote is None:
+            raise QevalInputError("a run URL can be resumed only with the recipe's storage at that URL",
+                                  field="--resume")
         if resume is not None:
             if not (resume / "run.json").is_file():
                 raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")
@@ -125,12 +138,51 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     except QevalInputError as e:
         _fail(e)
     except Interrupted:
+        where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "
-                      f"`qeval run {recipe} --resume {run_dir}`", highlight=False)
+                      f"`qeval run {recipe} --resume {where}`", highlight=False)
         raise typer.Exit(130)
     code = _decide(run_dir, junit)
-    console.print(f"results: {run_dir}", highlight=False)
+    if runner.remote is not None:
+        try:
+            runner.publish_outputs()
+        except Exception as e:  # the local copy is complete; say what did not reach the store
+            console.print(f"[red]could not copy the outputs to {r.storage}[/]: {e.__class__.__name__}: {e}",
+                          highlight=False)
+        console.print(f"results: {runner.remote.url_of(runner.remote_rel)} (local copy: {run_dir})",
+                      highlight=False)
+    else:
+        console.print(f"results: {run_dir}", highlight=False)
     raise typer.Exit(code)
+
+
+def _staging_root() -> Path:
+    """Local folder for runs whose storage is a URL: ``$QEVAL_CACHE/staging``."""
+    from .source import cache_root
+    return cache_root() / "staging"
+
+
+def _fetch_run(remote, url: str) -> Path:
+    """Copy a run folder from the store (``<storage>/results/<name>/<ts>``) into the staging
+    folder, for ``--resume URL``. Returns the local folder.
+
+    Raises:
+        QevalInputError: the URL is not a run folder under the recipe's storage.
+    """
+    prefix = remote.url + "/"
+    rel = url.rstrip("/")[len(prefix):] if url.startswith(prefix) else ""
+    parts = rel.split("/")
+    if len(parts) != 3 or parts[0] != "results" or not remote.exists(f"{rel}/run.json"):
+        raise QevalInputError(f"{url} is not a run folder under {remote.url}/results/", field="--resume")
+    local = _staging_root() / parts[1] / parts[2]
+    remote.download_dir(rel, local)
+    if (local / "stages" / "_run.source.json").is_file():
+        from .storage import localize_source
+        try:
+            localize_source(remote, local)
+        except RuntimeError as e:
+            raise QevalInputError(str(e), field="--resume") from None
+    return local
 
 
 def _decide(run_dir: Path, junit: Optional[Path]) -> int:

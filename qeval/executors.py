@@ -4,9 +4,19 @@
 (:meth:`qeval.run.Runner.run_tier`). ``ray``: each tier's stages run as one Ray task asking
 for the recipe's ``resources`` (num_cpus, num_gpus, memory), so tiers run side by side on
 a cluster; inside the task the stages are the same child processes as locally. The run
-folder and the artifact cache must be on storage every node reaches (the recipe's
-``storage``, a shared mount). A failed or lost task (worker or node died, retries spent)
-marks only its tier failed. Ray is the optional extra ``qeval[ray]``.
+folder and the artifact cache are on storage every node reaches, the recipe's ``storage``:
+
+- a mounted path (NFS, a bucket through s3fs/gcsfuse): tasks use the run folder and the
+  artifact cache there directly;
+- an fsspec URL (``s3://bucket/qeval``): each task copies the run-wide files (run.json,
+  the run stages, the reference pass) and its tier's finished stages into a staging folder
+  in the node's own cache, fetches the source checkpoint and any cached artifact from the
+  store, and copies each finished stage back (see :mod:`qeval.storage`). The driver then
+  copies the tier's files into its own run folder.
+
+A failed or lost task (worker or node died, retries spent) marks only its tier failed;
+a retried task resumes from the stages its earlier attempt stored. Ray is the optional
+extra ``qeval[ray]``.
 """
 from __future__ import annotations
 
@@ -19,16 +29,24 @@ from .results import STATUS_FAILED
 
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
+_WORKER_ENV: dict[str, str] | None = None  # this Ray worker's own environment, before any task
 
 
 def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: str,
                reference_failed: str | None, env: dict[str, str]) -> dict:
     """Body of the Ray task: run one tier's stages on this node; returns its tier result.
 
-    Ray reuses worker processes, so the qeval-related environment of an earlier task is
-    cleared before this task's is applied."""
-    for k in [k for k in os.environ if k.startswith(_ENV_PREFIXES) and k not in env]:
+    ``run_dir`` is the driver's run folder (mounted storage) or, with a storage URL, the
+    run's relative path in the store (``results/<name>/<timestamp>``).
+
+    Ray reuses worker processes, so the qeval-related environment is reset to the
+    worker's own before this task's ``env`` is applied."""
+    global _WORKER_ENV
+    if _WORKER_ENV is None:
+        _WORKER_ENV = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    for k in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
         del os.environ[k]
+    os.environ.update(_WORKER_ENV)
     os.environ.update(env)
     if os.environ.get("QEVAL_TEST_RAY_TASK_CRASH") == tier:  # test-only: the Ray worker dies
         os._exit(3)
@@ -36,7 +54,32 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     from .run import Runner
     r = Recipe.model_validate(recipe_dict)
     r._path = Path(recipe_path) if recipe_path else None
-    return Runner(r, Path(run_dir), [tier], executor="local").run_tier(tier, reference_failed)
+    from .storage import storage_for
+    remote = storage_for(r)
+    if remote is None:
+        return Runner(r, Path(run_dir), [tier], executor="local").run_tier(tier, reference_failed)
+    local = stage_from_store(r, remote, run_dir, tier)
+    return Runner(r, local, [tier], executor="local").run_tier(tier, reference_failed)
+
+
+def stage_from_store(recipe: Any, remote: Any, rel: str, tier: str) -> Path:
+    """Copy what one tier task needs from the store into this node's staging folder
+    (``$QEVAL_CACHE/nodes/<rel>``): run.json, the run stages, the reference pass and the
+    tier's finished stages; point the source stage at a local copy of the exact source
+    checkpoint (fetched from the store unless this node has one with the same hash).
+
+    Returns the local run folder.
+
+    Raises:
+        RuntimeError: the source checkpoint is not in the store or hashes differently.
+    """
+    from .source import cache_root
+    from .storage import localize_source, run_wide_files, tier_files
+    local = cache_root() / "nodes" / rel
+    wanted = tier_files(tier)
+    remote.download_dir(rel, local, include=lambda f: run_wide_files(f) or wanted(f))
+    localize_source(remote, local)
+    return local
 
 
 def ray_init(address: str | None) -> Any:
@@ -73,21 +116,34 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
         opts["memory"] = int(res.memory_gib * 2 ** 30)
     task = ray.remote(_tier_task).options(**opts)
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    env["QEVAL_CACHE"] = str(cache_root())
+    if runner.remote is None:  # mounted storage: the driver's cache is every node's
+        env["QEVAL_CACHE"] = str(cache_root())
+        where = str(runner.run_dir.resolve())
+    else:  # a storage URL: each node keeps its own cache and copies through the store
+        env.pop("QEVAL_CACHE", None)
+        where = runner.remote_rel
     recipe_path = str(runner.recipe.path) if runner.recipe.path else None
     pending = {}
     for tier in runner.tiers:
         runner.on_event(tier, "ray", "submitted")
-        pending[tier] = task.remote(runner.recipe_dict, recipe_path, str(runner.run_dir.resolve()), tier,
-                                    reference_failed, env)
+        pending[tier] = task.remote(runner.recipe_dict, recipe_path, where, tier, reference_failed, env)
     results: dict[str, dict] = {}
     for tier, ref in pending.items():
         try:
             results[tier] = ray.get(ref)
+            if runner.remote is not None:  # the tier's stages, logs and result into the driver's folder
+                from .storage import tier_files
+                runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=tier_files(tier))
             st = results[tier].get("status")
             runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].get("error") or "")
         except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
             why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
+            if runner.remote is not None:  # keep the stages the task stored before it was lost
+                try:
+                    from .storage import tier_files
+                    runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=tier_files(tier))
+                except Exception:  # noqa: BLE001 - the failure above is the one to report
+                    pass
             results[tier] = runner._finish(tier, STATUS_FAILED, error=why)
             runner.on_event(tier, "failed", why)
     return results

@@ -160,6 +160,22 @@ class Runner:
         self.executor = executor or recipe.executor
         self.ray_address = ray_address
         self._proc: subprocess.Popen | None = None
+        from .storage import run_rel, storage_for
+        self.remote = storage_for(recipe)  # a storage URL: run files are copied there as they finish
+        self.remote_rel = run_rel(self.run_dir)
+        self._pushed: dict[str, tuple[int, int]] = {}
+
+    def push(self, include: Callable[[str], bool]) -> int:
+        """Copy the run folder's files passing ``include`` to the storage URL (none: no-op).
+        Returns the number of files copied."""
+        if self.remote is None:
+            return 0
+        return self.remote.upload_dir(self.run_dir, self.remote_rel, include=include, seen=self._pushed)
+
+    def publish_outputs(self) -> None:
+        """Copy run.json and the outputs (tables, gate, report) to the storage URL."""
+        from .storage import OUTPUT_FILES
+        self.push(lambda rel: rel in OUTPUT_FILES)
 
     # -- stage execution --------------------------------------------------------------
     def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None,
@@ -305,6 +321,8 @@ class Runner:
                              "device": env.get("device"), "gpu": env.get("gpu"),
                              "gpu_memory_bytes": env.get("gpu_memory_bytes")})
         reference_failed = self.reference_stage() if self.recipe.suites else None
+        from .storage import run_wide_files
+        self.push(lambda rel: run_wide_files(rel) or rel.startswith("logs/_run."))
         if self.executor == "ray":
             from .executors import run_tiers_on_ray
             results = run_tiers_on_ray(self, reference_failed)
@@ -355,6 +373,7 @@ class Runner:
     def run_tier(self, tier: str, reference_failed: str | None = None) -> dict:
         """Run the tier's unfinished stages (prepare, measure, quality) in child processes
         and write ``tiers/<tier>.json``; returns that result."""
+        from .storage import tier_files
         from .tiers import get_method
         spec = self.recipe.tier(tier)
         method = get_method(spec.method)
@@ -372,6 +391,7 @@ class Runner:
                 break
             self.on_event(tier, stage, "starting")
             out = self.run_stage(stage, tier, fingerprint=fp)
+            self.push(tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
             if not out.ok:
                 failed = out
                 break
@@ -406,6 +426,8 @@ class Runner:
             elif stage == "quality":
                 res["quality"] = d.get("quality")
         atomic_write_json(self.run_dir / "tiers" / f"{tier}.json", res)
+        from .storage import tier_files
+        self.push(tier_files(tier))
         return res
 
 

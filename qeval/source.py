@@ -247,9 +247,14 @@ def static_checks(recipe) -> None:
             raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
         from .measure.suites import load_suite
         load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
-    if recipe.storage and "://" in recipe.storage:
-        raise recipe.error(("storage",), "storage URLs are not supported: mount the bucket on every node "
-                                         "(s3fs, gcsfuse, NFS) and give the mount path")
+    from .storage import check_protocol, is_url
+    if is_url(recipe.storage):
+        try:
+            check_protocol(recipe.storage)
+        except QevalInputError as e:
+            raise recipe.error(("storage",), e.message) from None
+    elif recipe.storage_options:
+        raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         if not recipe.resolve_path(t).is_file():
             raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")

@@ -77,9 +77,14 @@ def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
     """Resolve (convert once, then reuse) the BF16 source checkpoint; adds its max context (tokens)."""
     from .source import model_max_context, resolve_source
     _progress("resolving source checkpoint")
+    from .storage import publish_source, storage_for
     src = resolve_source(recipe.model, convert=True)
     out = src.to_dict()
     out["max_context"] = model_max_context(src.path)
+    remote = storage_for(recipe)
+    if remote is not None:  # nodes without a shared mount fetch the exact checkpoint from the store
+        _progress(f"uploading the source checkpoint to {remote.url} (once per checkpoint)")
+        out["storage_rel"] = publish_source(remote, src.path, src.sha256)
     return out
 
 
@@ -125,7 +130,8 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
         info.setdefault("quant_peak_bytes", (h - base) if h else None)
         return info
 
-    folder, manifest, reused = get_or_build(spec.method, fields, build, log=_progress)
+    from .storage import storage_for
+    folder, manifest, reused = get_or_build(spec.method, fields, build, log=_progress, remote=storage_for(recipe))
     _progress(f"artifact {'reused' if reused else 'built'}: {folder}")
     return {"artifact": str(folder), "key": manifest["key"], "reused": reused, "resolved": resolved,
             "info": manifest.get("info", {})}

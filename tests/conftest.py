@@ -119,3 +119,37 @@ def reference_run(tiny_llama, tmp_path_factory):
                        timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return recipe, run_dir_of(tmp / "results"), p.stdout
+
+
+# ---- an S3 endpoint for storage URLs -----------------------------------------------------
+BUCKET = "qeval-test"
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A moto S3 server on localhost: ``(endpoint_url, storage_options)``."""
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    opts = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    yield endpoint, opts
+    server.stop()
+
+
+def s3_store(s3, prefix: str):
+    """A :class:`qeval.storage.RemoteStorage` at ``s3://qeval-test/<prefix>`` on the moto server."""
+    from qeval.storage import RemoteStorage
+    return RemoteStorage(f"s3://{BUCKET}/{prefix}", s3[1])
+
+
+def s3_storage_yaml(s3, prefix: str) -> str:
+    """Recipe lines for ``storage: s3://qeval-test/<prefix>`` with the moto endpoint."""
+    import json
+    return f"storage: s3://{BUCKET}/{prefix}\nstorage_options: {json.dumps(s3[1])}\n"

@@ -7,14 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stable_fields, write_recipe, TIERS, GATE
+from conftest import stable_fields, write_recipe, TIERS, GATE, s3_storage_yaml, s3_store
 
 ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def node_cache(tmp_path_factory) -> Path:
+    """The Ray workers' own QEVAL_CACHE: what a cluster node has, apart from the driver's."""
+    return tmp_path_factory.mktemp("ray-node") / "cache"
+
+
+@pytest.fixture(scope="module")
+def local_ray(node_cache):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"QEVAL_CACHE": str(node_cache)}})
     yield ray
     ray.shutdown()
 
@@ -52,3 +59,34 @@ def test_ray_failed_stage_or_lost_task_fails_only_its_tier(local_ray, tiny_llama
     res = Runner(r, new_run_dir(r, tmp_path / "results"), executor="ray").run()
     assert res["bf16"]["status"] == "failed" and "ray task failed or was lost" in res["bf16"]["error"]
     assert res["bf16-kv8"]["status"] == "ok"
+
+
+def test_ray_executor_through_a_storage_url(local_ray, node_cache, reference_run, s3, tmp_path, monkeypatch):
+    """storage: s3://...: the tasks share nothing with the driver but the bucket. Each
+    stages the run from the bucket into the node's own cache and copies its tier back; the
+    driver's run folder ends up with the tier files, and results match the local run's."""
+    from qeval.recipe import load_recipe
+    from qeval.run import Runner, new_run_dir
+    recipe_path, local_dir, _ = reference_run
+    text = recipe_path.read_text() + "\n" + s3_storage_yaml(s3, "ray")
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "driver-cache"))
+    r = load_recipe(write_text(tmp_path / "tiny.yaml", text))
+    run_dir = new_run_dir(r, tmp_path / "staging")
+    res = Runner(r, run_dir, executor="ray").run()
+    st = s3_store(s3, "ray")
+    rel = f"results/tiny/{run_dir.name}"
+    for tier in ("bf16", "bf16-kv8"):
+        assert res[tier]["status"] == "ok", res[tier].get("error")
+        got = st.read_json(f"{rel}/tiers/{tier}.json")
+        want = json.loads((local_dir / "tiers" / f"{tier}.json").read_text())
+        assert stable_fields(got) == stable_fields(want), tier
+        assert json.loads((run_dir / "tiers" / f"{tier}.json").read_text()) == got  # copied back to the driver
+        assert (run_dir / "stages" / f"{tier}.measure.json").exists()
+        # the task worked in the node's own staging folder, not in the driver's
+        assert (node_cache / "nodes" / rel / "tiers" / f"{tier}.json").exists()
+    assert not (tmp_path / "driver-cache" / "nodes").exists()
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

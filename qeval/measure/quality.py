@@ -245,9 +245,10 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
     :func:`reference_fields` in the artifact cache (a second run of the same recipe
     reuses them) and linked into the run folder."""
     from ..artifacts import get_or_build
+    from ..storage import storage_for
     folder, manifest, reused = get_or_build("reference", reference_fields(recipe, ctx),
                                             lambda out: build_reference(recipe, run_dir, ctx, out, progress),
-                                            log=progress)
+                                            log=progress, remote=storage_for(recipe))
     out_dir = run_dir / "reference"
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("segments.json", "logprobs.npy"):
