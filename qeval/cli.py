@@ -246,12 +246,26 @@ def compare(run_a: Path = typer.Argument(..., help="baseline run folder"),
 
 
 def main() -> None:
-    """Console entry point."""
+    """Console entry point. Usage errors (unknown option or command, a flag value of the
+    wrong type, a missing argument) are one line ``error: <command>: <message>``, exit 2,
+    instead of click's boxed usage text."""
     try:
-        app()
-    except QevalInputError as e:  # pragma: no cover - commands catch their own
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        from typer._click.exceptions import UsageError  # typer >= 0.2x vendors click
+    except ImportError:  # older typer: click itself
+        from click.exceptions import UsageError
+    try:
+        rc = app(standalone_mode=False, prog_name="qeval")
+    except UsageError as e:  # NoSuchOption, BadParameter, MissingParameter, ...
+        where = e.ctx.command_path if e.ctx is not None else "qeval"
+        console.print(f"[bold red]error:[/] {where}: {' '.join(e.format_message().split())} "
+                      f"(see `{where} --help`)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
+    except typer.Abort:
+        sys.exit(130)
+    except QevalInputError as e:  # pragma: no cover - commands catch their own
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_BAD_INPUT)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

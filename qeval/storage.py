@@ -46,10 +46,10 @@ def check_protocol(url: str) -> None:
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as e:
-        raise QevalInputError(f"storage {url}: {str(e).splitlines()[0]} (pip install 'qeval[storage]' "
+        raise QevalInputError(f"{url}: {str(e).splitlines()[0]} (pip install 'qeval[storage]' "
                               f"installs s3fs)", field="storage") from None
     except ValueError:
-        raise QevalInputError(f"storage {url}: fsspec does not know the protocol {protocol!r}",
+        raise QevalInputError(f"{url}: fsspec does not know the protocol {protocol!r}",
                               field="storage") from None
 
 

@@ -60,6 +60,19 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
     assert p.returncode == 2 and "missing.yaml" in p.stderr and "not found" in p.stderr
 
 
+@pytest.mark.parametrize("args, want", [
+    (["run", "--bogus"], "qeval run: No such option: --bogus"),
+    (["nosuch"], "qeval: No such command 'nosuch'"),
+    (["plan", "--context", "abc"], "qeval plan: Invalid value for '--context'"),
+    (["run"], "qeval run: Missing argument 'recipe'"),
+])
+def test_usage_errors_are_one_line_exit_2(args, want):
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", *args], capture_output=True, text=True)
+    assert p.returncode == 2
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert len(lines) == 1 and want in lines[0] and "Traceback" not in lines[0], p.stdout + p.stderr
+
+
 def test_defaults_and_resolved_plan():
     r = parse_recipe("name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}, {name: b, method: gptq}]\n")
     assert r.model.trust_remote_code is False

@@ -150,7 +150,7 @@ def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_pat
 
 
 @pytest.mark.parametrize("storage, extra, want", [
-    ("nosuchproto://bucket/x", "", "storage: storage nosuchproto://bucket/x: fsspec does not know the protocol"),
+    ("nosuchproto://bucket/x", "", "storage: nosuchproto://bucket/x: fsspec does not know the protocol"),
     ("/mnt/shared/qeval", "storage_options: {endpoint_url: http://x}",
      "storage_options: storage_options need a storage URL"),
 ])
