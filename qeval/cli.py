@@ -125,8 +125,8 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     status = console.status("starting", spinner="dots")
 
     def on_event(tier: str, stage: str, msg: str) -> None:
-        if stage in ("done", "failed"):
-            colour = "green" if stage == "done" else "red"
+        if stage in ("done", "failed", "storage"):
+            colour = {"done": "green", "failed": "red"}.get(stage, "yellow")
             console.print(f"  [{colour}]{stage:>6}[/] {tier}" + (f": {msg}" if msg else ""), highlight=False)
         else:
             status.update(f"[bold]{stage}[/] [cyan]{tier}[/] {msg}")
@@ -146,11 +146,12 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     if runner.remote is not None:
         try:
             runner.publish_outputs()
-        except Exception as e:  # the local copy is complete; say what did not reach the store
-            console.print(f"[red]could not copy the outputs to {r.storage}[/]: {e.__class__.__name__}: {e}",
+            console.print(f"results: {runner.remote.url_of(runner.remote_rel)} (local copy: {run_dir})",
                           highlight=False)
-        console.print(f"results: {runner.remote.url_of(runner.remote_rel)} (local copy: {run_dir})",
-                      highlight=False)
+        except Exception as e:  # the local copy is complete; say what did not reach the store
+            console.print(f"[red]results are only in {run_dir}[/]: copying them to {r.storage} failed "
+                          f"({e.__class__.__name__}: {' '.join(str(e).split())[:200]}); `qeval run {recipe} "
+                          f"--resume {run_dir}` copies them once the store is reachable", highlight=False)
     else:
         console.print(f"results: {run_dir}", highlight=False)
     raise typer.Exit(code)

@@ -132,8 +132,11 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
         try:
             results[tier] = ray.get(ref)
             if runner.remote is not None:  # the tier's stages, logs and result into the driver's folder
+                from .results import atomic_write_json
                 from .storage import tier_files
                 runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=tier_files(tier))
+                if not (runner.run_dir / "tiers" / f"{tier}.json").exists():  # the node could not copy it
+                    atomic_write_json(runner.run_dir / "tiers" / f"{tier}.json", results[tier])
             st = results[tier].get("status")
             runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].get("error") or "")
         except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...

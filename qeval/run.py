@@ -164,18 +164,31 @@ class Runner:
         self.remote = storage_for(recipe)  # a storage URL: run files are copied there as they finish
         self.remote_rel = run_rel(self.run_dir)
         self._pushed: dict[str, tuple[int, int]] = {}
+        self.push_error: str | None = None
 
     def push(self, include: Callable[[str], bool]) -> int:
         """Copy the run folder's files passing ``include`` to the storage URL (none: no-op).
-        Returns the number of files copied."""
+        Returns the number of files copied. A failed copy (network, credentials expired)
+        does not stop the run: it is reported, the local copy stays complete, and
+        :meth:`publish_outputs` tries every file not yet copied again."""
         if self.remote is None:
             return 0
-        return self.remote.upload_dir(self.run_dir, self.remote_rel, include=include, seen=self._pushed)
+        try:
+            return self.remote.upload_dir(self.run_dir, self.remote_rel, include=include, seen=self._pushed)
+        except Exception as e:  # noqa: BLE001 - storage trouble must not lose measured tiers
+            self.push_error = f"{e.__class__.__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.on_event("run", "storage", f"copy to {self.remote.url} failed ({self.push_error})")
+            return 0
 
     def publish_outputs(self) -> None:
-        """Copy run.json and the outputs (tables, gate, report) to the storage URL."""
-        from .storage import OUTPUT_FILES
-        self.push(lambda rel: rel in OUTPUT_FILES)
+        """Copy every file of the run folder not yet in the store (the outputs, and anything
+        an earlier failed copy missed) to the storage URL.
+
+        Raises:
+            Exception: the store's error when this final copy fails too.
+        """
+        if self.remote is not None:
+            self.remote.upload_dir(self.run_dir, self.remote_rel, seen=self._pushed)
 
     # -- stage execution --------------------------------------------------------------
     def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None,

@@ -172,3 +172,27 @@ def test_unreachable_bucket_is_one_line_exit_2(s3, tiny_llama, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "storage s3://no-such-bucket/x is not writable" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_failed_copy_does_not_stop_the_run_and_is_retried(s3, tiny_llama, tmp_path, monkeypatch):
+    from qeval.recipe import load_recipe
+    from qeval.run import Runner, new_run_dir
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "c"))
+    r = load_recipe(write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False,
+                                 extra=_storage_yaml(s3, "flaky")))
+    run_dir = new_run_dir(r, tmp_path / "staging")
+    events = []
+    runner = Runner(r, run_dir, on_event=lambda t, s, m: events.append((s, m)))
+    (run_dir / "stages").mkdir(parents=True, exist_ok=True)
+    (run_dir / "stages" / "bf16.measure.json").write_text("{}")
+    real = runner.remote.upload_file
+
+    def broken(local, rel):
+        raise ConnectionError("network is down")
+    runner.remote.upload_file = broken
+    assert runner.push(lambda rel: True) == 0
+    assert runner.push_error and "network is down" in runner.push_error
+    assert events and events[-1][0] == "storage" and "network is down" in events[-1][1]
+    runner.remote.upload_file = real
+    runner.publish_outputs()  # the final copy takes what the failed one missed
+    assert "stages/bf16.measure.json" in _store(s3, "flaky").list(f"results/tiny/{run_dir.name}")
