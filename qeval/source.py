@@ -255,9 +255,75 @@ def static_checks(recipe) -> None:
             raise recipe.error(("storage",), e.message) from None
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
+    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m))
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         if not recipe.resolve_path(t).is_file():
             raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
     if any(t.method in ("gptq", "awq") for t in recipe.tiers):
         if not recipe.resolve_path(recipe.calibration.path).is_file():
             raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
+
+
+def _local_checkpoint(model) -> Path | None:
+    """The recipe's checkpoint folder when it is on this machine without converting or
+    downloading anything (a local folder, or a GGUF package converted by an earlier run)."""
+    if model.gguf_package:
+        try:
+            return Path(resolve_source(model, convert=False).path)
+        except QevalInputError:
+            return None
+    p = Path(model.source or "").expanduser()
+    return p if (p / "config.json").is_file() else None
+
+
+def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
+    """Run at validate time the tier checks a method can do before any model load: the
+    GGUF type name (any machine), and for GPTQ/AWQ the group size against every Linear's
+    input features (needs the checkpoint's config on this machine; otherwise the check runs
+    at the start of the tier). Each method's own ``check`` does the work, so validate and
+    run say the same thing.
+
+    Raises:
+        QevalInputError: naming the recipe file, the tier's line and its field.
+    """
+    from .tiers import get_method
+    from .tiers.base import TierContext
+    for i, spec in enumerate(recipe.tiers):
+        if spec.method == "gguf":
+            try:
+                import llama_cpp  # noqa: F401 - the type names come from the installed llama.cpp
+            except ImportError:
+                continue
+        elif spec.method not in ("gptq", "awq") or checkpoint is None:
+            continue
+        method = get_method(spec.method)
+        if method is None:
+            continue
+        ctx = TierContext(source_path=str(checkpoint or ""), source_sha256="", device="cpu",
+                          dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
+        try:
+            with _quiet_stderr():  # importing transformers/torchao prints load notices: validate is one line
+                method.check(spec, ctx)
+        except QevalInputError as e:
+            fld = (e.field or "").rsplit(".", 1)[-1] or "method"
+            raise recipe.error(("tiers", i, fld), e.message) from None
+
+
+class _quiet_stderr:
+    """Send file descriptor 2 (C and Python writers alike) to /dev/null inside the block."""
+
+    def __enter__(self):
+        import sys
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        return False

@@ -129,3 +129,16 @@ def test_validate_reads_suite_rows(tmp_path):
     res = CliRunner().invoke(app, ["validate", str(rec)])
     assert res.exit_code == 2
     assert "bad_suite.jsonl:2:" in res.output and "contains_al" in res.output
+
+
+def test_validate_checks_group_size_against_the_local_checkpoint(tiny_llama, tmp_path):
+    """A group size no Linear's input features divide is a validate error with its line,
+    not a tier failure an hour into the run (the tiny model's Linears take 64 and 128)."""
+    from conftest import write_recipe
+    r = write_recipe(tmp_path / "g.yaml", tiny_llama, suites=False,
+                     tiers="  - {name: bf16, method: bf16}\n  - {name: gptq, method: gptq, group_size: 48}\n")
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "validate", str(r)], capture_output=True, text=True)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(r"g\.yaml:\d+: tiers\[1\]\.group_size: ", lines[0]), p.stderr
+    assert "48" in lines[0]
