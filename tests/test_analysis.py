@@ -356,3 +356,5 @@ def test_compare_runs(tmp_path):
     assert by["bf16"].metrics["kld_mean"].a == 0.0
     md = compare_markdown(rows)
     assert "| int8 |" in md and "+4.00 (+25.0%)" in md and "ok → absent" in md
+    md = compare_markdown(rows, str(a), str(b))
+    assert md.count(str(a)) == 1 and md.count(str(b)) == 1  # named once, above the table

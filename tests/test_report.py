@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -164,3 +165,16 @@ def test_not_a_run_folder(tmp_path):
     from qeval.errors import QevalInputError
     with pytest.raises(QevalInputError, match="not a qeval run folder"):
         write_report(tmp_path)
+
+
+def test_terminal_gate_lines_name_a_failed_tier_once(tmp_path):
+    """A failed tier's gate line gives its error once and counts the unjudged rules,
+    instead of one "not judged" per rule."""
+    from qeval.report.outputs import build_outputs
+    d = tmp_path / "run_synthetic"
+    shutil.copytree(FIXTURE, d)
+    code, text = build_outputs(d)
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("FAIL awq"))
+    assert "AWQ GEMM kernel is not available" in line
+    assert line.count("not judged") == 1 and re.search(r"\d+ rules? not judged", line), line
+    assert code == 1

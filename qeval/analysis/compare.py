@@ -121,11 +121,15 @@ def _fmt(key: str, v: float | None, signed: bool = False) -> str:
 
 def compare_markdown(rows: list[CompareRow], label_a: str = "A", label_b: str = "B") -> str:
     """Markdown table of :func:`compare_runs` rows: per figure ``A``, ``B`` and ``Δ``
-    (B − A; relative change in % after it). Memory in GiB, pass rate in %."""
+    (B − A; relative change in % after it). Memory in GiB, pass rate in %. ``label_a`` and
+    ``label_b`` (e.g. the run folders) are named once above the table, not in every header."""
     head = ["tier", "status"]
     for _, label, unit in COMPARE_METRICS:
-        head += [f"{label} {label_a} ({unit})", f"{label} {label_b}", "Δ"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head += [f"{label} A ({unit})", f"{label} B", "Δ"]
+    lines = []
+    if (label_a, label_b) != ("A", "B"):
+        lines += [f"A = {label_a}  ", f"B = {label_b}", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = (r.status_a or "absent") if r.status_a == r.status_b else \
             f"{r.status_a or 'absent'} → {r.status_b or 'absent'}"

@@ -23,7 +23,9 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     g = outs.gate
     lines = [outs.table_md.read_text(), "", f"gate (reference {g.reference}, depth {g.depth}):"]
     for c in g.candidates:
-        why = "; ".join(r.message for r in c.failed_rules) if not c.passed else ""
+        judged = [r.message for r in c.failed_rules if not r.message.startswith("not judged")]
+        unjudged = len(c.failed_rules) - len(judged)
+        why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
     gate_doc = json.loads(outs.gate_json.read_text())
     steps = (gate_doc.get("ladder") or {}).get("steps") or []
@@ -70,13 +72,12 @@ def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str, context: in
         rows = [estimate_from_config(cfg, budget, context, users, overhead_bytes=over)]
         head = f"ESTIMATE from {cfg_path} (not measured; BF16 weights and KV cache assumed)"
     out = [head, f"budget {format_gib(budget)}, overhead {format_gib(over)}, context {context} tokens, {users} users",
-           "", f"| tier | source | weights | KV bytes/token | sequences at {context} | longest context for {users} users | fits |",
-           "|---|---|---|---|---|---|---|"]
+           "", f"| tier | source | weights | KV bytes/token | sequences at {context} | longest context for {users} users | fits | note |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kv = f"{r.kv_bytes_per_token:,.0f}" if r.kv_bytes_per_token else "-"
         out.append(f"| {r.tier} | {r.label} | {format_gib(r.weights_bytes)} | {kv} | "
                    f"{r.sequences if r.sequences is not None else '-'} | "
                    f"{r.max_context_tokens if r.max_context_tokens is not None else '-'} | "
-                   f"{'yes' if r.fits else ('no' if r.fits is not None else '-')} |"
-                   + (f" {r.note}" if r.note else ""))
+                   f"{'yes' if r.fits else ('no' if r.fits is not None else '-')} | {r.note or ''} |")
     return "\n".join(out)
