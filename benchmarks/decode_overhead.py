@@ -25,16 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def bare_decode_tokens_per_s(model, prompt, n: int) -> float:
     import torch
     from transformers import DynamicCache
+    from qeval.engines.hf import cache_kwarg
     cache = DynamicCache(config=model.config)
+    kw = {cache_kwarg(model): cache}
     ids = torch.tensor([prompt])
     times = []
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **kw, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         int(nxt)
         times.append(time.perf_counter())
         for _ in range(n - 1):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, **kw, use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             int(nxt)
             times.append(time.perf_counter())

@@ -97,5 +97,5 @@ def test_cache_nbytes_counts_keys_and_values(engine):
     from transformers import DynamicCache
     cache = DynamicCache(config=engine.model.config)
     with torch.inference_mode():
-        engine.model(input_ids=torch.tensor([[1, 2, 3, 4]]), past_key_values=cache, use_cache=True)
+        engine.model(input_ids=torch.tensor([[1, 2, 3, 4]]), **{engine._cache_kw: cache}, use_cache=True)
     assert cache_nbytes(cache) == 4 * engine.kv_bytes_per_token(4)

@@ -16,6 +16,18 @@ import numpy as np
 from .base import Generation, MemoryInfo, greedy_loop
 
 
+def cache_kwarg(model: Any) -> str:
+    """The keyword a causal LM's ``forward`` takes its KV cache by: ``cache`` (transformers
+    5.2x renamed it; ``past_key_values`` is deprecated and removed in 5.40) or
+    ``past_key_values`` (earlier 5.x). Read from the signature of ``model.forward``."""
+    import inspect
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def tensor_storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (an iterable of tensors).
 
@@ -135,6 +147,7 @@ class HFEngine:
         self.backend = backend + (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self._torch = __import__("torch")
+        self._cache_kw = cache_kwarg(model)
 
     # -- cache ---------------------------------------------------------------------
     def new_cache(self) -> Any:
@@ -165,10 +178,10 @@ class HFEngine:
             if first > 0:  # prefix: fill the cache only
                 for start in range(0, first, window):
                     chunk = ids[:, start:min(start + window, first)]
-                    self.model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    self.model(input_ids=chunk, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
             for start in range(first, n - 1, window):
                 chunk = ids[:, start:start + window]
-                out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=chunk, **{self._cache_kw: cache}, use_cache=True)
                 m = min(chunk.shape[1], n - 1 - start)
                 logp = torch.log_softmax(out.logits[0, :m].float(), dim=-1)
                 yield start, logp.cpu().numpy()
@@ -181,15 +194,16 @@ class HFEngine:
         model = self.model
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         cache = self.new_cache()
+        kw = {self._cache_kw: cache, "use_cache": True}
         state = {}
 
         def prefill() -> int:
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, **kw, logits_to_keep=1)
             state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
             return int(state["nxt"])  # the host copy synchronises CUDA too
 
         def step(_tok: int) -> int:
-            out = model(input_ids=state["nxt"], past_key_values=cache, use_cache=True)
+            out = model(input_ids=state["nxt"], **kw)
             state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
             return int(state["nxt"])
 
@@ -247,7 +261,7 @@ class HFEngine:
         cache = self.new_cache()
         ids = torch.randint(0, self.vocab_size, (1, depth), device=self.device)
         with torch.inference_mode():
-            self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
         return cache_nbytes(cache) / depth
 
     def memory(self) -> MemoryInfo:
