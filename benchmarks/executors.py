@@ -89,13 +89,13 @@ def main() -> None:
     ray.shutdown()
     ok = lambda res: sum(r["status"] == "ok" for r in res.values())  # noqa: E731
     print(f"4 tiers, tiny llama hidden {a.hidden} x {a.layers} layers, artifacts cached")
-    print(f"local executor:                    {t_local:7.1f} s  ({ok(local)}/4 tiers ok)")
-    print(f"ray executor, {a.workers} workers:           {t_ray:7.1f} s  ({ok(remote)}/4 tiers ok)")
-    print(f"ratio ray / local:                 {t_ray / t_local:7.2f}")
+    print(f"local executor:                  {t_local:7.1f} s  ({ok(local)}/4 tiers ok)")
+    print(f"ray executor, {a.workers} workers:         {t_ray:7.1f} s  ({ok(remote)}/4 tiers ok)")
+    print(f"ratio ray / local:               {t_ray / t_local:7.2f}")
     if t_url is not None:
-        print(f"ray, {a.workers} workers, storage s3:// : {t_url:7.1f} s  ({ok(url)}/4 tiers ok; nodes "
+        print(f"ray, {a.workers} workers, storage s3://: {t_url:7.1f} s  ({ok(url)}/4 tiers ok; nodes "
               "fetch source and artifacts from the bucket)")
-        print(f"ratio ray s3:// / ray mounted:     {t_url / t_ray:7.2f}")
+        print(f"ratio ray s3:// / ray mounted:   {t_url / t_ray:7.2f}")
 
 
 if __name__ == "__main__":
