@@ -157,6 +157,42 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     raise typer.Exit(code)
 
 
+def _output_files() -> tuple[str, ...]:
+    from .storage import OUTPUT_FILES
+    return OUTPUT_FILES
+
+
+def _run_folder(arg: str):
+    """A run folder argument: a local path, or the URL of a run in a store (copied into the
+    staging folder first; fsspec reads credentials and endpoint from the environment, e.g.
+    ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``). Returns ``(local folder, (store, rel) or None)``.
+
+    Raises:
+        QevalInputError: the URL is not a run folder (no run.json) or cannot be read.
+    """
+    from .storage import RemoteStorage, is_url
+    if not is_url(arg):
+        return Path(arg), None
+    url = arg.rstrip("/")
+    parts = url.split("/")
+    if len(parts) < 5 or parts[-3] != "results":
+        raise QevalInputError(f"{arg} is not a run URL (.../results/<name>/<timestamp>)", field="run")
+    base = "/".join(parts[:-3])
+    rel = "/".join(parts[-3:])
+    try:
+        store = RemoteStorage(base)
+        if not store.exists(f"{rel}/run.json"):
+            raise QevalInputError(f"{arg} is not a qeval run folder (no run.json)", field="run")
+        local = _staging_root() / parts[-2] / parts[-1]
+        store.download_dir(rel, local)
+    except QevalInputError:
+        raise
+    except Exception as e:  # credentials, network: the user's setup
+        raise QevalInputError(f"cannot read {arg}: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}",
+                              field="run") from None
+    return local, (store, rel)
+
+
 def _staging_root() -> Path:
     """Local folder for runs whose storage is a URL: ``$QEVAL_CACHE/staging``."""
     from .source import cache_root
@@ -195,20 +231,24 @@ def _decide(run_dir: Path, junit: Optional[Path]) -> int:
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="a run folder")) -> None:
-    """Rebuild table.md/csv, gate.json and report.html from stored JSON (no model is loaded)."""
+def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL")) -> None:
+    """Rebuild table.md/csv, gate.json and report.html from stored JSON (no model is loaded).
+    A run at a URL is copied into the staging folder, rebuilt, and its outputs copied back."""
     try:
-        _decide(run_dir, None)
+        local, remote = _run_folder(run_dir)
+        _decide(local, None)
+        if remote is not None:
+            remote[0].upload_dir(local, remote[1], include=lambda rel: rel in _output_files())
     except QevalInputError as e:
         _fail(e)
 
 
 @app.command()
-def gate(run_dir: Path = typer.Argument(..., help="a run folder"),
+def gate(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL"),
          junit: Optional[Path] = typer.Option(None, "--junit", help="write JUnit XML here")) -> None:
     """Judge a finished run against its recipe's gate: exit 0 pass, 1 fail, 2 bad input."""
     try:
-        code = _decide(run_dir, junit)
+        code = _decide(_run_folder(run_dir)[0], junit)
     except QevalInputError as e:
         _fail(e)
     raise typer.Exit(code)
@@ -235,13 +275,13 @@ def plan(run_dir: Optional[Path] = typer.Argument(None, help="a run folder (meas
 
 
 @app.command()
-def compare(run_a: Path = typer.Argument(..., help="baseline run folder"),
-            run_b: Path = typer.Argument(..., help="new run folder")) -> None:
+def compare(run_a: str = typer.Argument(..., help="baseline run folder (or its URL)"),
+            run_b: str = typer.Argument(..., help="new run folder (or its URL)")) -> None:
     """Compare the same tiers of two runs side by side, with deltas."""
     from .analysis.compare import compare_markdown, compare_runs
     try:
-        rows = compare_runs(run_a, run_b)
-        out.print(compare_markdown(rows, str(run_a), str(run_b)), highlight=False)
+        rows = compare_runs(_run_folder(run_a)[0], _run_folder(run_b)[0])
+        out.print(compare_markdown(rows, run_a, run_b), highlight=False)
     except QevalInputError as e:
         _fail(e)
 

@@ -50,6 +50,10 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     os.environ.update(env)
     if os.environ.get("QEVAL_TEST_RAY_TASK_CRASH") == tier:  # test-only: the Ray worker dies
         os._exit(3)
+    once = os.environ.get("QEVAL_TEST_RAY_TASK_CRASH_ONCE", "")  # test-only: "<tier>:<marker file>"
+    if once.startswith(f"{tier}:") and not Path(once.split(":", 1)[1]).exists():
+        Path(once.split(":", 1)[1]).touch()
+        os._exit(3)  # the first attempt dies; Ray's retry (recipe ``retries``) runs the tier again
     from .recipe import Recipe
     from .run import Runner
     r = Recipe.model_validate(recipe_dict)

@@ -61,6 +61,22 @@ def test_ray_failed_stage_or_lost_task_fails_only_its_tier(local_ray, tiny_llama
     assert res["bf16-kv8"]["status"] == "ok"
 
 
+def test_ray_retries_a_lost_task(local_ray, tiny_llama, tmp_path, monkeypatch):
+    """retries: 1 — the first attempt of bf16's task dies with its worker; Ray runs it again
+    and the tier ends ok."""
+    from qeval.recipe import load_recipe
+    from qeval.run import Runner, new_run_dir
+    marker = tmp_path / "bf16-crashed-once"
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QEVAL_TEST_RAY_TASK_CRASH_ONCE", f"bf16:{marker}")
+    r = load_recipe(write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False,
+                                 extra="retries: 1"))
+    res = Runner(r, new_run_dir(r, tmp_path / "results"), executor="ray").run()
+    assert marker.exists()  # the first attempt did die
+    assert res["bf16"]["status"] == "ok", res["bf16"].get("error")
+    assert res["bf16-kv8"]["status"] == "ok"
+
+
 def test_ray_executor_through_a_storage_url(local_ray, node_cache, reference_run, s3, tmp_path, monkeypatch):
     """storage: s3://...: the tasks share nothing with the driver but the bucket. Each
     stages the run from the bucket into the node's own cache and copies its tier back; the

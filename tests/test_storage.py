@@ -115,9 +115,9 @@ def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monk
     assert not (local / "stages" / "other.prepare.json").exists()  # another tier's files stay out
 
 
-def _cli(*args, cache: Path, timeout: int = 900):
+def _cli(*args, cache: Path, timeout: int = 900, env: dict | None = None):
     return subprocess.run([sys.executable, "-m", "qeval.cli", *map(str, args)], capture_output=True, text=True,
-                          env=dict(os.environ, QEVAL_CACHE=str(cache)), timeout=timeout)
+                          env=dict(os.environ, QEVAL_CACHE=str(cache), **(env or {})), timeout=timeout)
 
 
 def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_path, reference_run):
@@ -147,6 +147,13 @@ def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_pat
     assert stable_fields(got) == stable_fields(want)
     assert "bf16-kv8" in st.read_bytes(f"{rel}/table.md").decode()
     assert "answers/bf16-kv8.json" in st.list(rel)
+    # release CI gates the run where it lies; fsspec takes endpoint and keys from the environment
+    aws = {"AWS_ENDPOINT_URL": s3[0], "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    g = _cli("gate", f"s3://{BUCKET}/cli/{rel}", cache=tmp_path / "ci", env=aws)
+    assert g.returncode == 0 and "gate: PASS" in g.stdout, g.stdout[-1500:] + g.stderr[-1500:]
+    g = _cli("gate", f"s3://{BUCKET}/cli/results/tiny/20000101T000000Z", cache=tmp_path / "ci", env=aws)
+    assert g.returncode == 2 and len(g.stderr.strip().splitlines()) == 1 and "no run.json" in g.stderr, g.stderr
 
 
 @pytest.mark.parametrize("storage, extra, want", [
