@@ -63,12 +63,17 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     if remote is None:
         return Runner(r, Path(run_dir), [tier], executor="local").run_tier(tier, reference_failed)
     local = stage_from_store(r, remote, run_dir, tier)
-    return Runner(r, local, [tier], executor="local").run_tier(tier, reference_failed)
+    runner = Runner(r, local, [tier], executor="local")
+    result = runner.run_tier(tier, reference_failed)
+    if runner.push_error is None:  # all in the store: drop the node's copy (the reference
+        import shutil              # log-probabilities alone can be GiBs per run)
+        shutil.rmtree(local, ignore_errors=True)
+    return result
 
 
 def stage_from_store(recipe: Any, remote: Any, rel: str, tier: str) -> Path:
     """Copy what one tier task needs from the store into this node's staging folder
-    (``$QEVAL_CACHE/nodes/<rel>``): run.json, the run stages, the reference pass and the
+    (``$QEVAL_CACHE/nodes/<tier>/<rel>``): run.json, the run stages, the reference pass and the
     tier's finished stages; point the source stage at a local copy of the exact source
     checkpoint (fetched from the store unless this node has one with the same hash).
 
@@ -79,7 +84,7 @@ def stage_from_store(recipe: Any, remote: Any, rel: str, tier: str) -> Path:
     """
     from .source import cache_root
     from .storage import localize_source, run_wide_files, tier_files
-    local = cache_root() / "nodes" / rel
+    local = cache_root() / "nodes" / tier / rel  # per tier: tasks of one run share a node
     wanted = tier_files(tier)
     remote.download_dir(rel, local, include=lambda f: run_wide_files(f) or wanted(f))
     localize_source(remote, local)

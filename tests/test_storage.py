@@ -108,7 +108,7 @@ def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monk
     monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "node"))
     r = load_recipe(write_recipe(tmp_path / "t.yaml", tiny_llama, tiers=TIERS, suites=False))
     local = stage_from_store(r, st, rel, "bf16")
-    assert local == tmp_path / "node" / "nodes" / rel
+    assert local == tmp_path / "node" / "nodes" / "bf16" / rel
     src = json.loads((local / "stages" / "_run.source.json").read_text())
     assert Path(src["path"]).is_relative_to(tmp_path / "node" / "sources")
     assert (local / "stages" / "bf16.prepare.json").exists()
