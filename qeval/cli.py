@@ -6,31 +6,48 @@ line on stderr naming file, line and field; no traceback), 130 interrupted.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import EXIT_BAD_INPUT, QevalInputError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="qeval: which quantization tier to serve, and which fallbacks, measured.")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # no hard wraps: CI logs keep paths and commands whole
 out = Console(soft_wrap=True, markup=False)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+        out.print(f"qeval {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print qeval's version and exit")) -> None:
+    """qeval: which quantization tier to serve, and which fallbacks, measured."""
+
+
 def _fail(e: QevalInputError) -> None:
-    console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
 def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
-    if not tiers:
+    if tiers is None:
         return None
     names = [t.strip() for t in tiers.split(",") if t.strip()]
     known = [t.name for t in recipe.tiers]
+    if not names:
+        raise QevalInputError(f"no tier named (recipe tiers: {', '.join(known)})", field="--tiers")
     for n in names:
         if n not in known:
             raise QevalInputError(f"unknown tier {n!r} (recipe tiers: {', '.join(known)})", field="--tiers")
@@ -101,7 +118,10 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         from .storage import is_url, storage_for
         remote = storage_for(r)
         if remote is not None:  # a URL: work in a local staging folder, copy through the store
-            remote.probe()
+            try:
+                remote.probe()
+            except QevalInputError as e:
+                raise r.error(("storage",), e.message) from None
             if out_dir is None:
                 out_dir = _staging_root()
             if resume is not None and is_url(str(resume_arg)):
@@ -121,39 +141,47 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             run_dir = new_run_dir(r, out_dir)
     except QevalInputError as e:
         _fail(e)
-    console.print(f"[bold]qeval[/] run [cyan]{r.name}[/] -> {run_dir}", highlight=False)
+    console.print(f"[bold]qeval[/] run [cyan]{escape(r.name)}[/] -> {escape(str(run_dir))}", highlight=False)
     status = console.status("starting", spinner="dots")
 
     def on_event(tier: str, stage: str, msg: str) -> None:
         if stage in ("done", "failed", "storage"):
             colour = {"done": "green", "failed": "red"}.get(stage, "yellow")
-            console.print(f"  [{colour}]{stage:>6}[/] {tier}" + (f": {msg}" if msg else ""), highlight=False)
+            console.print(f"  [{colour}]{stage:>6}[/] {escape(tier)}" + (f": {escape(msg)}" if msg else ""),
+                          highlight=False)
         else:
-            status.update(f"[bold]{stage}[/] [cyan]{tier}[/] {msg}")
+            status.update(f"[bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg)}")
 
     runner = Runner(r, run_dir, subset, on_event=on_event, executor=executor, ray_address=ray_address)
+    got = {"signal": signal.SIGINT}
+
+    def on_term(signum, _frame):  # CI cancels with SIGTERM: stop like Ctrl-C (stages kept, resume hint)
+        got["signal"] = signum
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
     try:
         with status:
             runner.run()
     except QevalInputError as e:
         _fail(e)
-    except Interrupted:
+    except (Interrupted, KeyboardInterrupt):
         where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "
-                      f"`qeval run {recipe} --resume {where}`", highlight=False)
-        raise typer.Exit(130)
+                      f"`qeval run {escape(str(recipe))} --resume {escape(str(where))}`", highlight=False)
+        raise typer.Exit(128 + int(got["signal"]))  # 130 for Ctrl-C, 143 for SIGTERM
     code = _decide(run_dir, junit)
     if runner.remote is not None:
         try:
             runner.publish_outputs()
-            console.print(f"results: {runner.remote.url_of(runner.remote_rel)} (local copy: {run_dir})",
-                          highlight=False)
+            console.print(f"results: {escape(runner.remote.url_of(runner.remote_rel))} "
+                          f"(local copy: {escape(str(run_dir))})", highlight=False)
         except Exception as e:  # the local copy is complete; say what did not reach the store
-            console.print(f"[red]results are only in {run_dir}[/]: copying them to {r.storage} failed "
-                          f"({e.__class__.__name__}: {' '.join(str(e).split())[:200]}); `qeval run {recipe} "
-                          f"--resume {run_dir}` copies them once the store is reachable", highlight=False)
+            console.print(f"[red]results are only in {escape(str(run_dir))}[/]: copying them to "
+                          f"{escape(str(r.storage))} failed ({e.__class__.__name__}: "
+                          f"{escape(' '.join(str(e).split())[:200])}); `qeval run {escape(str(recipe))} "
+                          f"--resume {escape(str(run_dir))}` copies them once the store is reachable", highlight=False)
     else:
-        console.print(f"results: {run_dir}", highlight=False)
+        console.print(f"results: {escape(str(run_dir))}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -182,6 +210,9 @@ def _run_folder(arg: str):
     try:
         store = RemoteStorage(base)
         if not store.exists(f"{rel}/run.json"):
+            if not store.fs.exists(store.root.split("/")[0]):
+                raise QevalInputError(f"cannot read {arg}: {base.split('://')[0]}://{store.root.split('/')[0]} does "
+                                      f"not exist or these credentials cannot see it", field="run")
             raise QevalInputError(f"{arg} is not a qeval run folder (no run.json)", field="run")
         local = _staging_root() / parts[-2] / parts[-1]
         store.download_dir(rel, local)
@@ -255,7 +286,7 @@ def gate(run_dir: str = typer.Argument(..., help="a run folder, or its URL under
 
 
 @app.command()
-def plan(run_dir: Optional[Path] = typer.Argument(None, help="a run folder (measured figures)"),
+def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its URL (measured figures)"),
          model: Optional[str] = typer.Option(None, "--model", help="config.json path or local model folder (estimate)"),
          gpu_mem: str = typer.Option("24GiB", "--gpu-mem", help="memory budget, e.g. 24GiB, 80GB"),
          context: int = typer.Option(32768, "--context", help="tokens per sequence"),
@@ -269,7 +300,8 @@ def plan(run_dir: Optional[Path] = typer.Argument(None, help="a run folder (meas
             raise QevalInputError("give either RUN_DIR or --model", field="plan")
         if context <= 0 or users <= 0:
             raise QevalInputError("--context and --users must be positive", field="--context")
-        out.print(plan_text(run_dir, model, gpu_mem, context, users, overhead), highlight=False)
+        local = _run_folder(run_dir)[0] if run_dir else None
+        out.print(plan_text(local, model, gpu_mem, context, users, overhead), highlight=False)
     except QevalInputError as e:
         _fail(e)
 
@@ -298,13 +330,15 @@ def main() -> None:
         rc = app(standalone_mode=False, prog_name="qeval")
     except UsageError as e:  # NoSuchOption, BadParameter, MissingParameter, ...
         where = e.ctx.command_path if e.ctx is not None else "qeval"
-        console.print(f"[bold red]error:[/] {where}: {' '.join(e.format_message().split())} "
-                      f"(see `{where} --help`)", highlight=False, soft_wrap=True)
+        msg = " ".join(e.format_message().split())
+        if msg:  # empty: bare `qeval`, whose help click already printed
+            console.print(f"[bold red]error:[/] {escape(where)}: {escape(msg)} (see `{escape(where)} --help`)",
+                          highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     except typer.Abort:
         sys.exit(130)
     except QevalInputError as e:  # pragma: no cover - commands catch their own
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     sys.exit(rc if isinstance(rc, int) else 0)
 

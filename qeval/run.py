@@ -101,6 +101,9 @@ def child_env(recipe: Recipe) -> dict[str, str]:
         env["HF_HUB_OFFLINE"] = "1"
         env["HF_DATASETS_OFFLINE"] = "1"
     env["HF_DATASETS_OFFLINE"] = "1"  # calibration and suites are local files
+    from .storage import OPTIONS_ENV
+    if recipe.storage_options:  # run.json holds them redacted; stages need the real ones
+        env[OPTIONS_ENV] = json.dumps(recipe.storage_options)
     return env
 
 
@@ -261,8 +264,10 @@ class Runner:
         """Write ``run.json`` atomically: resolved recipe, versions, CPU, threads, git commit, plus ``extra``."""
         p = self.run_dir / "run.json"
         run = read_json(p) if p.exists() else {}
+        from .storage import redact_options
+        stored = dict(self.recipe_dict, storage_options=redact_options(self.recipe_dict.get("storage_options") or {}))
         run.update({
-            "recipe": self.recipe_dict,
+            "recipe": stored,  # credentials in storage_options never reach run.json (nor the store)
             "recipe_path": str(self.recipe.path) if self.recipe.path else None,
             "qeval_commit": _git_commit(),
             "versions": _versions(),

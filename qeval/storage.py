@@ -42,7 +42,10 @@ def check_protocol(url: str) -> None:
         QevalInputError: unknown protocol, or the implementation (s3fs, gcsfs, adlfs) is missing.
     """
     import fsspec
-    protocol = url.split("://", 1)[0]
+    protocol, _, rest = url.partition("://")
+    if not rest.strip("/"):
+        raise QevalInputError(f"{url}: give a bucket or folder after {protocol}:// (e.g. {protocol}://my-bucket/qeval)",
+                              field="storage")
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as e:
@@ -92,10 +95,10 @@ class RemoteStorage:
             got = self.fs.cat_file(self._p(rel))
             self.fs.rm_file(self._p(rel))
         except Exception as e:  # credentials, missing bucket, network: the user's setup
-            raise QevalInputError(f"storage {self.url} is not writable: {e.__class__.__name__}: "
+            raise QevalInputError(f"{self.url} is not writable: {e.__class__.__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}", field="storage") from None
         if got != b"ok":
-            raise QevalInputError(f"storage {self.url}: a probe file read back wrong", field="storage")
+            raise QevalInputError(f"{self.url}: a probe file read back wrong", field="storage")
 
     def exists(self, rel: str) -> bool:
         """Whether the file ``rel`` exists (listing caches are dropped first)."""
@@ -173,6 +176,24 @@ class RemoteStorage:
             os.replace(tmp, dst)
             n += 1
         return n
+
+
+_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "sas", "signature", "auth")
+
+
+def redact_options(options: Any) -> Any:
+    """A copy of ``storage_options`` fit to store: values under secret-looking keys
+    (key, secret, token, password, credential, sas, auth ...; nested dicts too) become
+    ``"***"``. Endpoint, region and profile names are kept: they say where results went."""
+    if isinstance(options, dict):
+        return {k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) and not isinstance(v, dict)
+                    else redact_options(v)) for k, v in options.items()}
+    if isinstance(options, list):
+        return [redact_options(v) for v in options]
+    return options
+
+
+OPTIONS_ENV = "QEVAL_STORAGE_OPTIONS"  # the real options, for stage processes (run.json holds a redacted copy)
 
 
 def storage_for(recipe) -> RemoteStorage | None:

@@ -37,8 +37,12 @@ def stage_path(run_dir: Path, tier: str, stage: str, error: bool = False) -> Pat
 def load_recipe_from_run(run_dir: Path):
     """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``."""
     from .recipe import Recipe
+    from .storage import OPTIONS_ENV
     run = json.loads((run_dir / "run.json").read_text())
-    r = Recipe.model_validate(run["recipe"])
+    rd = dict(run["recipe"])
+    if os.environ.get(OPTIONS_ENV):  # the real storage options (run.json's are redacted)
+        rd["storage_options"] = json.loads(os.environ[OPTIONS_ENV])
+    r = Recipe.model_validate(rd)
     r._path = Path(run.get("recipe_path") or "recipe.yaml")
     return r, run
 

@@ -178,3 +178,19 @@ def test_terminal_gate_lines_name_a_failed_tier_once(tmp_path):
     assert "AWQ GEMM kernel is not available" in line
     assert line.count("not judged") == 1 and re.search(r"\d+ rules? not judged", line), line
     assert code == 1
+
+
+def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
+    """A "Q4_K_M" file whose tensors mostly fell back to Q5_0 says so in the notes."""
+    d = tmp_path / "run_synthetic"
+    shutil.copytree(FIXTURE, d)
+    p = d / "tiers" / "q4_k_m.json"
+    t = json.loads(p.read_text())
+    t["quant"].update(fallback_tensors=180, fallbacks={"q4_K->q5_0": 166, "q6_K->q8_0": 14},
+                      tensor_types={"F32": 61, "Q4_K": 16, "Q5_0": 166, "Q6_K": 14, "Q8_0": 15})
+    p.write_text(json.dumps(t))
+    md = rebuild_outputs(d).table_md.read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m |"))
+    assert "180 of 211 quantized tensors fell back from the nominal type (q4_K->q5_0 ×166, q6_K->q8_0 ×14)" in row
+    other = next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m-kv8 |"))
+    assert "fell back" not in other

@@ -135,6 +135,10 @@ def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_pat
               "reference/segments.json", "stages/_run.reference.json"):
         assert f in files, (f, files)
     assert not any(f.startswith("tiers/bf16-kv8") for f in files)
+    # the keys given in storage_options are not written to run.json (which the store holds)
+    stored = st.read_json(f"{rel}/run.json")["recipe"]["storage_options"]
+    assert stored["key"] == "***" and stored["secret"] == "***"
+    assert stored["client_kwargs"]["endpoint_url"] == s3[0]  # where it went stays visible
     assert any(f.startswith("cache/artifacts/reference-") for f in st.list(""))
     assert any(f.startswith("cache/sources/") and f.endswith("source.json") for f in st.list(""))
     # a fresh machine (empty cache) completes the run from its URL; bf16 is not redone
@@ -154,10 +158,15 @@ def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_pat
     assert g.returncode == 0 and "gate: PASS" in g.stdout, g.stdout[-1500:] + g.stderr[-1500:]
     g = _cli("gate", f"s3://{BUCKET}/cli/results/tiny/20000101T000000Z", cache=tmp_path / "ci", env=aws)
     assert g.returncode == 2 and len(g.stderr.strip().splitlines()) == 1 and "no run.json" in g.stderr, g.stderr
+    g = _cli("gate", f"s3://no-such-bucket/cli/{rel}", cache=tmp_path / "ci", env=aws)
+    assert g.returncode == 2 and "s3://no-such-bucket does not exist or these credentials cannot see it" in g.stderr
+    p = _cli("plan", f"s3://{BUCKET}/cli/{rel}", "--gpu-mem", "1GiB", "--context", "64", cache=tmp_path / "ci", env=aws)
+    assert p.returncode == 0 and "bf16-kv8" in p.stdout, p.stdout[-1000:] + p.stderr[-1000:]
 
 
 @pytest.mark.parametrize("storage, extra, want", [
     ("nosuchproto://bucket/x", "", "storage: nosuchproto://bucket/x: fsspec does not know the protocol"),
+    ("s3://", "", "storage: s3://: give a bucket or folder after s3://"),
     ("/mnt/shared/qeval", "storage_options: {endpoint_url: http://x}",
      "storage_options: storage_options need a storage URL"),
 ])
@@ -177,7 +186,8 @@ def test_unreachable_bucket_is_one_line_exit_2(s3, tiny_llama, tmp_path):
     p = _cli("run", recipe, cache=tmp_path / "c", timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "storage s3://no-such-bucket/x is not writable" in lines[0], p.stderr
+    assert len(lines) == 1 and "storage: s3://no-such-bucket/x is not writable" in lines[0], p.stderr
+    assert str(recipe) in lines[0]  # names the recipe file (and the line of its storage field)
     assert "Traceback" not in p.stderr
 
 

@@ -189,6 +189,13 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             mine, theirs = (finite(get_path(x, "speed", str(d), "ttft_s")) for x in (t, a.tiers[base]))
             if mine and theirs:
                 notes.append(f"int8 KV adds {100 * (mine / theirs - 1):+.0f}% prefill time vs {base} @{d}")
+        fb = get_path(t, "quant", "fallback_tensors")
+        if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
+            types = get_path(t, "quant", "tensor_types") or {}
+            n_q = sum(v for k, v in types.items() if str(k).upper() not in ("F32", "F16", "BF16")) or None
+            kinds = ", ".join(f"{k} ×{v}" for k, v in (get_path(t, "quant", "fallbacks") or {}).items())
+            notes.append(f"{fb}{f' of {n_q}' if n_q else ''} quantized tensors fell back from the nominal type"
+                         + (f" ({kinds})" if kinds else ""))
         if status != STATUS_OK and t.get("error"):
             notes.append(str(t["error"]))
         q_engine = get_path(t, "quality", "engine")
