@@ -72,28 +72,33 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     uploaded when the store lacks it, so other nodes and later runs reuse it."""
     key = artifact_key(fields)
     folder = artifact_dir(method, key)
+
+    def reuse(where: str) -> dict | None:
+        """The manifest when ``folder`` holds a verified artifact; else remove it (None)."""
+        if not folder.exists():
+            return None
+        ok, why = verify(folder)
+        if ok:
+            return json.loads((folder / "manifest.json").read_text())
+        log(f"artifact {folder.name}{where} is unusable ({why}): rebuilding")
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+    manifest = reuse("")
     remote_bad = False
-    for attempt in ("local", "remote"):
-        if attempt == "remote":
-            if remote is None:
-                break
-            try:
-                if not _fetch(remote, folder):
-                    break
-            except Exception as e:  # a broken store copy is rebuilt like a broken local one
-                log(f"artifact {folder.name}: fetching from {remote.url} failed ({e.__class__.__name__}: {e})")
-                break
+    if manifest is None and remote is not None:
+        try:
+            fetched = _fetch(remote, folder)
+        except Exception as e:  # a broken store copy is rebuilt like a broken local one
+            log(f"artifact {folder.name}: fetching from {remote.url} failed ({e.__class__.__name__}: {e})")
+            fetched = False
+        if fetched:
             log(f"artifact {folder.name} fetched from {remote.url}")
-        if folder.exists():
-            ok, why = verify(folder)
-            if ok:
-                manifest = json.loads((folder / "manifest.json").read_text())
-                _publish(remote, folder, log)
-                return folder, manifest, True
-            log(f"artifact {folder.name}{' from the store' if attempt == 'remote' else ''} is unusable "
-                f"({why}): rebuilding")
-            remote_bad = attempt == "remote"
-            shutil.rmtree(folder, ignore_errors=True)
+            manifest = reuse(" from the store")
+            remote_bad = manifest is None
+    if manifest is not None:
+        _publish(remote, folder, log)
+        return folder, manifest, True
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -185,11 +185,6 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     raise typer.Exit(code)
 
 
-def _output_files() -> tuple[str, ...]:
-    from .storage import OUTPUT_FILES
-    return OUTPUT_FILES
-
-
 def _run_folder(arg: str):
     """A run folder argument: a local path, or the URL of a run in a store (copied into the
     staging folder first; fsspec reads credentials and endpoint from the environment, e.g.
@@ -214,8 +209,7 @@ def _run_folder(arg: str):
                 raise QevalInputError(f"cannot read {arg}: {base.split('://')[0]}://{store.root.split('/')[0]} does "
                                       f"not exist or these credentials cannot see it", field="run")
             raise QevalInputError(f"{arg} is not a qeval run folder (no run.json)", field="run")
-        local = _staging_root() / parts[-2] / parts[-1]
-        store.download_dir(rel, local)
+        local = _staging_copy(store, rel)
     except QevalInputError:
         raise
     except Exception as e:  # credentials, network: the user's setup
@@ -230,6 +224,13 @@ def _staging_root() -> Path:
     return cache_root() / "staging"
 
 
+def _staging_copy(store, rel: str) -> Path:
+    """Download the run ``rel`` (``results/<name>/<ts>``) into ``staging/<name>/<ts>``."""
+    local = _staging_root() / Path(rel).parent.name / Path(rel).name
+    store.download_dir(rel, local)
+    return local
+
+
 def _fetch_run(remote, url: str) -> Path:
     """Copy a run folder from the store (``<storage>/results/<name>/<ts>``) into the staging
     folder, for ``--resume URL``. Returns the local folder.
@@ -242,8 +243,7 @@ def _fetch_run(remote, url: str) -> Path:
     parts = rel.split("/")
     if len(parts) != 3 or parts[0] != "results" or not remote.exists(f"{rel}/run.json"):
         raise QevalInputError(f"{url} is not a run folder under {remote.url}/results/", field="--resume")
-    local = _staging_root() / parts[1] / parts[2]
-    remote.download_dir(rel, local)
+    local = _staging_copy(remote, rel)
     if (local / "stages" / "_run.source.json").is_file():
         from .storage import localize_source
         try:
@@ -269,7 +269,8 @@ def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL und
         local, remote = _run_folder(run_dir)
         _decide(local, None)
         if remote is not None:
-            remote[0].upload_dir(local, remote[1], include=lambda rel: rel in _output_files())
+            from .storage import OUTPUT_FILES
+            remote[0].upload_dir(local, remote[1], include=lambda rel: rel in OUTPUT_FILES)
     except QevalInputError as e:
         _fail(e)
 

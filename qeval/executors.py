@@ -62,7 +62,7 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     remote = storage_for(r)
     if remote is None:
         return Runner(r, Path(run_dir), [tier], executor="local").run_tier(tier, reference_failed)
-    local = stage_from_store(r, remote, run_dir, tier)
+    local = stage_from_store(remote, run_dir, tier)
     runner = Runner(r, local, [tier], executor="local")
     result = runner.run_tier(tier, reference_failed)
     if runner.push_error is None:  # all in the store: drop the node's copy (the reference
@@ -71,7 +71,7 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     return result
 
 
-def stage_from_store(recipe: Any, remote: Any, rel: str, tier: str) -> Path:
+def stage_from_store(remote: Any, rel: str, tier: str) -> Path:
     """Copy what one tier task needs from the store into this node's staging folder
     (``$QEVAL_CACHE/nodes/<tier>/<rel>``): run.json, the run stages, the reference pass and the
     tier's finished stages; point the source stage at a local copy of the exact source

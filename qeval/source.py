@@ -286,6 +286,7 @@ def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
     Raises:
         QevalInputError: naming the recipe file, the tier's line and its field.
     """
+    from .osutil import stderr_fd_to
     from .tiers import get_method
     from .tiers.base import TierContext
     for i, spec in enumerate(recipe.tiers):
@@ -302,28 +303,8 @@ def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
         ctx = TierContext(source_path=str(checkpoint or ""), source_sha256="", device="cpu",
                           dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
         try:
-            with _quiet_stderr():  # importing transformers/torchao prints load notices: validate is one line
-                method.check(spec, ctx)
+            with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):
+                method.check(spec, ctx)  # importing transformers/torchao prints load notices: validate is one line
         except QevalInputError as e:
             fld = (e.field or "").rsplit(".", 1)[-1] or "method"
             raise recipe.error(("tiers", i, fld), e.message) from None
-
-
-class _quiet_stderr:
-    """Send file descriptor 2 (C and Python writers alike) to /dev/null inside the block."""
-
-    def __enter__(self):
-        import sys
-        sys.stderr.flush()
-        self._saved = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
-        return self
-
-    def __exit__(self, *exc):
-        import sys
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
-        return False

@@ -94,7 +94,6 @@ def test_source_fetched_by_hash_and_checked(s3, tiny_llama, tmp_path):
 def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monkeypatch):
     """A node that cannot see the driver's source path gets the checkpoint from the store."""
     from qeval.executors import stage_from_store
-    from qeval.recipe import load_recipe
     from qeval.source import checkpoint_sha256
     from qeval.storage import publish_source
     st = _store(s3, "staging")
@@ -106,8 +105,7 @@ def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monk
     st.write_json(f"{rel}/stages/bf16.prepare.json", {"artifact": None})
     st.write_json(f"{rel}/stages/other.prepare.json", {"artifact": None})
     monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "node"))
-    r = load_recipe(write_recipe(tmp_path / "t.yaml", tiny_llama, tiers=TIERS, suites=False))
-    local = stage_from_store(r, st, rel, "bf16")
+    local = stage_from_store(st, rel, "bf16")
     assert local == tmp_path / "node" / "nodes" / "bf16" / rel
     src = json.loads((local / "stages" / "_run.source.json").read_text())
     assert Path(src["path"]).is_relative_to(tmp_path / "node" / "sources")
@@ -213,3 +211,25 @@ def test_a_failed_copy_does_not_stop_the_run_and_is_retried(s3, tiny_llama, tmp_
     runner.remote.upload_file = real
     runner.publish_outputs()  # the final copy takes what the failed one missed
     assert "stages/bf16.measure.json" in _store(s3, "flaky").list(f"results/tiny/{run_dir.name}")
+
+
+def test_a_corrupt_local_artifact_is_rebuilt(tmp_path, monkeypatch):
+    """Without a store: a file whose hash no longer matches the manifest is rebuilt, and
+    an intact artifact is reused without calling the build."""
+    from qeval.artifacts import get_or_build
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "c"))
+    builds = []
+
+    def build(out: Path) -> dict:
+        builds.append(out)
+        (out / "w.bin").write_bytes(b"weights")
+        return {}
+
+    a, _, reused = get_or_build("m", {"k": 2}, build, log=lambda m: None)
+    assert not reused and len(builds) == 1
+    assert get_or_build("m", {"k": 2}, build, log=lambda m: None)[2] is True and len(builds) == 1
+    (a / "w.bin").write_bytes(b"bit rot")
+    logs = []
+    _, _, reused = get_or_build("m", {"k": 2}, build, log=logs.append)
+    assert not reused and len(builds) == 2 and any("hash mismatch in w.bin" in m for m in logs), logs
+    assert (a / "w.bin").read_bytes() == b"weights"

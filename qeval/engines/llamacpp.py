@@ -143,15 +143,12 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str | int, *, threads
         # warnings, straight to stderr: capture both (fd 2 redirected for the call).
         with _LOCK:
             _CAPTURE = lines
-        sys.stderr.flush()
-        saved = os.dup(2)
+        from ..osutil import stderr_fd_to
         with tempfile.TemporaryFile() as err:
-            os.dup2(err.fileno(), 2)
             try:
-                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
+                with stderr_fd_to(err.fileno()):
+                    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
             finally:
-                os.dup2(saved, 2)
-                os.close(saved)
                 with _LOCK:
                     _CAPTURE = None
             err.seek(0)
