@@ -14,6 +14,7 @@ between test runs; everything else goes to a temporary ``QEVAL_CACHE``.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -246,6 +247,15 @@ def test_quantize_reports_storage_and_failed_quantize_leaves_nothing(tiny, tmp_p
     assert r4["fallback_tensors"] == 0  # 256 columns: every matrix takes a K-quant
     assert s4["non_kquant_matrices"] == 0 and "Q4_K" in s4["tensor_types"]
     assert 4.5 <= s4["bits_per_weight_quantized"] < 6.6 and s4["stored_bytes"] < s8["stored_bytes"]
+    # qeval plan's size model of llama.cpp's type mix gives the same bytes and types, tensor for tensor
+    from qeval.model_config import model_shape
+    from qeval.weight_formats import GgufMix
+    shape = model_shape(json.loads((tiny["src"] / "config.json").read_text()))
+    for stats, ftype in ((s8, "Q8_0"), (s4, "Q4_K_M"), (f16, "F16")):
+        est = GgufMix(ftype).estimate(shape)
+        assert est.bytes == stats["stored_bytes"], (ftype, est.bytes, stats["stored_bytes"])
+        assert {k.upper(): v for k, v in est.tensor_types.items()} == \
+            {k.upper(): v for k, v in stats["tensor_types"].items()}, ftype
     eng = LlamaCppEngine(q4, threads=1)
     try:
         assert eng.memory().weight_bytes == s4["stored_bytes"]

@@ -105,6 +105,13 @@ def _bf16_bytes(src: Path) -> int:
     return model_weight_bytes(load_hf_model(str(src), "cpu"))
 
 
+def _estimate(method_name: str, spec, src: Path):
+    """The weight bytes ``qeval plan`` estimates for this tier from ``config.json`` alone."""
+    from qeval.model_config import model_shape
+    shape = model_shape(json.loads((src / "config.json").read_text()))
+    return get_method(method_name).weight_format(spec, shape, "bfloat16").estimate(shape)
+
+
 def _prepare(method_name: str, spec, ctx, tmp_path: Path) -> tuple[Path, dict]:
     m = get_method(method_name)
     resolved = m.check(spec, ctx)
@@ -141,6 +148,8 @@ def test_int8_round_trip(tiny, tmp_path):
     assert q["parameters"] == source_parameter_count(str(tiny))
     # 14 Linear layers of 128x128/128x64/256x128... int8 + one bf16 scale (and zero) per row
     assert 8.0 < q["bits_per_weight_quantized"] < 8.6
+    # qeval plan's estimate from the config alone is the stored size, byte for byte
+    assert _estimate("int8", spec, tiny).bytes == q["stored_bytes"]
     assert q["bits_per_weight"] < 16
     # the dequantized dense model gives the same logits as the int8 kernels
     deq = m.load_dequantized(spec, ctx, art)
@@ -272,6 +281,8 @@ def test_w4_round_trip(method, tiny, tmp_path, monkeypatch):
     q = m.quant_info(spec, ctx, art, eng)
     assert q["stored_bytes"] < 0.7 * _bf16_bytes(tiny)  # the bf16 embedding dominates this tiny model
     assert 4.0 < q["bits_per_weight_quantized"] < 5.0  # 4-bit codes + per-group scales/zeros
+    est = _estimate(method, spec, tiny)  # qeval plan's estimate from the config alone
+    assert (est.bytes, est.quantized_bytes) == (q["stored_bytes"], q["quantized_layers_bytes"])
     assert q["group_size"] == 64 and q["quantized_layers"] == 14
     ref = _ref_logprobs(tiny)
     got = _logprobs(eng.model, _ids())

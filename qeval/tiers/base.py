@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..weight_formats import Dense
+
 
 @dataclass
 class TierContext:
@@ -69,3 +71,14 @@ class TierMethod:
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         """Stored bytes and bits per weight of the loaded tier."""
         return {}
+
+    def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> Any:
+        """The :class:`qeval.weight_formats.WeightFormat` this tier's artifact stores, for
+        estimates from a config (``qeval plan``) before anything is built. ``shape`` is the
+        model's :class:`qeval.model_config.ModelShape`; ``dtype`` the source dtype.
+        Default: the source checkpoint as it is (every tensor in ``dtype``).
+
+        Raises:
+            QevalInputError: the spec cannot be applied to this model (e.g. a group size).
+        """
+        return Dense(dtype)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QevalInputError
+from ..weight_formats import GgufMix
 from .base import TierContext, TierMethod
 
 _INTERMEDIATE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -116,6 +117,10 @@ class GgufMethod(TierMethod):
         info.update({"quant_seconds": time.time() - t0, "quant_peak_bytes": max(child_peak, own),
                      "convert_peak_bytes": child_peak, "group_size": None, "backend": "llama.cpp"})
         return info
+
+    def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> GgufMix:
+        """The llama.cpp file type ``spec.type`` (each tensor at the type llama.cpp picks)."""
+        return GgufMix(str(spec.type).strip().upper())
 
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
         from ..engines.llamacpp import LlamaCppEngine

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..engines.hf import HFEngine
 from ..errors import QevalInputError
+from ..weight_formats import GroupWise
 from .base import TierContext, TierMethod
 from .int8 import (check_no_pickle, decoder_linear_in_features, layer_tensors, lib_version, quant_summary,
                    source_parameter_count)
@@ -266,6 +267,18 @@ class _GptqModelMethod(TierMethod):
         model.eval()
         return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
                         backend=f"torch-{ctx.dtype} (dequantized {self.method})")
+
+    def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> GroupWise:
+        """gptqmodel's checkpoint layout for ``spec.bits`` and the group size this tier
+        would use on ``shape`` (``auto`` resolved as :meth:`check` does); GPTQ stores a
+        ``g_idx``, AWQ does not.
+
+        Raises:
+            QevalInputError: the group size does not fit the model's layers.
+        """
+        group = resolve_group_size(spec, shape.in_features())
+        return GroupWise(method=self.method, bits=spec.bits, group_size=group, g_idx=self.method == "gptq",
+                         dtype=dtype)
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         import json

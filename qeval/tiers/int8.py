@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
 from ..errors import QevalInputError
+from ..weight_formats import PerRow
 from .base import TierContext, TierMethod
 
 # ---- shared helpers (also used by gptq.py) ------------------------------------------------
@@ -161,6 +162,13 @@ class Int8Method(TierMethod):
         check_no_pickle(out_dir)
         return {"quant_seconds": quant_s, "group_size": None, "backend": self._backend_label(spec),
                 "quantized_layers": n_q, "library": self._libs(spec)}
+
+    def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> PerRow:
+        """torchao: int8 codes, fp32 scale + int8 zero per row (``Int8Tensor``, 5 bytes a
+        row); bitsandbytes: int8 codes, fp32 ``SCB`` per row. Decoder Linears only."""
+        if spec.backend == "bitsandbytes":
+            return PerRow(label="int8-bnb", row_bytes=4, dtype=dtype, detail="bitsandbytes LLM.int8(): fp32 SCB per row")
+        return PerRow(label="int8", row_bytes=5, dtype=dtype)
 
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
         if artifact is None:
