@@ -287,22 +287,37 @@ def gate(run_dir: str = typer.Argument(..., help="a run folder, or its URL under
 
 
 @app.command()
-def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its URL (measured figures)"),
-         model: Optional[str] = typer.Option(None, "--model", help="config.json path or local model folder (estimate)"),
-         gpu_mem: str = typer.Option("24GiB", "--gpu-mem", help="memory budget, e.g. 24GiB, 80GB"),
+def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its URL: measured figures replace "
+                                                 "estimates row by row"),
+         model: Optional[str] = typer.Option(None, "--model", help="config.json or local model folder (estimates)"),
+         recipe: Optional[str] = typer.Option(None, "--recipe", help="plan the tiers of this recipe (default: the "
+                                              "run's tiers, or every tier kind)"),
+         gpu: Optional[str] = typer.Option(None, "--gpu", help="a known GPU (memory and bandwidth), e.g. rtx4090, "
+                                           "h100-sxm; --gpu-mem and --bandwidth override it"),
+         gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="device memory, e.g. 24GiB, 80GB "
+                                               "(default: --gpu's, the run's GPU, else 24GiB)"),
+         bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="memory bandwidth, e.g. 1008GB/s "
+                                                 "(default: --gpu's, else the run's measured)"),
+         usable: Optional[float] = typer.Option(None, "--usable", help="share of memory usable (default 0.95, "
+                                                "or the GPU entry's)"),
          context: int = typer.Option(32768, "--context", help="tokens per sequence"),
-         users: int = typer.Option(8, "--users", help="concurrent sequences for the longest-context column"),
-         overhead: str = typer.Option("1GiB", "--overhead", help="runtime overhead (activations, CUDA context)")
+         users: int = typer.Option(8, "--users", help="concurrent sequences"),
+         overhead: str = typer.Option("1GiB", "--overhead", help="runtime overhead (activations, CUDA context)"),
+         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          ) -> None:
-    """Capacity plan: concurrent sequences at a context, and the longest context for N users."""
+    """Capacity and speed plan per tier: weights, KV cache, sequences that fit, decode bound
+    and expected tokens/s on a GPU; estimates from a config, measured figures from a run."""
     from .report.outputs import plan_text
     try:
-        if (run_dir is None) == (model is None):
-            raise QevalInputError("give either RUN_DIR or --model", field="plan")
-        if context <= 0 or users <= 0:
-            raise QevalInputError("--context and --users must be positive", field="--context")
+        if run_dir is None and model is None and recipe is None:
+            raise QevalInputError("give RUN_DIR, --model or --recipe", field="plan")
+        if context <= 0:
+            raise QevalInputError(f"must be a positive number of tokens (got {context})", field="--context")
+        if users <= 0:
+            raise QevalInputError(f"must be a positive number of sequences (got {users})", field="--users")
         local = _run_folder(run_dir)[0] if run_dir else None
-        out.print(plan_text(local, model, gpu_mem, context, users, overhead), highlight=False)
+        out.print(plan_text(local, model, gpu_mem, context, users, overhead, recipe=recipe, gpu=gpu,
+                            bandwidth=bandwidth, usable=usable, as_json=as_json), highlight=False)
     except QevalInputError as e:
         _fail(e)
 

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from qeval.analysis import (analyse_run, capacity_from_run, compare_markdown, compare_runs,
-                            estimate_from_config, evaluate_gate, fallback_ladder,
+from qeval.analysis import (analyse_run, compare_markdown, compare_runs,
+                            evaluate_gate, fallback_ladder,
                             kv_bytes_per_token_from_config, max_context, max_sequences,
                             param_count_from_config, pareto_front, parse_size)
 from qeval.analysis.gate import RULES
+from qeval.analysis.plan import PlanTier, build_plan
 from qeval.errors import QevalInputError
 from qeval.results import load_run
+from qeval.weight_formats import Dense, FlatBits, kv_format
 
 GIB = 2 ** 30
 D = 1024
@@ -279,23 +281,24 @@ def test_capacity_arithmetic_against_hand_computation():
     #   final norm 5,120 -> total 13,212,893,184 + 1,557,135,360 + 5,120 = 14,770,033,664
     assert param_count_from_config(QWEN14) == 14_770_033_664
 
-    M = 24 * GIB                                   # 25,769,803,776 bytes
-    bf16 = estimate_from_config(QWEN14, M, 32768, 8)
-    assert bf16.source == "estimate" and "estimate" in bf16.label
-    assert bf16.weights_bytes == 29_540_067_328    # 2 bytes per parameter: does not fit 24 GiB
-    assert bf16.free_bytes == 25_769_803_776 - 29_540_067_328 - GIB
-    assert bf16.sequences == 0 and bf16.max_context_tokens == 0 and bf16.fits is False
-
-    w4 = estimate_from_config(QWEN14, M, 32768, 8, weight_dtype_bytes=0.5)
+    M = 24 * GIB                                   # 25,769,803,776 bytes (usable 1.0 here)
+    bf16_t = PlanTier("bf16", "bf16", "hf", "model", Dense(), kv_format("hf", "model"))
+    flat_t = PlanTier("w4", "-", "hf", "model", FlatBits(4), kv_format("hf", "model"))
+    bf16, w4 = build_plan(config=QWEN14, tiers=[bf16_t, flat_t], memory_bytes=M, usable=1.0, context=32768,
+                          users=8).rows
+    assert bf16.weights_bytes.source == "estimate" and bf16.fits.source == "estimate"
+    assert bf16.weights_bytes.value == 29_540_067_328    # 2 bytes per parameter: does not fit 24 GiB
+    assert bf16.kv_budget_bytes.value == 25_769_803_776 - 29_540_067_328 - GIB
+    assert bf16.sequences.value == 0 and bf16.max_context_tokens.value == 0 and bf16.fits.value is False
     # weights 14,770,033,664 * 0.5 = 7,385,016,832; free = 25,769,803,776 - 7,385,016,832
     # - 1,073,741,824 = 17,311,045,120. One 32768-token sequence: 196608 * 32768 = 6,442,450,944
     # -> floor(17,311,045,120 / 6,442,450,944) = floor(2.687) = 2 sequences.
     # 8 users: 17,311,045,120 / (196608 * 8 = 1,572,864) = 11,006.1 -> 11,006 tokens each.
-    assert w4.weights_bytes == 7_385_016_832
-    assert w4.free_bytes == 17_311_045_120
-    assert w4.sequences == 2
-    assert w4.max_context_tokens == 11_006
-    assert w4.fits is False                         # 8 x 32768 does not fit
+    assert w4.weights_bytes.value == 7_385_016_832
+    assert w4.kv_budget_bytes.value == 17_311_045_120
+    assert w4.sequences.value == 2
+    assert w4.max_context_tokens.value == 11_006
+    assert w4.fits.value is False                   # 8 x 32768 does not fit
 
 
 def test_param_count_tied_and_llama_biases():
@@ -312,17 +315,18 @@ def test_param_count_tied_and_llama_biases():
 def test_capacity_from_run_and_formula_helpers():
     tiers = {"a": {"status": "ok", "memory": {"weight_bytes": 2 * GIB, "kv_bytes_per_token": 1024}},
              "f": {"status": "failed"}, "nokv": {"status": "ok", "memory": {"weight_bytes": GIB}}}
-    rows = capacity_from_run(tiers, 8 * GIB, 4096, 4, overhead_bytes=GIB)
+    rows = build_plan(results=tiers, memory_bytes=8 * GIB, usable=1.0, overhead_bytes=GIB, context=4096,
+                      users=4).rows
     a = rows[0]
-    assert a.source == "measured" and a.free_bytes == 5 * GIB
-    assert a.sequences == (5 * GIB) // (1024 * 4096) == 1280
-    assert a.max_context_tokens == (5 * GIB) // (1024 * 4) and a.fits
-    assert rows[1].sequences is None and rows[1].note == "status failed"
-    assert rows[2].sequences is None and "kv_bytes_per_token" in rows[2].note
+    assert a.weights_bytes.source == "measured" and a.kv_budget_bytes.value == 5 * GIB
+    assert a.sequences.value == (5 * GIB) // (1024 * 4096) == 1280 and a.sequences.source == "measured"
+    assert a.max_context_tokens.value == (5 * GIB) // (1024 * 4) and a.fits.value
+    assert rows[1].sequences.value is None and rows[1].notes[0] == "run: status failed"
+    assert rows[2].sequences.value is None and rows[2].kv_bytes_per_token.value is None
     assert max_sequences(GIB, 2 * GIB, 0, 10, 10) == 0
     assert max_context(10_000, 0, 0, 10, 3) == 333
     with pytest.raises(QevalInputError):
-        capacity_from_run(tiers, 8 * GIB, 0, 4)
+        build_plan(results=tiers, memory_bytes=8 * GIB, context=0, users=4)
 
 
 # ---- the synthetic run and compare -------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_write_tables_and_report_alone(tmp_path):
     md, csv_path = write_tables(d)
     assert md.name == "table.md" and csv_path.name == "table.csv"
     html = write_report(d, budget_bytes=8 * GIB, users=2).read_text()
-    assert "Budget 8.00 GiB (given)" in html and "2 users" in html
+    assert "memory 8.00 GiB (given)" in html and "2 users x 4096 tokens" in html and "KV budget" in html
 
 
 def test_default_budget():

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import SpeedSpec
-from .capacity import (DEFAULT_OVERHEAD_BYTES, CapacityRow, capacity_from_run, estimate_from_config,
-                       kv_bytes_per_token_from_config, max_context, max_sequences,
-                       param_count_from_config, parse_size)
+from .capacity import (DEFAULT_OVERHEAD_BYTES, decode_bound, kv_bytes_per_token_from_config, max_context,
+                       max_sequences, param_count_from_config, parse_bandwidth, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
 from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_gate_spec,
                    evaluate_gate, tier_order, validate_section)
@@ -17,9 +16,8 @@ from .pareto import (ParetoEntry, ParetoResult, decode_at, dominates, pareto_fro
                      quality_value)
 
 __all__ = [
-    "DEFAULT_OVERHEAD_BYTES", "CapacityRow", "capacity_from_run", "estimate_from_config",
-    "kv_bytes_per_token_from_config", "max_context", "max_sequences", "param_count_from_config",
-    "parse_size",
+    "DEFAULT_OVERHEAD_BYTES", "decode_bound", "kv_bytes_per_token_from_config", "max_context", "max_sequences",
+    "param_count_from_config", "parse_bandwidth", "parse_size",
     "CompareRow", "MetricDelta", "compare_markdown", "compare_runs",
     "CandidateVerdict", "GateReport", "RuleResult", "analysis_depth", "as_gate_spec",
     "evaluate_gate", "tier_order",

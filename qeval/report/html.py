@@ -7,8 +7,11 @@ can be mailed or attached to a CI job on its own.
 Defaults of the report:
 
 * analysis depth: ``gate.depth`` or ``speed.main_depth`` (tokens).
-* capacity table: budget = the run's GPU memory when ``run.json`` records it (see
-  :func:`default_budget_bytes`), else 24 GiB; context = the deepest speed depth;
+* capacity section: the ``qeval plan`` table (:mod:`qeval.analysis.plan`) of the run's
+  tiers with their measured figures (estimates from the source config where a tier has
+  none and the config is on this machine): memory = the run's GPU memory when ``run.json``
+  records it (see :func:`default_budget_bytes`), else 24 GiB, times the default usable
+  share; bandwidth = the run's measured one; context = the deepest speed depth;
   :data:`DEFAULT_USERS` users; overhead :data:`qeval.analysis.capacity.DEFAULT_OVERHEAD_BYTES`.
 * "slow path at long context": a tier's decode tokens/s at the deepest depth is below
   ``report.slow_path_fraction`` (default 0.5) x the reference's there.
@@ -24,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ..analysis import RunAnalysis, analyse_run
-from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES, CapacityRow, capacity_from_run
+from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES
 from ..analysis.gate import validate_section
 from ..analysis.pareto import GIB, decode_at, finite, peak_bytes_at
+from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
+from ..errors import QevalInputError
 from ..recipe import ReportSpec
 from ..results import STATUS_OK, atomic_write_text, get_path, load_run
 from . import plots
@@ -49,18 +54,11 @@ def _gib(v: Any, digits: int = 2) -> str:
 
 
 def default_budget_bytes(run: dict | None) -> tuple[int, str]:
-    """Memory budget for the report's capacity table: ``(bytes, where it came from)``.
-
-    Looks, in order, at ``run["gpu"]["total_memory_bytes"]``, ``run["gpu"]["memory_bytes"]``,
-    ``run["host"]["gpu"]["total_memory_bytes"]``, ``run["host"]["gpu"]["memory_bytes"]`` and
-    ``run["gpu_memory_bytes"]``; falls back to 24 GiB.
-    """
-    for path in (("gpu", "total_memory_bytes"), ("gpu", "memory_bytes"),
-                 ("host", "gpu", "total_memory_bytes"), ("host", "gpu", "memory_bytes"),
-                 ("gpu_memory_bytes",)):
-        v = finite(get_path(run, *path))
-        if v and v > 0:
-            return int(v), "the run's GPU memory"
+    """GPU memory for the report's capacity section: ``(bytes, where it came from)``: what
+    ``run.json`` records (:func:`qeval.analysis.plan.run_memory_bytes`), else 24 GiB."""
+    v = run_memory_bytes(run)
+    if v:
+        return v, "the run's GPU memory"
     return DEFAULT_BUDGET_BYTES, "default 24 GiB (no GPU memory recorded in run.json)"
 
 
@@ -367,12 +365,13 @@ Memory and speed rules at depth {{ depth }}. A missing figure fails its rule.</p
 {% for n, why in unplaced.items() %}<p class="muted">{{ n }} passes but is not placed: {{ why }}</p>{% endfor %}
 
 <h2>Capacity</h2>
-<p class="muted">Budget {{ budget }} ({{ budget_src }}), context {{ context }} tokens, {{ users }} users, overhead {{ overhead }}.
-sequences = ⌊(M − weights − overhead) / (KV bytes/token × context)⌋; longest context = ⌊(M − weights − overhead) / (KV bytes/token × users)⌋ (vLLM, arXiv:2309.06180 §2). Measured weights and KV bytes/token.</p>
-<div class="wide"><table>
-<tr><th class="l">tier</th><th>weights GiB</th><th>KV B/token</th><th>free GiB</th><th>sequences @ {{ context }}</th><th>longest context for {{ users }} users</th><th class="l">{{ users }} × {{ context }} fits</th><th class="l">note</th></tr>
-{% for c in capacity %}<tr><td class="l">{{ c.tier }}</td><td>{{ c.weights }}</td><td>{{ c.kv }}</td><td>{{ c.free }}</td><td>{{ c.seqs }}</td><td>{{ c.ctx }}</td><td class="l">{{ c.fits }}</td><td class="l wrap">{{ c.note }}</td></tr>
+{% for line in capacity_head %}<p class="muted">{{ line }}</p>
+{% endfor %}<div class="wide"><table>
+<tr>{% for h in capacity_headers %}<th class="{{ 'l' if loop.first or loop.last else '' }}">{{ h }}</th>{% endfor %}</tr>
+{% for r in capacity_rows %}<tr>{% for c in r %}<td class="{{ 'l' if loop.first else ('l wrap' if loop.last else '') }}">{{ c }}</td>{% endfor %}</tr>
 {% endfor %}</table></div>
+{% for line in capacity_legend %}<p class="muted">{{ line }}</p>
+{% endfor %}
 
 <h2>Plots</h2>
 <div class="plots">
@@ -451,12 +450,8 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
                "saved_first": f"{s.saved_vs_first_bytes / GIB:.2f} GiB ({s.saved_vs_first_pct:.0f}%)",
                "q": _f(s.quality, qfmt), "lost_prev": signed(s.quality_lost_vs_prev, qfmt),
                "lost_first": signed(s.quality_lost_vs_first, qfmt)} for s in a.ladder.steps]
-    cap_rows: list[CapacityRow] = capacity_from_run(a.tiers, budget_bytes, deepest, users, overhead_bytes)
-    capacity = [{"tier": c.tier, "weights": _gib(c.weights_bytes), "kv": _f(c.kv_bytes_per_token, ",.0f"),
-                 "free": _gib(c.free_bytes), "seqs": "-" if c.sequences is None else f"{c.sequences:,}",
-                 "ctx": "-" if c.max_context_tokens is None else f"{c.max_context_tokens:,}",
-                 "fits": "-" if c.fits is None else ("yes" if c.fits else "no"), "note": c.note}
-                for c in cap_rows]
+    cap = _capacity_plan(run, a, budget_bytes, budget_src, deepest, users, overhead_bytes)
+    cap_headers, cap_rows = plan_table(cap)
     plot_list = [
         {"title": "Quality vs memory", "src": _data_uri(plots.quality_vs_memory_png(a.pareto)),
          "caption": f"{a.quality_metric} against peak memory at depth {a.depth}; marker size = decode tokens/s; "
@@ -496,11 +491,31 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
         reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
         unfinished=unfinished, slow=list(slow.values()), pareto=pareto_rows, rules=a.gate.rules,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
-        budget=f"{budget_bytes / GIB:.2f} GiB", budget_src=budget_src, context=deepest, users=users,
-        overhead=f"{overhead_bytes / GIB:.2f} GiB", capacity=capacity, plots=plot_list,
+        capacity_head=plan_header(cap)[1:], capacity_headers=cap_headers, capacity_rows=cap_rows,
+        capacity_legend=plan_legend(cap), plots=plot_list,
         depths=a.depths, quality_headers=tab.headers[:1] + tab.headers[n_speed:], table_rows=rows,
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
+
+
+def _capacity_plan(run: dict, a: RunAnalysis, memory_bytes: int, memory_src: str, context: int, users: int,
+                   overhead_bytes: int):
+    """The ``qeval plan`` of the run's tiers for the report (see the module doc)."""
+    cfg = cfg_path = None
+    found = find_config(None, run)
+    if found is not None:
+        try:
+            cfg, cfg_path = read_config(found)
+        except QevalInputError:  # an unreadable source config: measured figures only
+            cfg = cfg_path = None
+    try:
+        plan = build_plan(config=cfg, config_path=str(cfg_path) if cfg_path else None, results=a.tiers, run=run,
+                          memory_bytes=memory_bytes, overhead_bytes=overhead_bytes, context=context, users=users)
+    except QevalInputError:  # a source config the estimates cannot read: measured figures only
+        plan = build_plan(results=a.tiers, run=run, memory_bytes=memory_bytes, overhead_bytes=overhead_bytes,
+                          context=context, users=users)
+    plan.memory_source = memory_src
+    return plan
 
 
 def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..analysis.capacity import capacity_from_run, estimate_from_config, format_gib, parse_size
+from ..analysis.capacity import format_gib, parse_bandwidth, parse_size
+from ..analysis.gpus import find_gpu
+from ..analysis.plan import build_plan, find_config, plan_json, plan_markdown, read_config, tiers_from_specs
 from ..errors import QevalInputError
+from ..model_config import model_shape
+from ..recipe import load_recipe
 from ..results import load_run
 
 
@@ -45,39 +49,50 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     return outs.exit_code(), "\n".join(lines)
 
 
-def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str, context: int, users: int,
-              overhead: str) -> str:
-    """Capacity plan as a Markdown table: from a run's measured figures, or an estimate
-    from a model config (``--model`` config.json or checkpoint folder).
+def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str | None, context: int, users: int,
+              overhead: str, *, recipe: str | None = None, gpu: str | None = None, bandwidth: str | None = None,
+              usable: float | None = None, as_json: bool = False) -> str:
+    """``qeval plan``'s output: the plan table (:func:`qeval.analysis.plan.plan_markdown`) or
+    its JSON. Estimates come from a model config: ``model`` (config.json or a local model
+    folder), else the recipe's (``recipe`` or the run's) local model folder or its
+    ``config.json`` in the Hugging Face cache, else the run's source checkpoint. Tiers: the
+    recipe's, else the run's, else every kind (:func:`qeval.analysis.plan.default_tiers`).
 
     Raises:
-        QevalInputError: bad sizes, missing config, not a run folder.
+        QevalInputError: bad sizes, unknown GPU, missing or bad config, not a run folder,
+            nothing to plan from.
     """
-    budget = parse_size(gpu_mem, field="--gpu-mem")
+    mem = parse_size(gpu_mem, field="--gpu-mem") if gpu_mem is not None else None
     over = parse_size(overhead, field="--overhead")
+    bw = parse_bandwidth(bandwidth, field="--bandwidth") if bandwidth is not None else None
+    g = find_gpu(gpu) if gpu is not None else None
+    run, results = ({}, None)
     if run_dir is not None:
-        _, tiers = load_run(run_dir)
-        rows = capacity_from_run(tiers, budget, context, users, over)
-        head = f"capacity from measured figures in {run_dir}"
+        run, results = load_run(run_dir)
+    rec = None
+    if recipe is not None:
+        rec = load_recipe(recipe)
+    cfg = cfg_path = None
+    if model is not None:
+        cfg, cfg_path = read_config(model)
     else:
-        p = Path(model).expanduser()
-        cfg_path = p / "config.json" if p.is_dir() else p
-        if not cfg_path.is_file():
-            raise QevalInputError("no config.json there (give a config.json or a local model folder)",
-                                  file=str(model), field="--model")
+        found = find_config(rec, run)
+        if found is not None:
+            cfg, cfg_path = read_config(found, field_name="model.source")
+    if cfg is None and results is None:
+        src = (rec.model.source if rec is not None else None) or "the recipe's model"
+        raise QevalInputError(f"no config.json for {src} on this machine: give --model path/to/config.json"
+                              if rec is not None else "give RUN_DIR, --model or --recipe", field="plan")
+    tiers = None
+    dtype = rec.model.dtype if rec is not None else None
+    if rec is not None:
         try:
-            cfg = json.loads(cfg_path.read_text())
-        except ValueError as e:
-            raise QevalInputError(f"not valid JSON: {e}", file=cfg_path, field="--model") from None
-        rows = [estimate_from_config(cfg, budget, context, users, overhead_bytes=over)]
-        head = f"ESTIMATE from {cfg_path} (not measured; BF16 weights and KV cache assumed)"
-    out = [head, f"budget {format_gib(budget)}, overhead {format_gib(over)}, context {context} tokens, {users} users",
-           "", f"| tier | source | weights | KV bytes/token | sequences at {context} | longest context for {users} users | fits | note |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kv = f"{r.kv_bytes_per_token:,.0f}" if r.kv_bytes_per_token else "-"
-        out.append(f"| {r.tier} | {r.label} | {format_gib(r.weights_bytes)} | {kv} | "
-                   f"{r.sequences if r.sequences is not None else '-'} | "
-                   f"{r.max_context_tokens if r.max_context_tokens is not None else '-'} | "
-                   f"{'yes' if r.fits else ('no' if r.fits is not None else '-')} | {r.note or ''} |")
-    return "\n".join(out)
+            shape = model_shape(cfg) if cfg is not None else None
+        except QevalInputError as e:
+            raise QevalInputError(e.message, file=cfg_path, field=e.field) from None
+        tiers = tiers_from_specs(list(rec.tiers), shape, dtype or "bfloat16")
+    plan = build_plan(config=cfg, config_path=str(cfg_path) if cfg_path else None, tiers=tiers, results=results,
+                      run_dir=str(run_dir) if run_dir is not None else None, run=run, gpu=g, memory_bytes=mem,
+                      bandwidth_bytes_per_s=bw, usable=usable, overhead_bytes=over, context=context, users=users,
+                      dtype=dtype)
+    return plan_json(plan) if as_json else plan_markdown(plan)
