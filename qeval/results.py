@@ -19,6 +19,11 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
       "spec": {...tier spec from the recipe...},
       "engine": "hf" | "llamacpp", "backend": "gptqmodel:torch_int4", "device": "cpu",
       "threads": 1, "kv_cache": "model" | "int8", "flash_attn": bool | None,
+      "decode_mode": "eager" | "static" | None,   # transformers tiers: the timed decode loop
+      "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed)
+      "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
+      "sampling": {"decode": "argmax", "ignored_file_defaults": {...}},  # model defaults set aside
+      "runtime": {"kernel_build_seconds": float, "selected_kernel": str},  # built before the timed load
       "artifact": {"key": str, "path": str, "reused": bool},
       "quant": {"stored_bytes": int,            # all weights as stored (packed ints as stored)
                 "bits_per_weight": float,       # 8 * stored_bytes / parameter count, whole model
@@ -26,7 +31,10 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
                 "group_size": int | None, "quant_seconds": float, "quant_peak_bytes": int,
                 "fallback_tensors": int | None},
       "memory": {"weight_bytes": int, "kv_bytes_per_token": float,
-                 "peak_bytes": {"<depth>": int}, "kind": "cpu_vmhwm" | "cuda_max_allocated"},
+                 "peak_bytes": {"<depth>": int},
+                 "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device",
+                 "nvml_peak_bytes": {"<depth>": int}, "nvml_kind": str,   # CUDA transformers tiers:
+                 "nvml": str},                    # NVML beside torch's counter, or why it is absent
       "speed": {"<depth>": {"ttft_s": float, "prefill_tokens_per_s": float,
                             "decode_tokens_per_s": float, "roofline_tokens_per_s": float,
                             "roofline_share": float, "ttft_s_all": [..], "decode_tokens_per_s_all": [..]}},

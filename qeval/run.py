@@ -325,6 +325,8 @@ class Runner:
         """Run every stage that is not done yet. Returns ``{tier: tier result}``."""
         self.check_resume()
         self.write_run_json()
+        if not stage_path(self.run_dir, "_run", "source").exists():
+            self.check_download()
         src = self.run_global("source")
         maxctx = src.get("max_context")
         if maxctx:
@@ -349,11 +351,29 @@ class Runner:
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
         return results
 
-    def check_disk(self, src: dict) -> None:
-        """Pre-flight: free disk in the artifact cache against what the tiers will write.
+    def check_download(self) -> None:
+        """Pre-flight for a hub id: free disk in the Hugging Face cache against the files the
+        source stage will download (:func:`qeval.source.hub_download_bytes`).
 
         Raises:
             QevalInputError: too little free disk (names both figures).
+        """
+        from .source import hub_download_bytes
+        got = hub_download_bytes(self.recipe.model)
+        if not got or not got[0]:
+            return
+        need, folder = got
+        free = shutil.disk_usage(_existing_parent(folder)).free
+        if free < need:
+            raise QevalInputError(f"downloading {self.recipe.model.source} needs {need / 2**30:.1f} GiB in {folder}, "
+                                  f"which has {free / 2**30:.1f} GiB free", file=self.recipe.path, field="model.source")
+
+    def check_disk(self, src: dict) -> None:
+        """Pre-flight: free disk in the artifact cache against what the tiers and the
+        reference pass will write (:func:`disk_needs`).
+
+        Raises:
+            QevalInputError: too little free disk (names the total, its parts and the free space).
         """
         from .source import cache_root
         folder = Path(src["path"])
@@ -361,13 +381,18 @@ class Runner:
         dtype_bytes = 4 if self.recipe.model.dtype == "float32" else 2
         params = weight_bytes // dtype_bytes
         todo = [t for t in self.tiers if not (self.run_dir / "tiers" / f"{t}.json").exists()]
-        need = estimate_disk_bytes(self.recipe, todo, params)
-        probe = cache_root()
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
+        probe = _existing_parent(cache_root())
+        tokens = None
+        if self.recipe.suites and not stage_path(self.run_dir, "_run", "reference").exists():
+            tokens = reference_answer_tokens(self.recipe)
+        parts = disk_needs(self.recipe, todo, params, vocab=_vocab_size(folder), answer_tokens=tokens)
+        if tokens and not _same_filesystem(probe, _existing_parent(self.run_dir)):
+            parts["reference log-probabilities"] *= 2  # linked into the run folder: a copy across file systems
+        need = sum(parts.values())
         free = shutil.disk_usage(probe).free
         if need and free < need:
-            raise QevalInputError(f"the tiers need about {need / 2**30:.1f} GiB of disk for artifacts, but {probe} "
+            detail = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v)
+            raise QevalInputError(f"the run needs about {need / 2**30:.1f} GiB of disk ({detail} GiB), but {probe} "
                                   f"has {free / 2**30:.1f} GiB free", file=self.recipe.path, field="tiers")
 
     def reference_stage(self) -> str | None:
@@ -438,7 +463,7 @@ class Runner:
                 res["resolved"] = d.get("resolved")
             elif stage == "measure":
                 for k in ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "memory", "speed",
-                          "load_seconds"):
+                          "load_seconds", "decode_mode", "decode_note", "decode_tokens", "sampling", "runtime"):
                     res[k] = d.get(k)
                 res.setdefault("quant", {}).update({k: v for k, v in (d.get("quant") or {}).items() if v is not None})
             elif stage == "quality":
@@ -524,13 +549,99 @@ def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
                                             "device visible to torch (use device: auto or cpu)")
 
 
-_BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6, "gguf": 2.7}  # gguf: F16 GGUF + quant
+# Bytes per source parameter an artifact keeps in the cache (gguf: by its type, below).
+_BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6}
+# Written only while the artifact is built, then deleted, in source-dtype bytes per parameter:
+# gptqmodel's offload folder (finished layers, about the whole model) and GGUF's 16-bit
+# intermediate file (the converter's output before llama_model_quantize).
+_TRANSIENT_DTYPE_COPIES = {"gptq": 1.0, "awq": 1.0, "gguf": 1.0}
+# Spec fields that are engine settings, not part of the artifact (two tiers differing only in
+# them share one artifact, e.g. a GGUF file with and without the int8 KV cache).
+_ENGINE_ONLY_FIELDS = ("name", "kv_cache", "flash_attn", "quality_engine", "decode")
+LOGPROB_BYTES = 2  # reference/logprobs.npy is float16 (measure/fidelity.py ROUND)
+
+
+def _gguf_bytes_per_param(gguf_type: str) -> float:
+    """Approximate bytes per parameter of a llama.cpp file type: F32 4, F16/BF16 2, else the
+    type's bit count plus one bit of scales (Q4_K_M ~0.63, Q8_0 ~1.13)."""
+    t = str(gguf_type).upper()
+    if t == "F32":
+        return 4.0
+    if t in ("F16", "BF16"):
+        return 2.0
+    digits = [c for c in t if c.isdigit()]
+    return (int(digits[0]) + 1) / 8 if digits else 1.0
+
+
+def artifact_groups(recipe: Recipe, tiers: list[str]) -> list[str]:
+    """``tiers`` less those whose artifact another listed tier already builds (same method
+    and spec apart from engine settings such as ``kv_cache`` and ``flash_attn``)."""
+    seen: set[str] = set()
+    out = []
+    for t in tiers:
+        spec = recipe.tier(t).model_dump(mode="json")
+        key = json.dumps({k: v for k, v in spec.items() if k not in _ENGINE_ONLY_FIELDS}, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def disk_needs(recipe: Recipe, tiers: list[str], params: int | None, *, vocab: int | None = None,
+               answer_tokens: int | None = None) -> dict[str, int]:
+    """Bytes the run will write, by part: ``artifacts`` (kept: parameter count x bytes per
+    parameter per method, one artifact per :func:`artifact_groups` entry), ``while
+    quantizing`` (the largest transient folder of one build: gptqmodel's offload folder,
+    GGUF's 16-bit intermediate; builds run one at a time per machine) and ``reference
+    log-probabilities`` (float16, answer tokens x vocabulary). Unknown parameter count: 0
+    for the tier parts (no check)."""
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    parts = {"artifacts": 0, "while quantizing": 0, "reference log-probabilities": 0}
+    if params:
+        for t in artifact_groups(recipe, tiers):
+            spec = recipe.tier(t)
+            per = _gguf_bytes_per_param(spec.type) if spec.method == "gguf" else _BYTES_PER_PARAM.get(spec.method, 2.0)
+            parts["artifacts"] += int(params * per)
+            parts["while quantizing"] = max(parts["while quantizing"],
+                                            int(params * dtype_bytes * _TRANSIENT_DTYPE_COPIES.get(spec.method, 0)))
+    if vocab and answer_tokens:
+        parts["reference log-probabilities"] = int(answer_tokens) * int(vocab) * LOGPROB_BYTES
+    return parts
 
 
 def estimate_disk_bytes(recipe: Recipe, tiers: list[str], params: int | None = None) -> int:
-    """Bytes the tiers' artifacts will write: parameter count x bytes per parameter per
-    tier method (bf16 writes none; GGUF writes an F16 intermediate too). The parameter
-    count comes from the source's config when known; unknown -> 0 (no check)."""
-    if params is None:
-        return 0
-    return int(sum(params * _BYTES_PER_PARAM.get(recipe.tier(t).method, 2.0) for t in tiers))
+    """Bytes the tiers' artifacts will write (kept plus the largest transient build folder,
+    :func:`disk_needs` without the reference). Unknown parameter count -> 0 (no check)."""
+    return sum(disk_needs(recipe, tiers, params).values())
+
+
+def reference_answer_tokens(recipe: Recipe) -> int:
+    """Upper bound of the reference pass's answer tokens: every turn of every suite item at
+    its token budget (``quality._budget``: the suite's cap, the item's own, and
+    ``fidelity_max_new_tokens`` past the suite's ``limit``)."""
+    from .measure.quality import _budget, load_suites
+    short = recipe.quality.fidelity_max_new_tokens
+    return sum(_budget(spec, it, i, short) * len(it.turns)
+               for spec, items in load_suites(recipe) for i, it in enumerate(items))
+
+
+def _vocab_size(folder: Path) -> int | None:
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
+def _existing_parent(p: Path) -> Path:
+    p = Path(p)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return True

@@ -180,12 +180,44 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
         raise QevalInputError(f"model path {src!r} does not exist", field="model.source")
     try:
         from huggingface_hub import snapshot_download
-        folder = snapshot_download(src, revision=model.revision,
-                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        folder = snapshot_download(src, revision=model.revision, allow_patterns=HUB_PATTERNS)
     except Exception as e:  # network errors, missing repo: the user's input or environment
         raise QevalInputError(f"cannot fetch hub model {src!r}: {e.__class__.__name__}: {str(e)[:200]}",
                               field="model.source") from None
     return Source(folder, checkpoint_sha256(folder), src + (f"@{model.revision}" if model.revision else ""))
+
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
+
+def hub_download_bytes(model) -> tuple[int, Path] | None:
+    """Bytes the source stage will download for a hub id (the files matching what
+    :func:`resolve_source` fetches, sizes from the hub's file metadata) and the folder they
+    go to (the Hugging Face cache); ``(0, cache)`` when the snapshot is already there; None
+    when the source is not a hub id or the hub cannot be asked (the download then reports
+    its own error). huggingface_hub's ``model_info(files_metadata=True)`` gives the sizes."""
+    import fnmatch
+    src = model.source or ""
+    if model.gguf_package or Path(src).expanduser().exists() or not _HUB_ID.match(src) \
+            or src.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import HfApi, constants, snapshot_download
+    except ImportError:
+        return None
+    cache = Path(constants.HF_HUB_CACHE)
+    try:
+        snapshot_download(src, revision=model.revision, allow_patterns=HUB_PATTERNS, local_files_only=True)
+        return 0, cache
+    except Exception:  # not (completely) in the local cache
+        pass
+    try:
+        info = HfApi().model_info(src, revision=model.revision, files_metadata=True)
+    except Exception:
+        return None
+    total = sum(int(f.size or 0) for f in (info.siblings or [])
+                if any(fnmatch.fnmatch(f.rfilename, pat) for pat in HUB_PATTERNS))
+    return total, cache
 
 
 def model_max_context(source_path: str | Path) -> int | None:

@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .errors import QevalInputError
+from .errors import QevalInputError, TierUnavailable
 from .results import atomic_write_json
 
 RSS_AFTER_START = None
@@ -96,15 +96,16 @@ def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
     """Device, GPU name and memory (bytes), and the memory bandwidth (bytes/s) for the roofline."""
     import torch
     from .engines.hf import pick_device
-    from .measure.bandwidth import measure_bandwidth
+    from .measure.bandwidth import measure_bandwidth, probe_size_bytes
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
-    _progress(f"measuring memory bandwidth on {device}")
-    bw = measure_bandwidth(device)
+    size = probe_size_bytes(device)
+    _progress(f"measuring memory bandwidth on {device} ({size / 2**30:.2f} GiB buffers)")
+    bw = measure_bandwidth(device, size)
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
-    return {"device": device, "bandwidth_bytes_per_s": bw, "gpu": gpu, "gpu_memory_bytes": gpu_mem,
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return {"device": device, "bandwidth_bytes_per_s": bw, "bandwidth_probe_bytes": size, "gpu": gpu,
+            "gpu_memory_bytes": gpu_mem, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
@@ -141,10 +142,45 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
             "info": manifest.get("info", {})}
 
 
+def _peak_counters(engine_kind: str, device: str, baseline: int | None):
+    """The peak-memory counter of a tier, created *before* its model loads (so no baseline
+    holds weights): ``(counter, notes)``.
+
+    CPU: VmHWM less ``baseline``. CUDA, transformers: ``torch.cuda.max_memory_allocated``
+    with NVML's per-process figure beside it when NVML is there (``notes["nvml"]`` says why
+    not otherwise). CUDA, llama.cpp (outside torch): NVML only; without it the tier stops
+    (:class:`~qeval.errors.TierUnavailable`, saying what to install).
+    """
+    from .errors import TierUnavailable
+    from .measure.memory import PeakMemory
+    from .measure.nvml import NvmlMemory, PairedPeak
+    if device != "cuda":
+        return PeakMemory(device, baseline), {}
+    if engine_kind != "hf":
+        return PeakMemory("nvml"), {}
+    try:
+        return PairedPeak(PeakMemory("cuda"), NvmlMemory()), {}
+    except TierUnavailable as e:
+        return PeakMemory("cuda"), {"nvml": str(e)}
+
+
+def decode_tokens_for(spec, engine, decode_tokens: int) -> int:
+    """Tokens each timed decode makes: the recipe's ``speed.decode_tokens``, raised for a
+    quantized KV cache that re-quantizes every ``residual_length`` tokens (transformers'
+    ``QuantizedCache``, HQQ) to whole periods plus one (``k * residual_length + 1``), so the
+    decode figure carries its periodic re-quantization at its real rate."""
+    period = getattr(engine, "kv_requant_period", None)
+    if not period:
+        return decode_tokens
+    k = max(1, -(-(decode_tokens - 1) // period))
+    return k * period + 1
+
+
 def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     """In a fresh process: load the artifact, then weight bytes, KV bytes/token, peak memory (bytes), TTFT (s) and decode tokens/s at every depth."""
     from .engines.hf import pick_device
-    from .measure.memory import PeakMemory, rss_bytes
+    from .errors import TierUnavailable
+    from .measure.memory import rss_bytes
     from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
     from .tiers import get_method
     from transformers import AutoTokenizer
@@ -157,17 +193,17 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     ctx = tier_context(recipe, run_dir, device)
     prep = json.loads(stage_path(run_dir, tier, "prepare").read_text())
     artifact = Path(prep["artifact"]) if prep.get("artifact") else None
-    peak = PeakMemory(device, baseline)
+    runtime = method.prepare_runtime(spec, ctx, artifact)  # e.g. gptqmodel's CUDA kernels built: not load time
+    peak, mem_notes = _peak_counters(method.engine, device, baseline)
     peak.reset()
     _progress(f"loading {tier}")
     t0 = time.time()
     engine = method.load(spec, ctx, artifact)
     load_s = time.time() - t0
     engine_device = getattr(engine, "device", device)
-    if engine_device != device or engine.name != "hf":
-        # an engine outside torch (llama.cpp): torch's CUDA counters do not see its memory
-        peak = PeakMemory(engine_device if engine.name == "hf" else ("nvml" if engine_device == "cuda" else "cpu"),
-                          baseline)
+    if engine_device != device:  # never measure one device and label it another
+        raise TierUnavailable(f"tier {tier} asked for {device} but its engine ({engine.backend}) runs on "
+                              f"{engine_device}")
     after_load = peak.read()
     quant = method.quant_info(spec, ctx, artifact, engine)
     weight_bytes = quant.get("stored_bytes")
@@ -176,19 +212,32 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
     env = json.loads(stage_path(run_dir, "_run", "env").read_text())
     bw = env.get("bandwidth_bytes_per_s")
-    speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=recipe.speed.decode_tokens,
+    n_decode = decode_tokens_for(spec, engine, recipe.speed.decode_tokens)
+    speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=n_decode,
                                    repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
                                    bandwidth=bw, weight_bytes=weight_bytes, progress=_progress)
-    kvpt = kv_bytes_per_token_from_sweep(kv, recipe.speed.decode_tokens)
+    kvpt = kv_bytes_per_token_from_sweep(kv, n_decode)
     add_roofline(speed, bw, weight_bytes, kvpt)
+    memory = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kvpt, "kv_bytes_at_depth": kv,
+              "peak_bytes": peaks, "after_load_bytes": after_load, "baseline_bytes": baseline,
+              "kind": peak.kind, **mem_notes}
+    second = getattr(peak, "secondary", None)
+    if second is not None:  # NVML beside torch's counter: [after load, then one per depth]
+        reads = peak.secondary_reads
+        memory.update({"nvml_kind": second.kind, "nvml_after_load_bytes": reads[0] if reads else None,
+                       "nvml_peak_bytes": dict(zip([str(d) for d in sorted(prompts)], reads[1:]))})
+    for c in (getattr(peak, "primary", peak), second):
+        if c is not None:
+            c.close()
     return {
         "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
         "kv_cache": spec.kv_cache, "flash_attn": getattr(engine, "flash_attn", None),
-        "load_seconds": load_s,
+        "decode_mode": getattr(engine, "decode_mode", None), "decode_note": getattr(engine, "decode_note", None),
+        "sampling": getattr(engine, "sampling", None),
+        "decode_tokens": n_decode,
+        "load_seconds": load_s, "runtime": runtime,
         "quant": quant,
-        "memory": {"weight_bytes": weight_bytes, "kv_bytes_per_token": kvpt, "kv_bytes_at_depth": kv,
-                   "peak_bytes": peaks, "after_load_bytes": after_load, "baseline_bytes": baseline,
-                   "kind": peak.kind},
+        "memory": memory,
         "speed": speed,
     }
 
@@ -234,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         out["fingerprint"] = os.environ.get("QEVAL_FINGERPRINT") or None
         atomic_write_json(stage_path(run_dir, tier, stage), out)
         return 0
+    except TierUnavailable as e:  # cannot run here as asked: one line, what to install
+        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
+                          {"error": str(e), "type": "unavailable", "traceback": traceback.format_exc()})
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except QevalInputError as e:
         atomic_write_json(stage_path(run_dir, tier, stage, error=True),
                           {"error": str(e), "type": "input", "traceback": traceback.format_exc()})

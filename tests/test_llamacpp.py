@@ -197,12 +197,50 @@ def test_generate_is_greedy_on_its_own_scores_with_per_token_times(tiny):
         assert eng.n_ctx >= 704 and len(g3.token_ids) == 4
     finally:
         eng.close()
-    # asked for CUDA on a build without GPU offload, it runs on the CPU and says so
+    # asked for CUDA on a build without GPU offload, it refuses (never a "cuda" row measured on the CPU)
     import llama_cpp
-    eng = LlamaCppEngine(tiny["f16"], threads=1, device="cuda")
+    from qeval.errors import TierUnavailable
+    if llama_cpp.llama_supports_gpu_offload():
+        eng = LlamaCppEngine(tiny["f16"], threads=1, device="cuda")
+        try:
+            assert eng.device == "cuda" and eng.backend == "llama.cpp-cuda" and eng.flash_attn is True
+        finally:
+            eng.close()
+    else:
+        with pytest.raises(TierUnavailable, match="GPU offload"):
+            LlamaCppEngine(tiny["f16"], threads=1, device="cuda")
+
+
+@pytest.mark.slow
+def test_generate_ignores_the_sampling_defaults_the_gguf_carries(tiny):
+    """The file carries the model's sampling defaults (temperature, top-k/p, repeat
+    penalty); qeval's decode is the plain argmax of llama.cpp's own logits all the same."""
+    import shutil
+    from gguf import GGUFReader
+    from qeval.engines.gguf_convert import convert_hf_to_gguf
+    from qeval.engines.llamacpp import LlamaCppEngine
+    src = tiny["root"] / "tiny-sampling"
+    shutil.copytree(tiny["src"], src, dirs_exist_ok=True)
+    tok = tiny["tok"]
+    (src / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": True,
+         "temperature": 0.7, "top_k": 3, "top_p": 0.8, "repetition_penalty": 1.8}))
+    f16 = tiny["root"] / "tiny-sampling-f16.gguf"
+    convert_hf_to_gguf(src, f16, "f16")
+    r = GGUFReader(str(f16))
+    assert "general.sampling.penalty_repeat" in r.fields and "general.sampling.temp" in r.fields
+    del r
+    eng = LlamaCppEngine(f16, threads=1)
     try:
-        want = "cuda" if llama_cpp.llama_supports_gpu_offload() else "cpu"
-        assert eng.device == want and eng.backend == f"llama.cpp-{want}"
+        ignored = eng.sampling["ignored_file_defaults"]
+        assert eng.sampling["decode"] == "argmax"
+        assert float(ignored["penalty_repeat"]) == pytest.approx(1.8) and float(ignored["temp"]) == pytest.approx(0.7)
+        prompt = tiny["ids"][:24]
+        g = eng.generate(prompt, 24, ignore_stop=True)
+        seq = list(prompt)
+        for _ in range(24):  # plain argmax loop over teacher-forced scores
+            seq.append(int(_all_logp(eng, seq + [0], 256)[-1].argmax()))
+        assert g.token_ids == seq[len(prompt):]
     finally:
         eng.close()
 

@@ -3,8 +3,27 @@ GPTQ/AWQ checkpoints), with the model's default KV cache or an int8 quantized ca
 
 The decode loop is a plain greedy loop over ``model.forward`` with a cache object, so
 each token's time is taken where it becomes known (``benchmarks/decode_overhead.py``
-compares it to a bare loop). ``generate()`` of transformers was checked and not used:
-it exposes no per-token timings without a streamer thread.
+compares it to a bare loop). ``generate()`` of transformers was checked and not used
+there: it exposes no per-token timings without a streamer thread.
+
+Decode modes (``decode`` of a transformers tier, recorded as ``engine.decode_mode``):
+
+* ``eager``: ``DynamicCache`` (concatenating every step) and one Python-dispatched
+  forward per token. On a GPU this is bound by kernel launches, not by memory bandwidth.
+* ``static``: transformers' ``StaticCache`` (preallocated, written in place) and the
+  decode step compiled with ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs,
+  on CUDA), as transformers' "static cache and torch.compile" recipe does; the prefill
+  runs uncompiled. The cache length is rounded up to 256 tokens and one compiled graph
+  is warmed up per length before any timed run.
+* ``auto`` (default): ``static`` on CUDA with the model's KV cache, ``eager`` otherwise
+  (the CPU, or the int8 ``QuantizedCache``, which cannot be compiled). When compiling
+  fails under ``auto`` the engine decodes eagerly and says why in ``engine.decode_note``.
+
+Greedy means greedy: free-running answers go through ``model.generate`` with an explicit
+greedy :class:`~transformers.GenerationConfig` and the model's own
+``generation_config.json`` defaults set aside for the call (transformers fills every
+unset field from them, so a shipped ``repetition_penalty`` or ``no_repeat_ngram_size``
+would otherwise apply); :attr:`HFEngine.sampling` lists what was set aside.
 """
 from __future__ import annotations
 
@@ -127,6 +146,87 @@ def pick_device(device: str) -> str:
     return device
 
 
+# Sampling and logits-processor fields of a GenerationConfig that change which token a
+# greedy decode picks (transformers' ``_get_logits_processor``): listed when a model's
+# generation_config.json sets them, and never applied.
+_PROCESSOR_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                     "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+                     "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+                     "forced_eos_token_id", "exponential_decay_length_penalty", "guidance_scale",
+                     "renormalize_logits", "min_length", "min_new_tokens", "num_beams", "penalty_alpha",
+                     "watermarking_config", "cache_implementation")
+
+HQQ_RESIDUAL_LENGTH = 128  # tokens kept in full precision before the int8 cache re-quantizes
+STATIC_CACHE_ROUND = 256
+DECODE_MODES = ("auto", "eager", "static")
+
+
+def ignored_generation_defaults(model: Any) -> dict:
+    """The model's ``generation_config`` fields that would change a greedy answer
+    (sampling, penalties, forced or suppressed tokens), with their values: what qeval sets
+    aside. Empty when the model ships none."""
+    from transformers import GenerationConfig
+
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return {}
+    defaults = GenerationConfig._get_default_generation_params()
+    out = {}
+    for k in _PROCESSOR_FIELDS:
+        v = getattr(gc, k, None)
+        if v is None or v == defaults.get(k, None) or (k == "num_beams" and v == 1) or (k == "do_sample" and not v):
+            continue
+        out[k] = v.to_dict() if hasattr(v, "to_dict") else v
+    return out
+
+
+def greedy_generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_id: int, **extra: Any) -> Any:
+    """A :class:`~transformers.GenerationConfig` for plain argmax decoding: no sampling, no
+    beams, every logits processor at its neutral value, ``max_new_tokens`` new tokens at
+    most, ending at any of ``stop_ids``; ``extra`` adds cache settings."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
+                            min_length=0, repetition_penalty=1.0, no_repeat_ngram_size=0, length_penalty=1.0,
+                            encoder_repetition_penalty=1.0, renormalize_logits=False, remove_invalid_values=False,
+                            eos_token_id=list(stop_ids) or None, pad_token_id=int(pad_id), **extra)
+
+
+class _ModelDefaultsAside:
+    """Context manager: ``model.generation_config`` replaced by an empty one for the call,
+    so ``generate`` (which fills every unset field of the config it is given from the
+    model's own, transformers ``_prepare_generation_config``) takes only transformers'
+    neutral global defaults."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.saved = None
+
+    def __enter__(self) -> None:
+        from transformers import GenerationConfig
+        self.saved = self.model.generation_config
+        self.model.generation_config = GenerationConfig()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.generation_config = self.saved
+
+
+def resolve_decode_mode(decode: str, device: str, kv_cache: str) -> str:
+    """``eager`` or ``static`` for a tier's ``decode`` setting (module notes).
+
+    Raises:
+        ValueError: ``static`` with the int8 KV cache (``QuantizedCache`` cannot be compiled)
+            or an unknown mode.
+    """
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode {decode!r}: expected one of {', '.join(DECODE_MODES)}")
+    if decode == "static" and kv_cache != "model":
+        raise ValueError("decode static needs the model's KV cache (the int8 QuantizedCache cannot be compiled)")
+    if decode == "auto":
+        return "static" if (device == "cuda" and kv_cache == "model") else "eager"
+    return decode
+
+
 class HFEngine:
     """Engine over a transformers causal LM.
 
@@ -136,29 +236,92 @@ class HFEngine:
         kv_cache: "model" (the default dynamic cache) or "int8" (``QuantizedCache`` with
             the HQQ backend, nbits 8; the quanto backend only takes 2 and 4 bits).
         backend: a label for the kernel that runs the weights.
+        decode: "auto", "eager" or "static" for the timed decode loop (module notes).
+        compile_backend: ``torch.compile`` backend of the static mode ("inductor"; tests
+            use "eager", dynamo without code generation).
+
+    Attributes:
+        decode_mode: "eager" or "static" as run; ``decode_note`` says why when ``auto``
+            fell back to eager.
+        sampling: ``{"decode": "argmax", "ignored_file_defaults": {...}}``.
+        kv_requant_period: tokens between re-quantizations of the int8 KV cache (None for
+            the model's cache): a timed decode should span whole periods.
+
+    Raises:
+        ValueError: see :func:`resolve_decode_mode`.
     """
 
     name = "hf"
 
-    def __init__(self, model: Any, device: str, *, kv_cache: str = "model", backend: str = "torch") -> None:
+    def __init__(self, model: Any, device: str, *, kv_cache: str = "model", backend: str = "torch",
+                 decode: str = "eager", compile_backend: str = "inductor") -> None:
         self.model = model
         self.device = device
         self.kv_cache = kv_cache
+        self.decode_requested = decode
+        self.decode_mode = resolve_decode_mode(decode, device, kv_cache)
+        self.decode_note: str | None = None
+        self.compile_backend = compile_backend
         self.backend = backend + (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self._torch = __import__("torch")
         self._cache_kw = cache_kwarg(model)
+        self.sampling = {"decode": "argmax", "ignored_file_defaults": ignored_generation_defaults(model)}
+        self.kv_requant_period = HQQ_RESIDUAL_LENGTH if kv_cache == "int8" else None
+        self._static: dict[int, Any] = {}  # cache length -> StaticCache, warmed up
+        self._step_fn: Any = None
 
     # -- cache ---------------------------------------------------------------------
     def new_cache(self) -> Any:
-        """A fresh cache object of the configured kind."""
+        """A fresh cache object of the configured kind (a dynamic one in static mode too:
+        scoring and answers are not timed)."""
         from transformers import DynamicCache, QuantizedCache
 
         cfg = self.model.config
         if self.kv_cache == "int8":
             return QuantizedCache(backend="hqq", config=cfg, nbits=8, axis_key=1, axis_value=1,
-                                  q_group_size=64, residual_length=128)
+                                  q_group_size=64, residual_length=HQQ_RESIDUAL_LENGTH)
         return DynamicCache(config=cfg)
+
+    def _compiled_step(self) -> Any:
+        if self._step_fn is None:
+            torch = self._torch
+            mode = "reduce-overhead" if (self.device == "cuda" and self.compile_backend == "inductor") else None
+            self._step_fn = torch.compile(self.model.forward, backend=self.compile_backend, mode=mode,
+                                          fullgraph=False, dynamic=False)
+        return self._step_fn
+
+    def static_cache(self, n_tokens: int) -> Any:
+        """A reset ``StaticCache`` of at least ``n_tokens`` (rounded up to 256), its compiled
+        decode step warmed up (three steps) the first time that length is used.
+
+        Raises:
+            RuntimeError: compiling failed (``decode: static``); under ``auto`` the engine
+                falls back to eager instead and records why.
+        """
+        from transformers import StaticCache
+
+        n = -(-int(n_tokens) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
+        cache = self._static.get(n)
+        if cache is None:
+            torch = self._torch
+            cache = StaticCache(config=self.model.config, max_cache_len=n)
+            step = self._compiled_step()
+            kw = {self._cache_kw: cache, "use_cache": True}
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), **kw)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                for _ in range(3):  # CUDA graphs record on the second call and replay from the third
+                    nxt = step(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
+                self._sync()
+            self._static[n] = cache
+        with self._torch.inference_mode():  # its tensors are inference tensors
+            cache.reset()
+        return cache
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            self._torch.cuda.synchronize()
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -189,11 +352,24 @@ class HFEngine:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
-        """Greedy decoding; see :class:`qeval.engines.base.Generation` for timings (seconds)."""
+        """Greedy decoding in the engine's decode mode; see
+        :class:`qeval.engines.base.Generation` for timings (seconds). Sets
+        ``last_cache_bytes`` (KV bytes held for the tokens in the cache; a static cache's
+        preallocated rows beyond them are left out) and ``last_cache_tokens``."""
         torch = self._torch
         model = self.model
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        cache = self.new_cache()
+        cache, step_fn = self.new_cache(), model
+        if self.decode_mode == "static":
+            try:
+                cache, step_fn = self.static_cache(ids.shape[1] + max_new_tokens), self._compiled_step()
+            except Exception as e:  # noqa: BLE001 - torch.compile failures have many types
+                why = f"{e.__class__.__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                if self.decode_requested == "static":
+                    raise RuntimeError(f"decode static: torch.compile failed ({why})") from e
+                self.decode_mode, self.decode_note = "eager", f"static decode failed ({why}): decoded eagerly"
+                self._static.clear()
+                cache = self.new_cache()
         kw = {self._cache_kw: cache, "use_cache": True}
         state = {}
 
@@ -203,23 +379,29 @@ class HFEngine:
             return int(state["nxt"])  # the host copy synchronises CUDA too
 
         def step(_tok: int) -> int:
-            out = model(input_ids=state["nxt"], **kw)
+            out = step_fn(input_ids=state["nxt"], **kw)
             state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
             return int(state["nxt"])
 
         with torch.inference_mode():
             self._sync()
             gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
-        self.last_cache_bytes = cache_nbytes(cache)
         self.last_cache_tokens = ids.shape[1] + len(gen.token_ids) - 1
+        if self.decode_mode == "static":  # K/V rows of the tokens held, not the preallocated length
+            held = sum((lay.keys.nbytes + lay.values.nbytes) * self.last_cache_tokens // lay.max_cache_len
+                       for lay in cache.layers if getattr(lay, "is_initialized", False))
+        else:
+            held = cache_nbytes(cache)
+        self.last_cache_bytes = held
         return gen
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                        stop_ids: Sequence[int] = (), pad_id: int = 0) -> list[tuple[list[int], bool]]:
         """Greedy answers to several prompts at once (quality only: no timings).
 
-        Uses transformers' ``generate`` with left padding and the tier's cache kind.
-        Returns per prompt ``(new token ids up to and including the stop token, finished)``.
+        Uses transformers' ``generate`` with left padding, the tier's cache kind and
+        :func:`greedy_generation_config` (the model's generation_config.json defaults set
+        aside: plain argmax). Returns per prompt ``(new token ids up to and including the stop token, finished)``.
         Batched matmuls round differently from single-sequence ones, so the reference
         pass and every tier's free-running answers all go through this same path.
         """
@@ -236,13 +418,12 @@ class HFEngine:
         if self.kv_cache == "int8":
             kwargs["cache_implementation"] = "quantized"
             kwargs["cache_config"] = {"backend": "hqq", "nbits": 8, "axis_key": 1, "axis_value": 1,
-                                      "q_group_size": 64, "residual_length": 128}
+                                      "q_group_size": 64, "residual_length": HQQ_RESIDUAL_LENGTH}
         stop = [int(s) for s in stop_ids]
-        with torch.inference_mode():
+        gc = greedy_generation_config(max_new_tokens, stop, pad_id, **kwargs)
+        with torch.inference_mode(), _ModelDefaultsAside(self.model):
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                      eos_token_id=stop or None, pad_token_id=pad_id,
-                                      temperature=None, top_p=None, top_k=None, **kwargs)
+                                      generation_config=gc)
         res = []
         for row in out[:, width:].tolist():
             toks: list[int] = []

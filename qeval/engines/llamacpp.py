@@ -13,9 +13,19 @@ Settings that matter for the numbers:
 
 * threads: ``n_threads`` and ``n_threads_batch`` both from the tier context.
 * flash attention is set explicitly on or off (never llama.cpp's ``auto``) and reported as
-  ``engine.flash_attn``. An int8 (``q8_0``) KV cache needs it. On the 2-core development
-  CPU it slowed decode at depth 8000 from 13.6 to 3.7 tokens/s, so it is on by default
-  only with the int8 KV cache.
+  ``engine.flash_attn``. An int8 (``q8_0``) KV cache needs it. Default (``flash_attn:
+  null``): on for every GGUF tier on CUDA, so a tier and its int8-KV twin differ in the
+  cache only; on the CPU on only with the int8 KV cache (on the 2-core development CPU it
+  slowed decode at depth 8000 from 13.6 to 3.7 tokens/s), and the table notes that such
+  a pair differs in flash attention too.
+* decoding is plain argmax over the logits (no sampler chain): the sampling defaults a
+  converter copies from ``generation_config.json`` into the file (``general.sampling.*``:
+  temperature, top-k/p, repeat penalty) are read only to be listed in
+  ``engine.sampling["ignored_file_defaults"]``.
+* ``device: cuda`` needs a llama-cpp-python build with GPU offload
+  (``llama_supports_gpu_offload()``); a CPU build raises
+  :class:`~qeval.errors.TierUnavailable` saying how to rebuild, instead of silently
+  measuring the CPU.
 * the context (and its KV cache, which llama.cpp allocates whole) is sized to the longest
   sequence seen so far, rounded up to 256 tokens, and recreated when a longer one comes,
   so peak memory at a depth reflects a cache sized for that depth.
@@ -37,6 +47,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import TierUnavailable
 from .base import Generation, MemoryInfo, greedy_loop
 
 # llama.cpp quantize types that refuse to run without an importance matrix
@@ -219,6 +230,36 @@ def kv_type_bytes(ggml_type: int) -> float:
 
 # ---- the engine ------------------------------------------------------------------------
 
+REBUILD_HINT = ("rebuild llama-cpp-python with CUDA: `make setup CUDA=1 CUDA_ARCHS=<compute capability, e.g. 90>` "
+                "(or CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir llama-cpp-python), "
+                "or set device: cpu")
+
+
+def require_gpu_offload(what: str = "this GGUF tier") -> None:
+    """Raise unless the installed llama-cpp-python can offload layers to a GPU.
+
+    Raises:
+        TierUnavailable: a CPU-only build (``llama_supports_gpu_offload()`` is false), in one
+            line naming the rebuild command.
+    """
+    L = _llama()
+    if not bool(L.llama_supports_gpu_offload()):
+        raise TierUnavailable(f"device cuda: this llama-cpp-python build has no GPU offload "
+                              f"(llama_supports_gpu_offload() is false), so {what} would run on the CPU; "
+                              + REBUILD_HINT)
+
+
+def default_flash_attn(device: str, kv_cache: str) -> bool:
+    """Flash attention when the recipe leaves ``flash_attn`` unset: on for every tier on
+    CUDA (a tier and its int8-KV twin then differ in the cache only); on the CPU only
+    with the int8 (q8_0) KV cache, which needs it (module notes)."""
+    return True if device == "cuda" else kv_cache == "int8"
+
+
+SAMPLING_KEYS = ("general.sampling.temp", "general.sampling.top_k", "general.sampling.top_p",
+                 "general.sampling.min_p", "general.sampling.penalty_repeat", "general.sampling.penalty_last_n",
+                 "general.sampling.mirostat", "general.sampling.sequence")
+
 class LlamaCppEngine:
     """Engine over a GGUF file on llama.cpp.
 
@@ -227,14 +268,13 @@ class LlamaCppEngine:
         threads: ``n_threads`` and ``n_threads_batch``.
         kv_cache: "model" (F16 K and V) or "int8" (``q8_0`` K and V; needs flash attention).
         flash_attn: True/False, or None for "on only with the int8 KV cache".
-        device: "cpu" or "cuda"; layers are offloaded only when the llama.cpp build
-            supports it (``llama_supports_gpu_offload``), otherwise it runs on the CPU and
-            ``device`` says so.
+        device: "cpu" or "cuda" (every layer offloaded; the build must support it).
         n_ctx: the smallest context to create (grown on demand).
         n_batch: tokens per ``llama_decode`` call (and logits rows per scoring window).
 
     Raises:
         ValueError: int8 KV cache with flash attention off.
+        TierUnavailable: ``device="cuda"`` on a llama-cpp-python build without GPU offload.
         RuntimeError: llama.cpp cannot load the file.
     """
 
@@ -248,13 +288,16 @@ class LlamaCppEngine:
         self.path = str(path)
         self.threads = max(1, int(threads))
         self.kv_cache = kv_cache
-        self.flash_attn = (kv_cache == "int8") if flash_attn is None else bool(flash_attn)
+        self.flash_attn = default_flash_attn(device, kv_cache) if flash_attn is None else bool(flash_attn)
+        self.flash_attn_source = "default" if flash_attn is None else "recipe"
         if kv_cache == "int8" and not self.flash_attn:
             raise ValueError("llama.cpp's q8_0 (int8) KV cache needs flash attention; set flash_attn true or null")
         if kv_cache not in ("model", "int8"):
             raise ValueError(f"kv_cache {kv_cache!r}: expected 'model' or 'int8'")
+        if device == "cuda":
+            require_gpu_offload()
         self.type_kv = L.GGML_TYPE_Q8_0 if kv_cache == "int8" else L.GGML_TYPE_F16
-        offload = device == "cuda" and bool(L.llama_supports_gpu_offload())
+        offload = device == "cuda"
         self.device = "cuda" if offload else "cpu"
         self.backend = f"llama.cpp-{self.device}"
         mp = L.llama_model_default_params()
@@ -275,6 +318,8 @@ class LlamaCppEngine:
         self.last_state_bytes: int | None = None
         self.last_perf: dict | None = None
         self._stats: dict | None = None
+        ignored = {k.split(".")[-1]: v for k in SAMPLING_KEYS if (v := self._meta(k)) is not None}
+        self.sampling = {"decode": "argmax", "ignored_file_defaults": ignored}
 
     # -- context -------------------------------------------------------------------------
     def _ensure_ctx(self, n_tokens: int) -> Any:

@@ -8,12 +8,53 @@ bandwidth / (weight bytes + KV bytes read at depth d) (docs/design.md, Roofline)
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+MIB = 1 << 20
+GIB = 1 << 30
 
 
-def measure_bandwidth(device: str = "cpu", size_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Copy bandwidth in bytes/s (2 x ``size_bytes`` moved per copy), best of ``repeats``."""
+def _llc_bytes() -> int | None:
+    """Size of the largest CPU cache level (bytes) from sysfs, None when unknown."""
+    best = None
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            txt = f.read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": MIB, "G": GIB}.get(txt[-1:], 1)
+            v = int(txt.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+        best = v if best is None else max(best, v)
+    return best
+
+
+def probe_size_bytes(device: str, total_memory: int | None = None, free_memory: int | None = None,
+                     llc_bytes: int | None = None) -> int:
+    """Buffer size of the bandwidth copy, scaled to the device (STREAM's rule: each array
+    well beyond the last-level cache, and long enough to time).
+
+    CUDA: 1/32 of the GPU's memory, between 1 GiB and 4 GiB (an H200's 141 GB gives 4 GiB;
+    256 MiB moves in ~0.1 ms there, too short to time), and at most a quarter of the free
+    memory (source and destination must fit). CPU: 8 x the last-level cache, at least
+    256 MiB, at most 2 GiB.
+    """
+    if device == "cuda":
+        if total_memory is None or free_memory is None:
+            import torch
+            free_memory, total_memory = torch.cuda.mem_get_info()
+        size = min(4 * GIB, max(GIB, total_memory // 32))
+        return int(max(256 * MIB, min(size, free_memory // 4)))
+    llc = _llc_bytes() if llc_bytes is None else llc_bytes
+    return int(min(2 * GIB, max(256 * MIB, 8 * (llc or 0))))
+
+
+def measure_bandwidth(device: str = "cpu", size_bytes: int | None = None, repeats: int = 5) -> float:
+    """Copy bandwidth in bytes/s (2 x ``size_bytes`` moved per copy), best of ``repeats``;
+    ``size_bytes`` defaults to :func:`probe_size_bytes` for the device."""
     import torch
 
+    if size_bytes is None:
+        size_bytes = probe_size_bytes(device)
     n = size_bytes // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)

@@ -1,4 +1,5 @@
-"""Peak memory: VmHWM of this process on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
+"""Peak memory: VmHWM of this process on CPU, ``torch.cuda.max_memory_allocated`` on CUDA
+(NVML for engines outside torch: :mod:`qeval.measure.nvml`).
 
 CPU figures come from ``/proc/self/status`` (Linux). The peak is reset between depths by
 writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)), which sets VmHWM back
@@ -44,8 +45,10 @@ class PeakMemory:
     """Peak memory of a code region, on the engine's device.
 
     ``kind`` is ``cuda_max_allocated`` (bytes from ``torch.cuda.max_memory_allocated``,
-    reset with ``reset_peak_memory_stats``) or ``cpu_vmhwm`` (VmHWM minus ``baseline``,
-    the RSS right after imports, before the model was loaded).
+    reset with ``reset_peak_memory_stats``), ``cpu_vmhwm`` (VmHWM minus ``baseline``,
+    the RSS right after imports, before the model was loaded), or for ``device="nvml"``
+    ``cuda_nvml_process`` / ``cuda_nvml_device`` (:class:`qeval.measure.nvml.NvmlMemory`,
+    which must be created before the model is loaded).
 
     Usage::
 
@@ -56,22 +59,16 @@ class PeakMemory:
     def __init__(self, device: str, baseline: int | None = None) -> None:
         self.device = device
         self.baseline = baseline or 0
-        self.kind = {"cuda": "cuda_max_allocated", "nvml": "cuda_nvml_used"}.get(device, "cpu_vmhwm")
-        if device == "nvml":  # engines outside torch on a GPU: device memory in use, via NVML
-            self.baseline = self._nvml_used() or 0
-
-    @staticmethod
-    def _nvml_used() -> int | None:
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
-        except Exception:
-            return None
+        self.kind = {"cuda": "cuda_max_allocated"}.get(device, "cpu_vmhwm")
+        self._nvml = None
+        if device == "nvml":  # engines outside torch on a GPU: NVML, sampled (measure/nvml.py)
+            from .nvml import NvmlMemory
+            self._nvml = NvmlMemory()  # create before the model loads: the baseline; raises TierUnavailable
+            self.kind = self._nvml.kind
 
     def reset(self) -> None:
-        if self.device == "nvml":
+        if self._nvml is not None:
+            self._nvml.reset()
             return
         if self.device == "cuda":
             import torch
@@ -81,14 +78,20 @@ class PeakMemory:
             reset_cpu_peak()
 
     def read(self) -> int | None:
-        """Peak bytes since :meth:`reset` (CPU: less the baseline; NVML: memory in use now
-        less the baseline, a lower bound of the peak)."""
-        if self.device == "nvml":
-            u = self._nvml_used()
-            return None if u is None else max(u - self.baseline, 0)
+        """Peak bytes since :meth:`reset` (CPU: less the baseline; NVML: the sampled peak of
+        this process's GPU memory less its baseline before load, see :mod:`qeval.measure.nvml`)."""
+        if self._nvml is not None:
+            out = self._nvml.read()
+            self.kind = self._nvml.kind
+            return out
         if self.device == "cuda":
             import torch
             torch.cuda.synchronize()
             return int(torch.cuda.max_memory_allocated())
         h = hwm_bytes()
         return None if h is None else max(h - self.baseline, 0)
+
+    def close(self) -> None:
+        """Stop the NVML sampling thread (no-op for the other kinds)."""
+        if self._nvml is not None:
+            self._nvml.close()

@@ -116,7 +116,7 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
     tab = TierTable()
     tab.headers = ["tier", "status", "weights GiB", "bits/w", "backend", "KV B/token"]
     tab.csv_fields = ["tier", "status", "error", "weights_gib", "bits_per_weight", "backend", "kv_cache",
-                      "kv_bytes_per_token"]
+                      "kv_bytes_per_token", "decode_mode"]
     for d in depths:
         tab.headers += [f"peak GiB @{d}", f"TTFT s @{d}", f"decode tok/s @{d}", f"roofline % @{d}"]
         tab.csv_fields += [f"peak_gib_{d}", f"ttft_s_{d}", f"decode_tokens_per_s_{d}", f"roofline_share_{d}"]
@@ -155,6 +155,8 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         }
         cells = [name, status, _gib(get_path(t, "memory", "weight_bytes")), _f(bpw, ".2f"),
                  str(t.get("backend") or "-"), _f(get_path(t, "memory", "kv_bytes_per_token"), ",.0f")]
+        eager_gpu = eager_gpu_decode(t)
+        raw["decode_mode"] = t.get("decode_mode")
         for d in depths:
             peak = peak_bytes_at(t, d)
             ttft = finite(get_path(t, "speed", str(d), "ttft_s"))
@@ -162,7 +164,8 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             roof = finite(get_path(t, "speed", str(d), "roofline_share"))
             raw.update({f"peak_gib_{d}": _r(peak, GIB), f"ttft_s_{d}": ttft,
                         f"decode_tokens_per_s_{d}": dec, f"roofline_share_{d}": roof})
-            cells += [_gib(peak), _f(ttft, ".3g"), _f(dec, ".3g"), _f(roof, ".0f", 100)]
+            dec_cell = _f(dec, ".3g") + (" eager" if eager_gpu and dec is not None else "")
+            cells += [_gib(peak), _f(ttft, ".3g"), dec_cell, _f(roof, ".0f", 100)]
         pr, lo, hi = (finite(beh.get(k)) for k in ("pass_rate", "pass_ci_low", "pass_ci_high"))
         flip = finite(beh.get("flip_rate"))
         p2f, f2p = beh.get("flips_pass_to_fail"), beh.get("flips_fail_to_pass")
@@ -187,6 +190,15 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             mine, theirs = (finite(get_path(x, "speed", str(d), "ttft_s")) for x in (t, a.tiers[base]))
             if mine and theirs:
                 notes.append(f"int8 KV adds {100 * (mine / theirs - 1):+.0f}% prefill time vs {base} @{d}")
+            fa, fa_base = t.get("flash_attn"), a.tiers[base].get("flash_attn")
+            if fa is not None and fa_base is not None and bool(fa) != bool(fa_base):
+                notes.append(f"flash attention {'on' if fa else 'off'} here, {'on' if fa_base else 'off'} in {base}: "
+                             "the comparison with it mixes two changes")
+        if eager_gpu:
+            notes.append("eager decode on the GPU (dynamic cache, no torch.compile): bound by kernel launches, "
+                         "not bandwidth")
+        if t.get("decode_note"):
+            notes.append(str(t["decode_note"]))
         fb = get_path(t, "quant", "fallback_tensors")
         if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
             types = get_path(t, "quant", "tensor_types") or {}
@@ -206,6 +218,12 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         tab.rows.append(cells)
         tab.csv_rows.append(raw)
     return tab
+
+
+def eager_gpu_decode(t: dict) -> bool:
+    """True for a transformers tier whose decode figures were measured eagerly on CUDA
+    (launch-bound there: the table marks them "eager")."""
+    return t.get("device") == "cuda" and t.get("engine") == "hf" and t.get("decode_mode") == "eager"
 
 
 def _kv_base_tier(tiers: dict[str, dict], name: str) -> str | None:

@@ -59,6 +59,16 @@ class TierMethod:
         (``quant_seconds``, ``quant_peak_bytes``, ``group_size``, ``backend``...)."""
         raise NotImplementedError
 
+    def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
+        """Before the timed load in the measure stage: get the runtime ready (build kernels
+        the library compiles at first use), so ``load_seconds`` is loading only. Returns
+        what was done (``kernel_build_seconds``...).
+
+        Raises:
+            TierUnavailable: the runtime cannot work on this machine (one line: what to install).
+        """
+        return {}
+
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
         """Load the artifact (or the source when ``needs_artifact`` is False) as an Engine."""
         raise NotImplementedError

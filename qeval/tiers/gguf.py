@@ -15,7 +15,9 @@ llama.cpp's per-tensor fallback warnings, kept in ``quantize.json``).
 
 The KV cache (``kv_cache: int8`` = ``q8_0`` K and V) and flash attention are engine
 settings, not part of the artifact: a Q4_K_M tier with and without the int8 cache share
-one GGUF file.
+one GGUF file. ``device: cuda`` needs a llama-cpp-python build with GPU offload: a CPU
+build stops the tier in :meth:`GgufMethod.check` with the rebuild command (never a GGUF
+"cuda" row measured on the CPU).
 """
 from __future__ import annotations
 
@@ -66,9 +68,13 @@ class GgufMethod(TierMethod):
             QevalInputError: unknown type (field ``tiers.<name>.type``, with the valid
                 names), a type that needs an importance matrix, or ``kv_cache: int8`` with
                 ``flash_attn: false`` (field ``tiers.<name>.flash_attn``).
+            TierUnavailable: ``device: cuda`` with a llama-cpp-python build without GPU
+                offload (before anything is quantized or measured).
         """
-        from ..engines.llamacpp import NEEDS_IMATRIX
+        from ..engines.llamacpp import NEEDS_IMATRIX, require_gpu_offload
         names = _ftypes()
+        if ctx.device == "cuda":
+            require_gpu_offload(f"GGUF tier {spec.name}")
         t = str(spec.type).strip().upper()
         if t not in names:
             raise QevalInputError(f"unknown llama.cpp type {spec.type!r}; valid: {', '.join(names)}",

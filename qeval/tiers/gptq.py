@@ -210,6 +210,14 @@ class _GptqModelMethod(TierMethod):
                 "calibration_rows": len(calib), "calibration_tokens": n_tok,
                 "library": {"gptqmodel": gptqmodel.__version__}}
 
+    # -- runtime -------------------------------------------------------------------------
+    def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
+        """On CUDA, get gptqmodel's kernels built before the timed load (see
+        :func:`cuda_kernels_ready`); nothing to do on CPU."""
+        if ctx.device != "cuda":
+            return {}
+        return cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact)
+
     # -- load ---------------------------------------------------------------------------
     def _load_qmodel(self, ctx: TierContext, artifact: Path, device: str, backend: str = "auto") -> Any:
         import torch
@@ -230,7 +238,8 @@ class _GptqModelMethod(TierMethod):
         kernels = sorted({type(m).__name__ for _, m in _quant_layers(gm.model)})
         if not kernels:
             raise RuntimeError(f"{artifact} loaded without any quantized layer")
-        engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels))
+        engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels),
+                          decode=spec.decode)
         engine.qmodel = gm  # keep gptqmodel's wrapper alive with the model
         return engine
 
@@ -292,6 +301,80 @@ class _GptqModelMethod(TierMethod):
         info = quant_summary(model, params, layers, group)
         info.update(bits=spec.bits, backend=engine.backend, quantized_layers=len(layers))
         return info
+
+
+def _nvcc() -> str | None:
+    """The nvcc gptqmodel's JIT builds would use: on PATH, else ``$CUDA_HOME/bin/nvcc``."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cand = Path(home) / "bin" / "nvcc" if home else None
+    return str(cand) if cand is not None and cand.is_file() else None
+
+
+def cuda_kernels_ready(method: str, quant_method: str, fmt: str, spec: Any, ctx: TierContext,
+                       artifact: Path | None) -> dict:
+    """Build (or find cached) the CUDA kernels gptqmodel will pick for this checkpoint,
+    before the load is timed.
+
+    What gptqmodel 7.6 does at load (read in ``gptqmodel/utils/importer.py`` and the
+    ``qlinear`` kernels): with ``backend=auto`` on CUDA it tries Swordfish and Machete
+    (whose ``validate_once`` JIT-compiles them with nvcc, Machete after fetching CUTLASS
+    from the network, and skips them when that fails), then Marlin, whose validation does
+    *not* compile: its JIT build runs in ``post_init`` during the load, so a machine
+    without nvcc (or without the CUDA headers) fails the load there, and with nvcc the
+    build's minutes land in ``load_seconds``. Here the same selection runs first
+    (``select_quant_linear``), and when Marlin is the pick its extension is built
+    (``gptqmodel.extension.is_available``; a cached build loads without nvcc).
+
+    Returns:
+        ``{"kernel_build_seconds", "selected_kernel", "nvcc"}``.
+    Raises:
+        TierUnavailable: the picked kernel cannot be built here; the line names what to
+            install (nvcc of the CUDA toolkit matching torch's CUDA version).
+    """
+    import json
+    import torch
+
+    from ..errors import TierUnavailable
+
+    _import_gptqmodel()
+    from gptqmodel import extension
+    from gptqmodel.quantization import FORMAT, METHOD
+    from gptqmodel.utils.backend import BACKEND
+    from gptqmodel.utils.importer import select_quant_linear
+
+    qc = {}
+    if artifact is not None and (Path(artifact) / "quantize_config.json").is_file():
+        qc = json.loads((Path(artifact) / "quantize_config.json").read_text())
+    bits = int(qc.get("bits", spec.bits))
+    group = int(qc.get("group_size", spec.group_size if isinstance(spec.group_size, int) else 128))
+    desc_act = bool(qc.get("desc_act", getattr(spec, "desc_act", False)))
+    sym = bool(qc.get("sym", spec.sym))
+    dtype = getattr(torch, ctx.dtype)
+    nvcc = _nvcc()
+    t0 = time.time()
+    try:
+        cls = select_quant_linear(bits=bits, group_size=group, desc_act=desc_act, sym=sym, device="cuda",
+                                  backend=BACKEND.AUTO, format=FORMAT(fmt), quant_method=METHOD(quant_method),
+                                  pack_dtype=torch.int32)  # as gptqmodel's loader calls it
+        picked = cls.__name__
+    except Exception as e:  # noqa: BLE001 - no kernel at all: say so in one line
+        raise TierUnavailable(f"{method} on cuda: gptqmodel found no CUDA kernel for bits {bits}, group {group} "
+                              f"({e.__class__.__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    if "Marlin" in picked:
+        name = "marlin_bf16" if dtype == torch.bfloat16 else "marlin_fp16"
+        if not extension.is_available(name):
+            err = (extension.error(name) or "").strip().splitlines()
+            why = err[0][:240] if err else "no message"
+            need = ("no nvcc on PATH or in $CUDA_HOME/bin: install the CUDA toolkit (nvcc >= 12.8) matching "
+                    f"torch's CUDA {torch.version.cuda}" if nvcc is None else
+                    f"nvcc is {nvcc}: check that its version matches torch's CUDA {torch.version.cuda} and "
+                    "that the CUDA headers are there (pip install 'gptqmodel[marlin-cuda12]')")
+            raise TierUnavailable(f"{method} on cuda: gptqmodel compiles its Marlin kernel ({name}) on this "
+                                  f"machine and the build failed ({why}); {need}")
+    return {"kernel_build_seconds": time.time() - t0, "selected_kernel": picked, "nvcc": nvcc}
 
 
 def dequantize_layer(mod: Any) -> Any:

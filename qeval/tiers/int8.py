@@ -102,6 +102,13 @@ def quant_summary(model: Any, params: int, layers: Iterable[tuple[Any, int]], gr
 
 # ---- INT8 ---------------------------------------------------------------------------------
 
+# torchao 0.18 Int8Tensor's weight-only linear (quantize_/workflows/int8/int8_tensor.py) runs
+# ``x @ qdata.t().to(x.dtype)`` and scales the result: uncompiled, each call writes a full
+# bf16 copy of the weight and reads it again, so decode moves more bytes than bf16 does;
+# torch.compile (decode: static) fuses the conversion into the matmul.
+EAGER_INT8_NOTE = ("eager torchao int8: each call converts the whole int8 weight to bf16 before the matmul "
+                   "(no torch.compile), so decode is slower than bf16; use decode: static (auto on CUDA)")
+
 def _is_packed(t: Any) -> bool:
     """True for a weight held as a tensor subclass (torchao) or a bitsandbytes Int8Params."""
     if t is None:
@@ -174,7 +181,11 @@ class Int8Method(TierMethod):
         if artifact is None:
             raise ValueError("int8 needs its artifact")
         model = load_hf_model(str(artifact), ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
-        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=self._backend_label(spec))
+        engine = HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=self._backend_label(spec),
+                          decode=spec.decode)
+        if ctx.device == "cuda" and engine.decode_mode == "eager" and spec.backend == "torchao":
+            engine.decode_note = EAGER_INT8_NOTE
+        return engine
 
     def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
         """The artifact with every int8 weight dequantized back to a dense ``ctx.dtype``

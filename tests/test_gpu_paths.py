@@ -1,0 +1,468 @@
+"""The CUDA paths, checked on a CPU machine (issue 22): NVML memory counted from before the
+load, per process, on the visible device, as a sampled peak; greedy decoding that ignores
+a model's generation_config.json; tiers that cannot run on CUDA here stop in one line;
+static decode; the int8-KV decode window; disk pre-flight and bandwidth probe sizes; the
+table's eager and flash-attention marks; gpu_smoke.py's refusal without CUDA.
+
+NVML and CUDA are faked (a stand-in ``pynvml`` module, ``torch.cuda.is_available``
+patched): what is tested is qeval's logic around them, not the driver.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qeval.errors import TierUnavailable
+from qeval.recipe import parse_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 10 ** 9
+
+
+# ---- a stand-in for pynvml ----------------------------------------------------------------
+
+class FakeNvml:
+    """Devices by NVML index and UUID; ``used`` bytes and a compute-process list each."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, n: int = 4) -> None:
+        self.devices = {i: {"uuid": f"GPU-{i}aaa", "used": 0, "procs": {}} for i in range(n)}
+        self.lock = threading.Lock()
+        self.list_pids = True  # False: a container whose PID namespace hides ours
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i not in self.devices:
+            raise self.NVMLError("invalid index")
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, u):
+        for i, d in self.devices.items():
+            if d["uuid"] == u:
+                return i
+        raise self.NVMLError("not found")
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        with self.lock:
+            return SimpleNamespace(used=self.devices[h]["used"])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        with self.lock:
+            procs = self.devices[h]["procs"] if self.list_pids else {}
+            return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in procs.items()]
+
+    def set(self, h, pid, nbytes):
+        """Process ``pid`` holds ``nbytes`` on device ``h`` (device ``used`` follows)."""
+        with self.lock:
+            d = self.devices[h]
+            d["used"] += nbytes - d["procs"].get(pid, 0)
+            d["procs"][pid] = nbytes
+
+
+@pytest.fixture()
+def nvml(monkeypatch):
+    import os
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake.me = os.getpid()
+    return fake
+
+
+def test_visible_device_follows_cuda_visible_devices():
+    from qeval.measure.nvml import visible_device
+    assert visible_device(0, {}) == 0 and visible_device(1, {}) == 1
+    assert visible_device(0, {"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert visible_device(1, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == 3
+    assert visible_device(0, {"CUDA_VISIBLE_DEVICES": "GPU-1aaa,0"}) == "GPU-1aaa"
+    assert visible_device(0, {"CUDA_VISIBLE_DEVICES": "MIG-xyz"}) == "MIG-xyz"
+    with pytest.raises(TierUnavailable, match="not visible"):
+        visible_device(0, {"CUDA_VISIBLE_DEVICES": ""})
+    with pytest.raises(TierUnavailable):  # CUDA stops at an invalid entry
+        visible_device(1, {"CUDA_VISIBLE_DEVICES": "0,bogus,1"})
+
+
+def test_nvml_counts_this_process_on_its_device_as_a_sampled_peak(nvml, monkeypatch):
+    from qeval.measure.nvml import KIND_PROCESS, NvmlMemory
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    nvml.set(2, 999, 10 * GB)  # another process on our GPU
+    nvml.set(0, 998, 50 * GB)  # and one on NVML index 0, which we do not use
+    nv = NvmlMemory(interval_s=0.002)  # before the "load": no context of ours yet
+    try:
+        assert nv.device == 2 and nv.baseline_process == 0
+        nvml.set(2, nvml.me, 3 * GB)  # the load: weights + context
+        assert nv.read() == 3 * GB  # the weights are in the figure
+        nv.reset()
+        nvml.set(2, nvml.me, 5 * GB)  # a short spike during the window...
+        nvml.set(2, 999, 30 * GB)  # ...while the other process grows
+        time.sleep(0.2)
+        nvml.set(2, nvml.me, 4 * GB)  # ...gone before the window ends
+        assert nv.read() == 5 * GB  # the peak, not the end value; the neighbour does not count
+        assert nv.kind == KIND_PROCESS
+        nv.reset()
+        assert nv.read() == 4 * GB
+    finally:
+        nv.close()
+
+
+def test_nvml_falls_back_to_device_used_and_says_so(nvml):
+    from qeval.measure.nvml import KIND_DEVICE, NvmlMemory
+    nvml.list_pids = False  # NVML reports host PIDs we cannot match
+    nvml.set(0, 999, 10 * GB)
+    nv = NvmlMemory(interval_s=0.002)
+    try:
+        nvml.set(0, nvml.me, 2 * GB)
+        assert nv.read() == 2 * GB and nv.kind == KIND_DEVICE  # above the baseline, labelled device-wide
+    finally:
+        nv.close()
+
+
+def test_missing_pynvml_is_a_clear_error_not_none(monkeypatch):
+    from qeval.measure.memory import PeakMemory
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    with pytest.raises(TierUnavailable) as e:
+        PeakMemory("nvml")
+    assert "nvidia-ml-py" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the measure stage takes the NVML baseline before the load -----------------------------
+
+class _FakeGgufEngine:
+    """Stands in for llama.cpp on CUDA: loading holds 3 GB, each token of context 1 MB."""
+    name, backend, device, vocab_size, flash_attn = "llamacpp", "llama.cpp-cuda", "cuda", 512, True
+
+    def __init__(self, fake):
+        self.fake = fake
+        fake.set(0, fake.me, 3 * GB)
+
+    def generate(self, ids, n, ignore_stop=False, stop_ids=()):
+        from qeval.engines.base import Generation
+        self.fake.set(0, self.fake.me, 3 * GB + (len(ids) + n) * 10 ** 6)
+        time.sleep(0.05)
+        self.fake.set(0, self.fake.me, 3 * GB)  # freed at the end: only a sampled peak sees it
+        self.last_cache_bytes = (len(ids) + n - 1) * 1000
+        times = [0.01 * (i + 1) for i in range(n)]
+        return Generation(list(range(n)), times[0], times, False)
+
+
+class _FakeGgufMethod:
+    engine = "llamacpp"
+
+    def __init__(self, fake):
+        self.fake = fake
+
+    def prepare_runtime(self, spec, ctx, artifact=None):
+        return {}
+
+    def load(self, spec, ctx, artifact):
+        return _FakeGgufEngine(self.fake)
+
+    def quant_info(self, spec, ctx, artifact, engine):
+        return {"stored_bytes": 2 * GB}
+
+
+def test_measure_stage_counts_gguf_weights_and_kv_from_before_the_load(nvml, tiny_llama, tmp_path, monkeypatch):
+    from qeval import worker
+    recipe = parse_recipe(f"name: t\nmodel: {{source: {tiny_llama}}}\ndevice: cuda\n"
+                          "tiers: [{name: bf16, method: bf16}, {name: g, method: gguf}]\n"
+                          "speed: {depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}\n", tmp_path / "r.yaml")
+    recipe._path = REPO / "recipes" / "x.yaml"  # datasets/depth_text.txt resolves from the repository
+    run = tmp_path / "run"
+    (run / "stages").mkdir(parents=True)
+    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64}))
+    (run / "stages" / "_run.env.json").write_text(json.dumps({"bandwidth_bytes_per_s": 1e12}))
+    (run / "stages" / "g.prepare.json").write_text(json.dumps({"artifact": None}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import qeval.tiers
+    monkeypatch.setattr(qeval.tiers, "get_method", lambda m: _FakeGgufMethod(nvml))
+    out = worker.stage_measure(recipe, run, "g")
+    mem = out["memory"]
+    assert mem["kind"] == "cuda_nvml_process"
+    assert mem["after_load_bytes"] == 3 * GB  # the weights: the baseline was taken before the load
+    assert mem["peak_bytes"]["16"] == 3 * GB + 20 * 10 ** 6  # sampled during the run, freed by its end
+    assert mem["peak_bytes"]["48"] == 3 * GB + 52 * 10 ** 6
+
+
+def test_llamacpp_tier_on_cuda_without_nvml_stops_before_loading(monkeypatch):
+    from qeval import worker
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(TierUnavailable, match="nvidia-ml-py"):
+        worker._peak_counters("llamacpp", "cuda", None)
+    counter, notes = worker._peak_counters("hf", "cuda", None)  # torch's counter still works: NVML noted
+    assert counter.kind == "cuda_max_allocated" and "nvidia-ml-py" in notes["nvml"]
+
+
+# ---- greedy means greedy ---------------------------------------------------------------------
+
+PENALTIES = {"do_sample": True, "temperature": 0.7, "top_k": 3, "top_p": 0.8, "repetition_penalty": 1.8,
+             "no_repeat_ngram_size": 2}
+
+
+@pytest.fixture(scope="module")
+def penalised_llama(tiny_llama, tmp_path_factory):
+    """The tiny llama with a generation_config.json that sets penalties and sampling."""
+    d = tmp_path_factory.mktemp("pen") / "tiny-pen"
+    shutil.copytree(tiny_llama, d)
+    gc = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    gc.update(PENALTIES)
+    (d / "generation_config.json").write_text(json.dumps(gc))
+    return d
+
+
+def _argmax_loop(model, prompt, n):
+    """The plainest greedy decode: full forward each step, argmax of the last logits."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_hf_answers_ignore_the_models_generation_defaults(penalised_llama):
+    from qeval.engines.hf import HFEngine, load_hf_model
+    torch.set_num_threads(1)
+    model = load_hf_model(str(penalised_llama), "cpu", "float32")
+    assert model.generation_config.repetition_penalty == 1.8  # the file was read
+    eng = HFEngine(model, "cpu")
+    prompts = [[5, 17, 42, 99, 3, 8], [7, 8, 9]]
+    n = 24
+    outs = eng.generate_batch(prompts, n, stop_ids=[], pad_id=0)
+    for p, (ids, fin) in zip(prompts, outs):
+        assert ids == _argmax_loop(model, p, n) and not fin
+    assert eng.generate(prompts[0], n, ignore_stop=True).token_ids == _argmax_loop(model, prompts[0], n)
+    ignored = eng.sampling["ignored_file_defaults"]
+    assert eng.sampling["decode"] == "argmax" and ignored["repetition_penalty"] == 1.8
+    assert ignored["no_repeat_ngram_size"] == 2 and ignored["do_sample"] is True
+    assert model.generation_config.repetition_penalty == 1.8  # restored after the call
+    # negative control: how it was called before (do_sample=False only) applies the file's penalties
+    with torch.inference_mode():
+        old = model.generate(torch.tensor([prompts[0]]), max_new_tokens=n, do_sample=False, num_beams=1,
+                             eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    assert old[0, len(prompts[0]):].tolist() != _argmax_loop(model, prompts[0], n)
+
+
+# ---- tiers that cannot run on CUDA here stop in one line -------------------------------------
+
+def _gguf_ctx(device):
+    from qeval.tiers.base import TierContext
+    return TierContext(source_path="/nonexistent", source_sha256="0" * 64, device=device, log=lambda s: None)
+
+
+def _no_offload(monkeypatch):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)  # a CPU build
+
+
+def test_gguf_on_cuda_with_a_cpu_llama_cpp_build_stops_in_one_line(monkeypatch, tmp_path):
+    _no_offload(monkeypatch)
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.recipe import GgufTier
+    from qeval.tiers import get_method
+    m = get_method("gguf")
+    spec = GgufTier(name="q4", method="gguf")
+    assert m.check(spec, _gguf_ctx("cpu"))["type"] == "Q4_K_M"
+    with pytest.raises(TierUnavailable) as e:
+        m.check(spec, _gguf_ctx("cuda"))
+    msg = str(e.value)
+    assert "\n" not in msg and "llama_supports_gpu_offload" in msg and "CUDA=1" in msg and "q4" in msg
+    with pytest.raises(TierUnavailable, match="GPU offload"):  # the engine refuses too, before reading the file
+        LlamaCppEngine(tmp_path / "absent.gguf", device="cuda")
+
+
+def test_worker_records_the_one_line_and_the_tier_fails_alone(monkeypatch, tiny_llama, tmp_path, capsys):
+    _no_offload(monkeypatch)
+    from qeval import worker
+    from qeval.run import Runner
+    r = parse_recipe(f"name: t\nmodel: {{source: {tiny_llama}}}\ndevice: cuda\n"
+                     "tiers: [{name: bf16, method: bf16}, {name: g, method: gguf}]\n", tmp_path / "r.yaml")
+    run = tmp_path / "run"
+    runner = Runner(r, run)
+    runner.write_run_json()
+    (run / "stages").mkdir(parents=True, exist_ok=True)
+    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "a CUDA machine" with a CPU llama.cpp
+    assert worker.main(["prepare", str(run), "g"]) == 1
+    err = json.loads((run / "stages" / "g.prepare.error.json").read_text())
+    assert err["type"] == "unavailable" and "\n" not in err["error"]
+    assert err["error"].startswith("device cuda: this llama-cpp-python build has no GPU offload")
+    assert capsys.readouterr().err.strip().count("\n") == 0  # one line on stderr, no traceback
+    res = runner._finish("g", "failed", error=err["error"])
+    assert res["error"] == err["error"]
+
+
+def test_gptq_on_cuda_stops_when_marlin_cannot_be_built(monkeypatch):
+    pytest.importorskip("gptqmodel")
+    from qeval.recipe import GptqTier
+    from qeval.tiers import gptq as gmod
+    gmod._import_gptqmodel()
+    import gptqmodel.utils.importer as importer
+    from gptqmodel import extension
+    marlin = type("MarlinLinear", (), {})
+    monkeypatch.setattr(importer, "select_quant_linear", lambda **kw: marlin)
+    monkeypatch.setattr(extension, "is_available", lambda name, **kw: False)
+    monkeypatch.setattr(extension, "error", lambda name: "nvcc: command not found\nmore")
+    monkeypatch.setattr(gmod, "_nvcc", lambda: None)
+    spec = GptqTier(name="gq", method="gptq")
+    with pytest.raises(TierUnavailable) as e:
+        gmod.METHODS["gptq"].prepare_runtime(spec, _gguf_ctx("cuda"), None)
+    msg = str(e.value)
+    assert "\n" not in msg and "Marlin" in msg and "nvcc" in msg and "CUDA toolkit" in msg
+    assert gmod.METHODS["gptq"].prepare_runtime(spec, _gguf_ctx("cpu"), None) == {}
+    monkeypatch.setattr(extension, "is_available", lambda name, **kw: True)  # built (or cached): ready
+    ready = gmod.METHODS["awq"].prepare_runtime(spec, _gguf_ctx("cuda"), None)
+    assert ready["selected_kernel"] == "MarlinLinear" and ready["kernel_build_seconds"] >= 0
+
+
+# ---- decode modes ----------------------------------------------------------------------------
+
+def test_static_decode_matches_eager_and_is_recorded(tiny_llama):
+    from qeval.engines.hf import HFEngine, load_hf_model, resolve_decode_mode
+    torch.set_num_threads(1)
+    model = load_hf_model(str(tiny_llama), "cpu", "float32")
+    eager = HFEngine(model, "cpu", decode="eager")
+    static = HFEngine(model, "cpu", decode="static", compile_backend="eager")  # dynamo, no code generation
+    p = [5, 17, 42, 99, 3, 8] * 8
+    for prompt in (p, p[:20]):
+        a, b = eager.generate(prompt, 12, ignore_stop=True), static.generate(prompt, 12, ignore_stop=True)
+        assert a.token_ids == b.token_ids and static.decode_mode == "static"
+        assert b.decode_tokens_per_s and static.last_cache_bytes == eager.last_cache_bytes
+    assert resolve_decode_mode("auto", "cuda", "model") == "static"
+    assert resolve_decode_mode("auto", "cpu", "model") == "eager"
+    assert resolve_decode_mode("auto", "cuda", "int8") == "eager"
+    with pytest.raises(ValueError, match="QuantizedCache"):
+        resolve_decode_mode("static", "cuda", "int8")
+
+
+def test_recipe_decode_switch(tmp_path):
+    from qeval.errors import QevalInputError
+    r = parse_recipe("name: x\nmodel: {source: /tmp}\ntiers:\n  - {name: bf16, method: bf16}\n"
+                     "  - {name: a, method: int8, decode: static}\n  - {name: b, method: gptq}\n", tmp_path / "r.yaml")
+    assert r.tier("a").decode == "static" and r.tier("b").decode == "auto"
+    with pytest.raises(QevalInputError) as e:
+        parse_recipe("name: x\nmodel: {source: /tmp}\ntiers:\n  - {name: bf16, method: bf16}\n"
+                     "  - {name: b, method: bf16, kv_cache: int8, decode: static}\n", tmp_path / "r.yaml")
+    assert "r.yaml:5" in str(e.value) and "decode: static needs kv_cache: model" in str(e.value)
+    with pytest.raises(QevalInputError, match="unknown field"):
+        parse_recipe("name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: gguf, decode: eager}]\n",
+                     tmp_path / "r.yaml")
+
+
+def test_int8_kv_decode_window_spans_whole_requantization_periods():
+    from qeval.worker import decode_tokens_for
+    plain, hqq = SimpleNamespace(kv_requant_period=None), SimpleNamespace(kv_requant_period=128)
+    assert decode_tokens_for(None, plain, 32) == 32
+    assert decode_tokens_for(None, hqq, 32) == 129  # one re-quantization in 128 decode steps
+    assert decode_tokens_for(None, hqq, 129) == 129 and decode_tokens_for(None, hqq, 130) == 257
+
+
+def test_flash_attention_default_is_the_same_for_gguf_twins_on_cuda():
+    from qeval.engines.llamacpp import default_flash_attn
+    assert default_flash_attn("cuda", "model") is True and default_flash_attn("cuda", "int8") is True
+    assert default_flash_attn("cpu", "model") is False and default_flash_attn("cpu", "int8") is True
+
+
+# ---- the table marks what the figures are ------------------------------------------------------
+
+def test_table_marks_eager_gpu_decode_and_flash_attention_differences(tmp_path):
+    from qeval.report import rebuild_outputs
+    d = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "fixtures" / "run_synthetic", d)
+
+    def edit(name, **kw):
+        p = d / "tiers" / f"{name}.json"
+        t = json.loads(p.read_text())
+        t.update(kw)
+        p.write_text(json.dumps(t))
+
+    edit("int8", device="cuda", engine="hf", decode_mode="eager",
+         decode_note="eager torchao int8: each call converts the whole int8 weight to bf16")
+    edit("gptq", device="cuda", engine="hf", decode_mode="static")
+    edit("q4_k_m", flash_attn=False)
+    md = rebuild_outputs(d).table_md.read_text()
+    row = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| ")}
+    assert " eager |" in row["int8"] and "bound by kernel launches" in row["int8"]
+    assert "converts the whole int8 weight" in row["int8"]
+    assert "eager" not in row["gptq"] and "eager" not in row["bf16"]
+    assert "flash attention on here, off in q4_k_m" in row["q4_k_m-kv8"]
+
+
+# ---- disk and bandwidth pre-flight ---------------------------------------------------------------
+
+def test_disk_needs_count_shared_gguf_files_once_offload_and_reference(tmp_path):
+    from qeval.run import disk_needs, estimate_disk_bytes
+    r = parse_recipe("name: x\nmodel: {source: /tmp}\ntiers:\n  - {name: bf16, method: bf16}\n"
+                     "  - {name: q4, method: gguf}\n  - {name: q4-kv8, method: gguf, kv_cache: int8}\n"
+                     "  - {name: q8, method: gguf, type: Q8_0}\n  - {name: gq, method: gptq}\n", tmp_path / "r.yaml")
+    n = 10 ** 9
+    one = disk_needs(r, ["q4"], n)["artifacts"]
+    assert disk_needs(r, ["q4", "q4-kv8"], n)["artifacts"] == one  # one GGUF file for both
+    assert disk_needs(r, ["q4", "q8"], n)["artifacts"] > one
+    parts = disk_needs(r, ["bf16", "q4", "q4-kv8", "gq"], n, vocab=152064, answer_tokens=100_000)
+    assert parts["while quantizing"] == 2 * n  # gptqmodel's offload folder / the 16-bit GGUF, one at a time
+    assert parts["reference log-probabilities"] == 100_000 * 152064 * 2  # ~30 GB of float16 at a 152K vocabulary
+    assert estimate_disk_bytes(r, ["bf16"], n) == 0
+
+
+def test_disk_check_names_the_reference_and_hub_download(tmp_path, monkeypatch):
+    import collections
+    from qeval import run as run_mod
+    from qeval.errors import QevalInputError
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\0" * 2000)
+    (src / "config.json").write_text(json.dumps({"vocab_size": 152064}))
+    suite = tmp_path / "s.jsonl"
+    suite.write_text("".join(json.dumps({"id": f"i{i}", "category": "c", "turns": [{"user": "hi", "checks": [{"kind": "min_words", "value": 1}]}]}) + "\n"
+                             for i in range(50)))
+    r = parse_recipe(f"name: x\nmodel: {{source: {src}}}\ntiers: [{{name: bf16, method: bf16}}]\n"
+                     f"suites: [{{name: s, path: {suite}, kind: long_output, max_new_tokens: 1000}}]\n",
+                     tmp_path / "r.yaml")
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    usage = collections.namedtuple("usage", "total used free")
+    runner = run_mod.Runner(r, tmp_path / "run")
+    # 50 answers x 1000 tokens x 152064 x 2 bytes = 15.2 GB of reference log-probabilities
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 10 * GB))
+    with pytest.raises(QevalInputError) as e:
+        runner.check_disk({"path": str(src)})
+    assert "reference log-probabilities 14.2" in str(e.value)
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 20 * GB))
+    runner.check_disk({"path": str(src)})  # fits
+    import qeval.source
+    monkeypatch.setattr(qeval.source, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
+    with pytest.raises(QevalInputError, match="downloading .* needs 27.9 GiB"):
+        runner.check_download()
+
+
+def test_bandwidth_probe_scales_with_the_device():
+    from qeval.measure.bandwidth import GIB, MIB, probe_size_bytes
+    assert probe_size_bytes("cuda", total_memory=141 * GB, free_memory=140 * GB) == 4 * GIB  # H200
+    assert probe_size_bytes("cuda", total_memory=24 * GIB, free_memory=20 * GIB) == 1 * GIB
+    assert probe_size_bytes("cuda", total_memory=80 * GIB, free_memory=2 * GIB) == 512 * MIB  # what fits
+    assert probe_size_bytes("cpu", llc_bytes=32 * MIB) == 256 * MIB
+    assert probe_size_bytes("cpu", llc_bytes=96 * MIB) == 768 * MIB
+    assert probe_size_bytes("cpu", llc_bytes=1 * GIB) == 2 * GIB
+
+
+# ---- the GPU smoke script ----------------------------------------------------------------------
+
+def test_gpu_smoke_refuses_without_cuda_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py")], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CUDA" in lines[0] and p.stdout == ""
