@@ -213,6 +213,12 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     env = json.loads(stage_path(run_dir, "_run", "env").read_text())
     bw = env.get("bandwidth_bytes_per_s")
     n_decode = decode_tokens_for(spec, engine, recipe.speed.decode_tokens)
+    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
+    maxctx = src.get("max_context")
+    if n_decode != recipe.speed.decode_tokens and maxctx and max(prompts) + n_decode > maxctx:
+        n_decode = recipe.speed.decode_tokens  # the deepest depth leaves no room for a whole period
+        engine.decode_note = (f"decode over {n_decode} tokens, fewer than the int8 KV cache's re-quantization "
+                              f"period of {engine.kv_requant_period}: the figure leaves re-quantization out")
     speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=n_decode,
                                    repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
                                    bandwidth=bw, weight_bytes=weight_bytes, progress=_progress)

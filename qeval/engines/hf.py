@@ -11,10 +11,12 @@ Decode modes (``decode`` of a transformers tier, recorded as ``engine.decode_mod
 * ``eager``: ``DynamicCache`` (concatenating every step) and one Python-dispatched
   forward per token. On a GPU this is bound by kernel launches, not by memory bandwidth.
 * ``static``: transformers' ``StaticCache`` (preallocated, written in place) and the
-  decode step compiled with ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs,
-  on CUDA), as transformers' "static cache and torch.compile" recipe does; the prefill
-  runs uncompiled. The cache length is rounded up to 256 tokens and one compiled graph
-  is warmed up per length before any timed run.
+  decode step compiled by transformers' ``get_compiled_call`` (``torch.compile``,
+  ``mode="reduce-overhead"``: CUDA graphs, on CUDA), as ``generate`` does with a static
+  cache; the prefill runs uncompiled. The cache length is rounded up to 256 tokens; one
+  cache (the latest length) is kept, and each length's graph is compiled and warmed up by
+  :meth:`HFEngine.prepare_decode` before that depth is timed. Attention reads the whole
+  preallocated cache (masked), as in transformers' static-cache ``generate``.
 * ``auto`` (default): ``static`` on CUDA with the model's KV cache, ``eager`` otherwise
   (the CPU, or the int8 ``QuantizedCache``, which cannot be compiled). When compiling
   fails under ``auto`` the engine decodes eagerly and says why in ``engine.decode_note``.
@@ -284,11 +286,14 @@ class HFEngine:
         return DynamicCache(config=cfg)
 
     def _compiled_step(self) -> Any:
+        """The model's ``__call__`` compiled by transformers' own ``get_compiled_call`` (what
+        ``generate`` uses with a static cache): CUDA graphs (``reduce-overhead``) on CUDA,
+        static shapes."""
         if self._step_fn is None:
-            torch = self._torch
+            from transformers import CompileConfig
             mode = "reduce-overhead" if (self.device == "cuda" and self.compile_backend == "inductor") else None
-            self._step_fn = torch.compile(self.model.forward, backend=self.compile_backend, mode=mode,
-                                          fullgraph=False, dynamic=False)
+            self._step_fn = self.model.get_compiled_call(
+                CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=mode))
         return self._step_fn
 
     def static_cache(self, n_tokens: int) -> Any:
@@ -305,6 +310,7 @@ class HFEngine:
         cache = self._static.get(n)
         if cache is None:
             torch = self._torch
+            self._static.clear()  # one preallocated cache at a time: a deeper depth's replaces the last
             cache = StaticCache(config=self.model.config, max_cache_len=n)
             step = self._compiled_step()
             kw = {self._cache_kw: cache, "use_cache": True}
@@ -350,6 +356,29 @@ class HFEngine:
                 yield start, logp.cpu().numpy()
                 del out, logp
 
+    def prepare_decode(self, n_tokens: int) -> None:
+        """Before a depth is timed (and its peak memory window opens): in static mode, the
+        cache for ``n_tokens`` allocated and its decode step compiled and warmed up, so
+        neither compile time nor compile memory lands in that depth's figures."""
+        if self.decode_mode == "static":
+            self._static_or_fallback(n_tokens)
+
+    def _static_or_fallback(self, n_tokens: int) -> Any:
+        """The static cache for ``n_tokens``, or None after falling back to eager (``auto``).
+
+        Raises:
+            RuntimeError: compiling failed under ``decode: static``.
+        """
+        try:
+            return self.static_cache(n_tokens)
+        except Exception as e:  # noqa: BLE001 - torch.compile failures have many types
+            why = f"{e.__class__.__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if self.decode_requested == "static":
+                raise RuntimeError(f"decode static: torch.compile failed ({why})") from e
+            self.decode_mode, self.decode_note = "eager", f"static decode failed ({why}): decoded eagerly"
+            self._static.clear()
+            return None
+
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
         """Greedy decoding in the engine's decode mode; see
@@ -359,17 +388,13 @@ class HFEngine:
         torch = self._torch
         model = self.model
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        cache, step_fn = self.new_cache(), model
+        cache, step_fn = None, model
         if self.decode_mode == "static":
-            try:
-                cache, step_fn = self.static_cache(ids.shape[1] + max_new_tokens), self._compiled_step()
-            except Exception as e:  # noqa: BLE001 - torch.compile failures have many types
-                why = f"{e.__class__.__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                if self.decode_requested == "static":
-                    raise RuntimeError(f"decode static: torch.compile failed ({why})") from e
-                self.decode_mode, self.decode_note = "eager", f"static decode failed ({why}): decoded eagerly"
-                self._static.clear()
-                cache = self.new_cache()
+            cache = self._static_or_fallback(ids.shape[1] + max_new_tokens)
+            if cache is not None:
+                step_fn = self._compiled_step()
+        if cache is None:
+            cache = self.new_cache()
         kw = {self._cache_kw: cache, "use_cache": True}
         state = {}
 

@@ -55,8 +55,11 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
     for _ in range(warmup):  # once, at the shallowest depth: first-call costs, allocator, kernels
         progress(f"warm-up at depth {shallowest}")
         engine.generate(list(prompts[shallowest]), decode_tokens, ignore_stop=True)
+    ready = getattr(engine, "prepare_decode", None)
     for depth in sorted(prompts):
         ids = list(prompts[depth])
+        if ready is not None:  # e.g. a static cache allocated and its decode step compiled: untimed
+            ready(len(ids) + decode_tokens)
         peak.reset()
         ttfts: list[float] = []
         decs: list[float] = []
