@@ -268,7 +268,8 @@ class LlamaCppEngine:
         threads: ``n_threads`` and ``n_threads_batch``.
         kv_cache: "model" (F16 K and V) or "int8" (``q8_0`` K and V; needs flash attention).
         flash_attn: True/False, or None for "on only with the int8 KV cache".
-        device: "cpu" or "cuda" (every layer offloaded; the build must support it).
+        device: "cpu" or "cuda" (every layer offloaded to the first visible GPU, no split
+            across GPUs; the build must support it).
         n_ctx: the smallest context to create (grown on demand).
         n_batch: tokens per ``llama_decode`` call (and logits rows per scoring window).
 
@@ -302,6 +303,9 @@ class LlamaCppEngine:
         self.backend = f"llama.cpp-{self.device}"
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = -1 if offload else 0
+        if offload:  # one GPU, the first visible one (the one NVML measures), not a split over all
+            mp.split_mode = L.LLAMA_SPLIT_MODE_NONE
+            mp.main_gpu = 0
         self._model = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self._model:
             raise RuntimeError(f"llama.cpp cannot load {self.path}")
