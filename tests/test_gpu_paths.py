@@ -391,12 +391,22 @@ def test_table_marks_eager_gpu_decode_and_flash_attention_differences(tmp_path):
          decode_note="eager torchao int8: each call converts the whole int8 weight to bf16")
     edit("gptq", device="cuda", engine="hf", decode_mode="static")
     edit("q4_k_m", flash_attn=False)
+    edit("bf16", device="cuda", engine="hf", decode_mode="static")
+    p = d / "tiers" / "bf16-kv8.json"  # an int8-KV twin of bf16: eager (QuantizedCache cannot be compiled)
+    twin = json.loads((d / "tiers" / "bf16.json").read_text())
+    twin.update(tier="bf16-kv8", kv_cache="int8", decode_mode="eager", spec={**twin["spec"], "name": "bf16-kv8",
+                                                                              "kv_cache": "int8"})
+    p.write_text(json.dumps(twin))
+    run = json.loads((d / "run.json").read_text())
+    run["recipe"]["tiers"].append({**twin["spec"]})
+    (d / "run.json").write_text(json.dumps(run))
     md = rebuild_outputs(d).table_md.read_text()
     row = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| ")}
     assert " eager |" in row["int8"] and "bound by kernel launches" in row["int8"]
     assert "converts the whole int8 weight" in row["int8"]
     assert "eager" not in row["gptq"] and "eager" not in row["bf16"]
     assert "flash attention on here, off in q4_k_m" in row["q4_k_m-kv8"]
+    assert "decode eager here, static in bf16" in row["bf16-kv8"] and " eager |" in row["bf16-kv8"]
 
 
 # ---- disk and bandwidth pre-flight ---------------------------------------------------------------

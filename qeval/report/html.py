@@ -194,6 +194,9 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             if fa is not None and fa_base is not None and bool(fa) != bool(fa_base):
                 notes.append(f"flash attention {'on' if fa else 'off'} here, {'on' if fa_base else 'off'} in {base}: "
                              "the comparison with it mixes two changes")
+            dm, dm_base = t.get("decode_mode"), a.tiers[base].get("decode_mode")
+            if dm and dm_base and dm != dm_base:  # int8 KV cannot be compiled: eager beside a static twin
+                notes.append(f"decode {dm} here, {dm_base} in {base}: the comparison with it mixes two changes")
         if eager_gpu:
             notes.append("eager decode on the GPU (dynamic cache, no torch.compile): bound by kernel launches, "
                          "not bandwidth")
