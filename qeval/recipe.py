@@ -173,6 +173,46 @@ class SpeedSpec(_Strict):
         return self
 
 
+class SloSpec(_Strict):
+    """Service-level objective of the load sweep: TTFT p95 and ITL p95 limits in seconds.
+
+    The defaults are an interactive-chat objective: the first token within 2 s and a new
+    token at least every 0.2 s (5 tokens/s, about reading speed) for 95 % of them."""
+    ttft_p95_s: float = Field(2.0, gt=0, description="TTFT 95th percentile limit, s")
+    itl_p95_s: float = Field(0.2, gt=0, description="inter-token latency 95th percentile limit, s")
+
+
+class LoadSpec(_Strict):
+    """Load sweep: closed-loop concurrency per tier (definitions in qeval.measure.load).
+
+    Each of ``concurrency`` streams sends ``requests_per_stream`` requests one after the
+    other, each a fresh prompt of ``depth`` tokens asking for ``output_tokens`` new tokens;
+    the engine batches the streams (llama.cpp: continuous batching with chunked prefill of
+    ``prefill_chunk`` tokens per step; transformers: continuous or static batches). A point
+    whose KV cache does not fit the model's context or ``memory_budget_gib`` (default: the
+    device's memory) is recorded as not admitted. Runs only for engines that can batch."""
+    enabled: bool = Field(True, description="false: no load stage")
+    concurrency: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [1, 2, 4, 8], description="streams served at once, one load point each")
+    depth: int | None = Field(None, gt=0, description="prompt tokens per request; default speed.main_depth")
+    output_tokens: int = Field(32, ge=2, description="new tokens per request (end of sequence ignored)")
+    requests_per_stream: int = Field(2, gt=0, description="requests each stream sends in turn (closed loop)")
+    prefill_chunk: int = Field(256, gt=0, description="prompt tokens per engine step (chunked prefill)")
+    slo: SloSpec = Field(default_factory=SloSpec)
+    memory_budget_gib: float | None = Field(None, gt=0, description="memory the tier may use under load, GiB; "
+                                            "default: the GPU's memory, or the machine's on CPU")
+    timeout_s: float = Field(1800.0, gt=0)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _conc(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("concurrency must list at least one number of streams")
+        if len(set(v)) != len(v):
+            raise ValueError("concurrency values must be distinct")
+        return sorted(v)
+
+
 class CalibrationSpec(_Strict):
     """Calibration text for GPTQ/AWQ: ``samples`` rows cut to ``seq_len`` tokens."""
     path: str = "datasets/calibration.jsonl"
@@ -205,6 +245,12 @@ class QualitySpec(_Strict):
     lm_eval_limit: int | None = Field(None, gt=0)
 
 
+class ParetoSpec(_Strict):
+    """The Pareto table's speed objective: ``decode`` (single-stream decode tokens/s at the
+    gate depth) or ``users_at_slo`` (capacity: users at SLO from the load sweep)."""
+    speed: Literal["decode", "users_at_slo"] = "decode"
+
+
 class GateRules(_Strict):
     """Release-gate thresholds. Unset rules are not checked; a metric a set rule needs
     but the tier lacks fails the rule (fail closed)."""
@@ -219,6 +265,8 @@ class GateRules(_Strict):
     min_decode_tokens_per_s: float | None = Field(None, ge=0)
     min_decode_rel: float | None = Field(None, ge=0)
     max_budget_exhaustion: float | None = Field(None, ge=0, le=1)
+    min_users_at_slo_rel: float | None = Field(
+        None, ge=0, description="candidate users at SLO (load sweep) >= this x the reference's")
 
 
 class GateSpec(_Strict):
@@ -252,10 +300,12 @@ class Recipe(_Strict):
                                      "reference, quality); default: all cores")
     tiers: list[Tier]
     speed: SpeedSpec = Field(default_factory=SpeedSpec)
+    load: LoadSpec = Field(default_factory=LoadSpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     suites: list[SuiteSpec] = Field(default_factory=list)
     quality: QualitySpec = Field(default_factory=QualitySpec)
     gate: GateSpec = Field(default_factory=GateSpec)
+    pareto: ParetoSpec = Field(default_factory=ParetoSpec)
     report: ReportSpec = Field(default_factory=ReportSpec)
     executor: Literal["local", "ray"] = "local"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -300,6 +350,11 @@ class Recipe(_Strict):
     def gate_depth(self) -> int:
         """Depth (tokens) used by the Pareto front and the gate's memory and speed rules."""
         return self.gate.depth or self.speed.main_depth  # type: ignore[return-value]
+
+    @property
+    def load_depth(self) -> int:
+        """Prompt tokens per request of the load sweep: ``load.depth`` or ``speed.main_depth``."""
+        return int(self.load.depth or self.speed.main_depth)  # type: ignore[arg-type]
 
     @property
     def gate_candidates(self) -> list[str]:
@@ -481,6 +536,27 @@ def _cross_checks(recipe: Recipe) -> None:
             raise recipe.error(("gate", "candidates", i), f"{c!r} is not a tier (tiers: {', '.join(names)})")
     if g.depth is not None and g.depth not in sp.depths:
         raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
+
+
+def check_context(recipe: Recipe, max_context: int | None) -> None:
+    """Every speed depth + ``decode_tokens`` and the load depth + ``output_tokens`` fit the
+    model's context (tokens); nothing is checked when it is unknown.
+
+    Raises:
+        QevalInputError: naming the depth's field and line.
+    """
+    if not max_context:
+        return
+    sp = recipe.speed
+    for i, d in enumerate(sp.depths):
+        if d + sp.decode_tokens > max_context:
+            raise recipe.error(("speed", "depths", i), f"depth {d} + decode_tokens {sp.decode_tokens} exceeds "
+                                                       f"the model's maximum context of {max_context} tokens")
+    ld = recipe.load
+    if ld.enabled and recipe.load_depth + ld.output_tokens > max_context:
+        where = ("load", "depth") if ld.depth is not None else ("speed", "main_depth")
+        raise recipe.error(where, f"load depth {recipe.load_depth} + output_tokens {ld.output_tokens} exceeds the "
+                                  f"model's maximum context of {max_context} tokens")
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -1,7 +1,8 @@
 """A qeval run: stages in child processes, per-tier isolation, resume, outputs.
 
 Flow (docs/design.md): source -> env (bandwidth) -> reference pass -> for each tier:
-prepare -> measure -> quality -> ``tiers/<tier>.json``; then tables, gate, report.
+prepare -> measure -> load (concurrency sweep; engines that can batch, ``load.enabled``)
+-> quality -> ``tiers/<tier>.json``; then tables, gate, report.
 
 Every stage runs in its own process (:mod:`qeval.worker`): an exception, an
 out-of-memory kill, a segfault or a timeout marks that tier ``failed`` with the reason
@@ -24,12 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import EXIT_BAD_INPUT, QevalInputError
-from .recipe import Recipe, TIER_METHODS
+from .recipe import Recipe, TIER_METHODS, check_context
 from .results import (STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, atomic_write_json, read_json)
 from .worker import stage_path
 
-TIER_STAGES = ("prepare", "measure", "quality")
-TIMED_STAGES = ("measure", "env")
+TIER_STAGES = ("prepare", "measure", "load", "quality")
+TIMED_STAGES = ("measure", "load", "env")
 
 
 def stage_threads(recipe: Recipe, stage: str) -> int:
@@ -328,13 +329,7 @@ class Runner:
         if not stage_path(self.run_dir, "_run", "source").exists():
             self.check_download()
         src = self.run_global("source")
-        maxctx = src.get("max_context")
-        if maxctx:
-            for i, d in enumerate(self.recipe.speed.depths):
-                if d + self.recipe.speed.decode_tokens > maxctx:
-                    raise self.recipe.error(("speed", "depths", i),
-                                            f"depth {d} + decode_tokens {self.recipe.speed.decode_tokens} exceeds "
-                                            f"the model's maximum context of {maxctx} tokens")
+        check_context(self.recipe, src.get("max_context"))
         self.check_disk(src)
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
@@ -427,14 +422,20 @@ class Runner:
         for stage in TIER_STAGES:
             if stage == "quality" and not self.recipe.suites:
                 continue
+            if stage == "load" and not self._wants_load(tier):
+                continue
             if stage_path(self.run_dir, tier, stage).exists():
                 continue
             if stage == "quality" and reference_failed:
                 failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
                 break
             self.on_event(tier, stage, "starting")
-            out = self.run_stage(stage, tier, fingerprint=fp)
+            timeout = self.recipe.load.timeout_s if stage == "load" else None
+            out = self.run_stage(stage, tier, timeout=timeout, fingerprint=fp)
             self.push(tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
+            if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality
+                self.on_event(tier, "load", f"load sweep failed: {out.reason}")
+                continue
             if not out.ok:
                 failed = out
                 break
@@ -445,6 +446,21 @@ class Runner:
             res = self._finish(tier, STATUS_OK)
             self.on_event(tier, "done", "")
         return res
+
+    def _wants_load(self, tier: str) -> bool:
+        """Whether the tier gets a load stage: ``load.enabled``, and its measured engine can
+        batch. A finished load stage from another ``load`` section is removed (run again)."""
+        from .measure.serving import BATCHING_ENGINES
+        from .worker import load_fingerprint
+        if not self.recipe.load.enabled:
+            return False
+        m = stage_path(self.run_dir, tier, "measure")
+        if m.exists() and read_json(m).get("engine") not in BATCHING_ENGINES:
+            return False
+        done = stage_path(self.run_dir, tier, "load")
+        if done.exists() and read_json(done).get("load_fingerprint") != load_fingerprint(self.recipe_dict):
+            done.unlink()
+        return True
 
     def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> dict:
         """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""
@@ -466,8 +482,14 @@ class Runner:
                           "load_seconds", "decode_mode", "decode_note", "decode_tokens", "sampling", "runtime"):
                     res[k] = d.get(k)
                 res.setdefault("quant", {}).update({k: v for k, v in (d.get("quant") or {}).items() if v is not None})
+            elif stage == "load":
+                res["load"] = d.get("load")
             elif stage == "quality":
                 res["quality"] = d.get("quality")
+        if res.get("load") is None and self.recipe.load.enabled:
+            err = stage_path(self.run_dir, tier, "load", error=True)
+            if err.exists():  # the sweep failed; the tier's other results stand
+                res["load"] = {"error": read_json(err).get("error") or "load stage failed", "points": []}
         atomic_write_json(self.run_dir / "tiers" / f"{tier}.json", res)
         from .storage import tier_files
         self.push(tier_files(tier))

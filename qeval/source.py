@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import QevalInputError
-from .recipe import ModelSpec
+from .recipe import ModelSpec, check_context
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -244,8 +244,8 @@ def gguf_context_length(gguf_path: str | Path) -> int | None:
 
 def static_checks(recipe) -> None:
     """Checks that need no model load: the model source exists (local folder with
-    config.json, or an installed GGUF package), and every depth plus decode_tokens fits
-    the model's maximum context when it can be read. Hub ids are checked at run time.
+    config.json, or an installed GGUF package), and every depth plus decode_tokens (and
+    the load depth plus output_tokens) fits the model's maximum context when it can be read. Hub ids are checked at run time.
 
     Raises:
         QevalInputError: naming the recipe file, line and field.
@@ -268,12 +268,7 @@ def static_checks(recipe) -> None:
             if not (p / "config.json").is_file():
                 raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
             maxctx = model_max_context(p)
-    if maxctx:
-        for i, d in enumerate(recipe.speed.depths):
-            if d + recipe.speed.decode_tokens > maxctx:
-                raise recipe.error(("speed", "depths", i),
-                                   f"depth {d} + decode_tokens {recipe.speed.decode_tokens} exceeds the model's "
-                                   f"maximum context of {maxctx} tokens")
+    check_context(recipe, maxctx)
     for i, s in enumerate(recipe.suites):
         if not recipe.resolve_path(s.path).is_file():
             raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")

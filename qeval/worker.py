@@ -4,7 +4,8 @@
 
 Stages: ``source`` (resolve/convert the BF16 checkpoint), ``env`` (memory bandwidth,
 hardware), ``reference`` (BF16 answers to every suite prompt), and per tier ``prepare``
-(build or reuse the artifact), ``measure`` (memory and speed in a fresh process) and
+(build or reuse the artifact), ``measure`` (memory and speed in a fresh process),
+``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
 ``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
 and exits 1. The parent (:mod:`qeval.run`) reads them.
@@ -248,6 +249,77 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     }
 
 
+def load_fingerprint(recipe_dict: dict) -> str:
+    """Hash of what shapes a load sweep beyond the tier's own fingerprint: the recipe's
+    ``load`` section. A finished load stage whose hash differs is run again on resume
+    (measure and quality stay valid)."""
+    import hashlib
+    return hashlib.sha256(json.dumps(recipe_dict.get("load"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def kv_budget_bytes(recipe, env: dict, device: str, held_bytes: int | None) -> tuple[float, str]:
+    """Bytes the KV cache may take under load: the memory budget (``load.memory_budget_gib``,
+    else the GPU's memory from the env stage, else this machine's physical memory) less what
+    the loaded engine already holds (``held_bytes``). Returns ``(bytes, where the budget came from)``."""
+    if recipe.load.memory_budget_gib:
+        budget, src = recipe.load.memory_budget_gib * 2**30, "load.memory_budget_gib"
+    elif device == "cuda" and env.get("gpu_memory_bytes"):
+        budget, src = float(env["gpu_memory_bytes"]), "the GPU's memory"
+    else:
+        import psutil
+        budget, src = float(psutil.virtual_memory().total), "this machine's physical memory"
+    return budget - (held_bytes or 0), src
+
+
+def stage_load(recipe, run_dir: Path, tier: str) -> dict:
+    """In a fresh process: load the artifact and serve the concurrency sweep (closed loop,
+    batched) at the load depth; per point TTFT/ITL/e2e percentiles (s), aggregate decode
+    tokens/s, requests/s, peak memory and KV bytes; users at SLO, goodput, batching gain
+    (qeval.measure.load)."""
+    from .engines.hf import pick_device
+    from .measure.load import Slo, distinct_prompts
+    from .measure.memory import PeakMemory, rss_bytes
+    from .measure.serving import load_sweep, serve_function
+    from .measure.speed import depth_prompt_ids
+    from .tiers import get_method
+    from transformers import AutoTokenizer
+
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    baseline = rss_bytes() if device == "cpu" else None
+    spec = recipe.tier(tier)
+    method = get_method(spec.method)
+    ctx = tier_context(recipe, run_dir, device)
+    prep = json.loads(stage_path(run_dir, tier, "prepare").read_text())
+    meas = json.loads(stage_path(run_dir, tier, "measure").read_text())
+    artifact = Path(prep["artifact"]) if prep.get("artifact") else None
+    _progress(f"loading {tier} for the load sweep")
+    engine = method.load(spec, ctx, artifact)
+    if serve_function(engine) is None:
+        return {"load": None, "skipped": f"engine {engine.name} cannot batch",
+                "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
+    engine_device = getattr(engine, "device", device)
+    kind = engine_device if engine.name == "hf" else ("nvml" if engine_device == "cuda" else "cpu")
+    peak = PeakMemory(kind, baseline)
+    held = peak.read()
+    env = json.loads(stage_path(run_dir, "_run", "env").read_text())
+    budget, budget_src = kv_budget_bytes(recipe, env, engine_device, held)
+    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
+    ld = recipe.load
+    depth = recipe.load_depth
+    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    base = depth_prompt_ids(tok, recipe.resolve_path("datasets/depth_text.txt"), max(4 * depth, 4096))
+    out = load_sweep(engine, distinct_prompts(base, depth), concurrency=ld.concurrency, depth=depth,
+                     output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
+                     prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
+                     kv_bytes_per_token=(meas.get("memory") or {}).get("kv_bytes_per_token"),
+                     kv_budget_bytes=budget, max_context=src.get("max_context"), progress=_progress)
+    out.update({"engine": engine.name, "backend": engine.backend, "device": engine_device, "threads": recipe.threads,
+                "memory_kind": peak.kind, "held_bytes": held, "kv_budget_source": budget_src})
+    engine.close()
+    return {"load": out, "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
+
+
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
     """The reference tier answers every suite item; ids and log-probabilities stored once (see measure/quality.py)."""
     from .measure.quality import reference_pass
@@ -269,6 +341,7 @@ def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
 
 
 STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "measure": stage_measure,
+          "load": stage_load,
           "reference": stage_reference, "quality": stage_quality}
 
 

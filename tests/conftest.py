@@ -121,6 +121,7 @@ threads: 1
 tiers:
 {tiers}
 speed: {{depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}}
+load: {{concurrency: [1, 2], output_tokens: 4, requests_per_stream: 1, prefill_chunk: 16}}
 quality: {{window: 16, bootstrap: 50}}
 {suites_yaml}
 {extra}

@@ -95,9 +95,9 @@ def test_unknown_quality_metric():
 
 # ---- gate -----------------------------------------------------------------------------------
 
-REF = tier(4.0, 10.0, None, pass_rate=0.80)
+REF = tier(4.0, 10.0, None, pass_rate=0.80, load={"users_at_slo": 2})
 CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.70, pass_rate=0.78,
-            flip_rate=0.10, budget_exhausted_rate=0.05)
+            flip_rate=0.10, budget_exhausted_rate=0.05, load={"users_at_slo": 4})
 
 # rule: (threshold that passes, threshold that fails) for CAND against REF
 RULE_CASES = {
@@ -111,6 +111,7 @@ RULE_CASES = {
     "min_decode_tokens_per_s": (15.0, 25.0),
     "min_decode_rel": (1.5, 2.5),             # 20 / 10 = 2
     "max_budget_exhaustion": (0.10, 0.01),
+    "min_users_at_slo_rel": (2.0, 2.5),       # 4 >= 2 x 2 ; 4 < 2.5 x 2
 }
 
 
@@ -247,6 +248,55 @@ def test_ladder_pass_rate_loss_is_positive_when_worse_and_unplaced():
     assert lad.order == ["bf16", "a"]
     assert lad.steps[1].quality_lost_vs_prev == pytest.approx(0.1)
     assert "nomem" in lad.unplaced
+
+
+def test_users_at_slo_rule_fails_closed_without_a_load_sweep():
+    tiers = {"bf16": REF, "cand": {**CAND, "load": None}}
+    r = _gate({"min_users_at_slo_rel": 0.5}, tiers).candidate("cand")
+    assert not r.passed and "no load sweep" in r.failed_rules[0].message
+    tiers = {"bf16": {**REF, "load": {"error": "boom", "points": []}}, "cand": CAND}
+    r = _gate({"min_users_at_slo_rel": 0.5}, tiers).candidate("cand")
+    assert not r.passed and "lacks load.users_at_slo" in r.failed_rules[0].message
+
+
+def _loaded(mem_gib, kld, users, dec=10.0, **kw):
+    return tier(mem_gib, dec, kld, load={"users_at_slo": users, "depth": 256, "max_decode_tokens_per_s": 3.0 * users},
+                **kw)
+
+
+def test_overload_ladder_orders_by_users_at_slo_with_users_gained_memory_and_quality():
+    tiers = {"bf16": _loaded(4.0, None, 2), "int8": _loaded(2.0, 0.004, 4), "q4": _loaded(1.0, 0.03, 8),
+             "q4kv": _loaded(1.2, 0.035, 8), "noload": tier(0.5, 30.0, 0.01),
+             "bad": _loaded(0.5, 0.2, 16)}
+    rep = _gate({"max_kld_mean": 0.05}, tiers)
+    lad = fallback_ladder(tiers, rep, "kld_mean")
+    assert lad.basis == "users_at_slo" and lad.load_depth == 256
+    # fewest users first; q4 and q4kv tie on users: better KLD first
+    assert lad.order == ["bf16", "int8", "q4", "q4kv"]
+    assert lad.unplaced == {"noload": "no load sweep (users at SLO)"}
+    s = lad.steps
+    assert [x.users_gained_vs_prev for x in s] == [0, 2, 4, 0]
+    assert [x.users_gained_vs_first for x in s] == [0, 2, 6, 6]
+    assert s[2].saved_vs_prev_bytes == 1 * GIB and s[2].saved_vs_first_pct == pytest.approx(75.0)
+    assert s[3].saved_vs_prev_bytes == pytest.approx(-0.2 * GIB, rel=1e-3)  # more memory than the rung above
+    assert s[2].quality_lost_vs_prev == pytest.approx(0.026) and s[1].max_decode_tokens_per_s == 12.0
+    d = lad.to_dict()
+    assert d["basis"] == "users_at_slo" and d["steps"][1]["users_at_slo"] == 4
+
+
+def test_pareto_can_take_users_at_slo_as_its_speed_objective():
+    # int8 decodes faster alone but serves fewer users than q4 at the SLO
+    tiers = {"bf16": _loaded(4.0, None, 2, dec=10.0), "int8": _loaded(2.0, 0.01, 2, dec=30.0),
+             "q4": _loaded(2.0, 0.01, 6, dec=20.0), "noload": tier(5.0, 50.0, 0.001)}
+    by_decode = pareto_front(tiers, D, "kld_mean", reference="bf16")
+    assert by_decode.speed == "decode" and "int8" in by_decode.front and "q4" not in by_decode.front
+    by_users = pareto_front(tiers, D, "kld_mean", reference="bf16", speed="users_at_slo")
+    assert by_users.speed == "users_at_slo" and by_users.front == ["bf16", "q4"]
+    assert by_users.dominated == {"int8": "q4"}
+    assert "users at SLO" in by_users.not_compared["noload"]
+    assert by_users.speed_of(by_users.entry("q4")) == 6
+    with pytest.raises(QevalInputError):
+        pareto_front(tiers, D, speed="tokens")
 
 
 # ---- capacity ---------------------------------------------------------------------------------

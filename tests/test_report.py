@@ -194,3 +194,85 @@ def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
     assert "180 of 211 quantized tensors fell back from the nominal type (q4_K->q5_0 ×166, q6_K->q8_0 ×14)" in row
     other = next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m-kv8 |"))
     assert "fell back" not in other
+
+
+# ---- load sweep: table, plots, overload ladder, plan beside the formula --------------------
+
+def _sweep(users_ok: int, base_tps: float, refuse_at: int | None = None) -> dict:
+    """A tier's load section from synthetic request timings through the real statistics:
+    latency grows with concurrency; points up to ``users_ok`` meet a 1 s / 0.1 s SLO."""
+    from qeval.measure.load import LoadRun, RequestRecord, Slo, not_admitted_point, point_stats, summarize
+    slo = Slo(1.0, 0.1)
+    points = []
+    for c in (1, 2, 4, 8):
+        if refuse_at is not None and c >= refuse_at:
+            points.append(not_admitted_point(c, 2, "KV cache of 8 x 272 tokens exceeds the KV budget"))
+            continue
+        itl = 0.05 if c <= users_ok else 0.2
+        reqs = []
+        for s in range(c):
+            for k in range(2):
+                start = k * 1.0
+                times = [start + 0.3 + i * itl for i in range(8)]
+                reqs.append(RequestRecord(s, 256, start, times, list(range(8))))
+        run = LoadRun(c, "continuous", reqs, duration_s=16 * c / (base_tps * c ** 0.5))
+        p = point_stats(run, slo)
+        p["peak_bytes"] = int((0.5 + 0.01 * c) * GIB)
+        points.append(p)
+    out = {"depth": 256, "output_tokens": 16, "requests_per_stream": 2, "prefill_chunk": 64,
+           "slo": {"ttft_p95_s": 1.0, "itl_p95_s": 0.1}, "scheduling": ["continuous"], "points": points}
+    out.update(summarize(points, slo))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run") / "run_load"
+    shutil.copytree(FIXTURE, d)
+    for name, sweep in (("bf16", _sweep(1, 5.0, refuse_at=8)), ("int8", _sweep(2, 8.0)),
+                        ("q4_k_m", _sweep(4, 12.0))):
+        p = d / "tiers" / f"{name}.json"
+        t = json.loads(p.read_text())
+        t["load"] = sweep
+        p.write_text(json.dumps(t))
+    return d, rebuild_outputs(d)
+
+
+def test_load_table_plots_and_overload_ladder(loaded):
+    d, out = loaded
+    md = out.table_md.read_text()
+    assert "## Load: users at SLO" in md and "SLO: TTFT p95 <= 1.0 s and ITL p95 <= 0.1 s" in md
+    assert re.search(r"\| q4_k_m \| continuous \| 4 \| [0-9.]+ \| [0-9.]+x \|", md)
+    assert "| bf16 | - | 8 |" in md and "not admitted (16 requests): KV cache of 8" in md
+    assert "| users @SLO |" in md
+    rows = {r["tier"]: r for r in csv.DictReader(out.table_csv.open())}
+    assert rows["q4_k_m"]["users_at_slo"] == "4" and rows["int8"]["users_at_slo"] == "2"
+    assert rows["bf16"]["load_admitted_c8"] == "False" and rows["bf16"]["load_decode_tokens_per_s_c8"] == ""
+    assert float(rows["int8"]["load_batching_gain_c4"]) == pytest.approx(2.0)  # sqrt(4) by construction
+    assert rows["gptq"]["users_at_slo"] == ""                               # no sweep: empty, not 0
+    g = json.loads(out.gate_json.read_text())
+    lad = g["ladder"]
+    assert lad["basis"] == "users_at_slo" and lad["load_depth"] == 256
+    assert [s["tier"] for s in lad["steps"]] == ["bf16", "int8", "q4_k_m"]
+    assert [s["users_gained_vs_first"] for s in lad["steps"]] == [0, 1, 3]
+    html = out.report_html.read_text()
+    assert "Overload ladder" in html and "Load: throughput and latency under concurrency" in html
+    assert html.count("data:image/png;base64,") == 5
+    assert plots.load_throughput_png(load_run(d)[1]) is not None
+    assert plots.load_latency_png(load_run(d)[1], {"ttft_p95_s": 1.0, "itl_p95_s": 0.1}) is not None
+    assert plots.load_latency_png(load_run(FIXTURE)[1], None) is None  # no sweep: nothing drawn
+
+
+def test_plan_puts_measured_load_points_beside_the_formula(loaded):
+    from qeval.report.outputs import plan_text
+    d, _ = loaded
+    text = plan_text(d, None, "24GiB", 4096, 8, "1GiB")
+    assert "measured under load" in text
+    # q4_k_m at 4 streams: measured peak 0.54 GiB = 0.58 GB; the run's bandwidth gives a bound
+    assert re.search(r"\| q4_k_m \| 4 \| 272 \| [0-9.]+ GB \| 0\.58 GB \| \+[0-9]+% \| [0-9.]+ \| [0-9.]+ \| "
+                     r"[0-9]+% \| yes \| 4 \|", text), text
+    assert "the memory formula was" in text and "from the measured peaks on average" in text
+    js = json.loads(plan_text(d, None, "24GiB", 4096, 8, "1GiB", as_json=True))
+    assert {c["concurrency"] for c in js["load_checks"] if c["tier"] == "q4_k_m"} == {1, 2, 4, 8}
+    plain = plan_text(FIXTURE, None, "24GiB", 4096, 8, "1GiB")  # no sweep: no such section
+    assert "measured under load" not in plain

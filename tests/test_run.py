@@ -56,8 +56,19 @@ def test_run_writes_every_output(reference_run):
     assert bf16["quality"]["fidelity"]["kld_mean"] == 0.0
     kv8 = json.loads((run_dir / "tiers/bf16-kv8.json").read_text())
     assert kv8["quality"]["fidelity"]["kld_mean"] > 0
+    # the load stage: both concurrencies served batched, in its own process
+    for t, sched in ((bf16, "continuous"), (kv8, "static")):
+        ld = t["load"]
+        assert ld["depth"] == 48 and ld["scheduling"] == [sched], ld.get("scheduling")
+        pts = {p["concurrency"]: p for p in ld["points"]}
+        assert set(pts) == {1, 2} and all(p["admitted"] for p in pts.values())
+        assert pts[2]["requests"] == 2 and pts[2]["output_tokens"] == 8 and pts[2]["decode_tokens_per_s"] > 0
+        assert pts[2]["ttft_s"]["p95"] > 0 and pts[2]["itl_s"]["p95"] > 0 and pts[2]["peak_bytes"] is not None
+        assert isinstance(ld["users_at_slo"], int) and set(ld["batching_gain"]) == {"1", "2"}
+        assert t["timings"]["load_s"] > 0
+    assert (run_dir / "logs" / "bf16.load.log").is_file()
     table = (run_dir / "table.md").read_text()
-    assert "bf16-kv8" in table and "decode" in table
+    assert "bf16-kv8" in table and "decode" in table and "## Load: users at SLO" in table
     assert "gate: PASS" in out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..recipe import SpeedSpec
+from ..recipe import ParetoSpec, SpeedSpec
 from .capacity import (DEFAULT_OVERHEAD_BYTES, decode_bound, kv_bytes_per_token_from_config, max_context,
                        max_sequences, param_count_from_config, parse_bandwidth, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
@@ -13,7 +13,7 @@ from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_
                    evaluate_gate, tier_order, validate_section)
 from .ladder import Ladder, LadderStep, fallback_ladder
 from .pareto import (ParetoEntry, ParetoResult, decode_at, dominates, pareto_front, peak_bytes_at,
-                     quality_value)
+                     quality_value, users_at_slo_of)
 
 __all__ = [
     "DEFAULT_OVERHEAD_BYTES", "decode_bound", "kv_bytes_per_token_from_config", "max_context", "max_sequences",
@@ -23,7 +23,7 @@ __all__ = [
     "evaluate_gate", "tier_order",
     "Ladder", "LadderStep", "fallback_ladder",
     "ParetoEntry", "ParetoResult", "decode_at", "dominates", "pareto_front", "peak_bytes_at",
-    "quality_value",
+    "quality_value", "users_at_slo_of",
     "RunAnalysis", "analyse_run",
 ]
 
@@ -69,7 +69,8 @@ def analyse_run(run: dict, tiers: dict[str, dict], recipe: dict | None = None) -
     depth = int(gate.depth or speed.main_depth)
     run_for_order = {"recipe": recipe} if recipe.get("tiers") else run
     ordered = {n: tiers[n] for n in tier_order(run_for_order, tiers) if n in tiers}
-    pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference)
+    pspec = validate_section(ParetoSpec, recipe.get("pareto"), "pareto")
+    pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed)
     verdict = evaluate_gate(run_for_order, ordered, gate, depth)
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,

@@ -25,15 +25,24 @@ documented allowance, not a measurement; pass ``overhead_bytes`` to use your own
 
 :mod:`qeval.analysis.plan` applies these per tier, to measured figures of a run or to
 estimates from a Hugging Face ``config.json`` (:mod:`qeval.weight_formats`).
+
+:func:`load_vs_formula` puts the formulas beside the load sweep's measured points: for N
+streams at context c = load depth + output tokens the memory formula needs
+``weights + overhead + N x c x kv_bytes_per_token`` bytes and the N-stream decode bound is
+:func:`decode_bound`; the sweep measured the peak (``load.points[].peak_bytes``), the
+aggregate decode tokens/s, and whether the point met the SLO.
 """
 from __future__ import annotations
 
 import math
 import re
 
+from dataclasses import asdict, dataclass
+
 from ..errors import QevalInputError
 from ..model_config import model_shape
-from .pareto import GIB
+from ..results import STATUS_OK, get_path
+from .pareto import GIB, finite
 
 #: Flat overhead allowance in bytes (1 GiB): CUDA context, allocator slack, activations.
 DEFAULT_OVERHEAD_BYTES = GIB
@@ -175,3 +184,75 @@ def param_count_from_config(config: dict) -> int:
             ``num_attention_heads``, ``intermediate_size``, ``vocab_size``) is missing or bad.
     """
     return model_shape(config).params
+
+
+@dataclass
+class LoadCheck:
+    """The capacity formulas at one measured load point.
+
+    Attributes:
+        tier: tier name.
+        concurrency: N, streams served at once.
+        context: tokens per sequence at its fullest (load depth + output tokens).
+        predicted_bytes: weights + overhead + N x context x KV bytes/token (the formula).
+        measured_peak_bytes: peak memory the sweep measured at N (None if not measured).
+        memory_error_pct: 100 x (predicted - measured) / measured; positive: the formula
+            asks for more memory than was used.
+        bound_tokens_per_s: the N-stream decode bound at ``context`` (None without bandwidth).
+        measured_tokens_per_s: the sweep's aggregate decode tokens/s at N (prefill included).
+        share_of_bound: measured / bound.
+        meets_slo: whether the point met the recipe's SLO.
+        users_at_slo: the tier's users at SLO (whole sweep).
+    """
+    tier: str
+    concurrency: int
+    context: int
+    predicted_bytes: float
+    measured_peak_bytes: float | None
+    memory_error_pct: float | None
+    bound_tokens_per_s: float | None
+    measured_tokens_per_s: float | None
+    share_of_bound: float | None
+    meets_slo: bool | None
+    users_at_slo: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_vs_formula(tiers: dict[str, dict], overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                    bandwidth_bytes_per_s: float | None = None) -> list[LoadCheck]:
+    """The formulas' memory and decode bound for every admitted load point, beside what the
+    sweep measured there.
+
+    Args:
+        tiers: ``{tier name: tier result dict}``; uses ``memory.weight_bytes``,
+            ``memory.kv_bytes_per_token`` and ``load`` (depth, output_tokens, points).
+        overhead_bytes: the memory formula's fixed allowance (bytes).
+        bandwidth_bytes_per_s: for the decode bound (None: no bound).
+
+    Returns:
+        One :class:`LoadCheck` per admitted point of every ok tier with a load sweep, in
+        tier order, then concurrency.
+    """
+    out: list[LoadCheck] = []
+    for name, t in tiers.items():
+        load = (t or {}).get("load") or {}
+        w = finite(get_path(t, "memory", "weight_bytes"))
+        kv = finite(get_path(t, "memory", "kv_bytes_per_token"))
+        if (t or {}).get("status") != STATUS_OK or not load.get("points") or not w or not kv:
+            continue
+        ctx = int(load.get("depth") or 0) + int(load.get("output_tokens") or 0)
+        users = load.get("users_at_slo")
+        for p in load["points"]:
+            if not p.get("admitted"):
+                continue
+            n = int(p["concurrency"])
+            pred = w + overhead_bytes + n * ctx * kv
+            meas = finite(p.get("peak_bytes"))
+            bound = decode_bound(bandwidth_bytes_per_s, w, kv, ctx, n) if bandwidth_bytes_per_s else None
+            got = finite(p.get("decode_tokens_per_s"))
+            out.append(LoadCheck(name, n, ctx, pred, meas, 100.0 * (pred - meas) / meas if meas else None,
+                                 bound, got, got / bound if got and bound else None, p.get("meets_slo"),
+                                 int(users) if isinstance(users, (int, float)) else None))
+    return out

@@ -10,8 +10,10 @@ rule, on the reference), or whose tier did not finish, fails with a message nami
 is missing. Figures that are not finite numbers count as missing.
 
 Units: memory in bytes (``max_peak_memory_gib`` thresholds in GiB = 2**30 bytes), speed in
-tokens/s, rates as shares 0..1, KLD in nats. Memory and speed rules use the gate depth
-(``gate.depth``, default ``speed.main_depth``).
+tokens/s, rates as shares 0..1, KLD in nats, users at SLO in streams. Memory and speed
+rules use the gate depth (``gate.depth``, default ``speed.main_depth``);
+``min_users_at_slo_rel`` the load sweep's depth (candidate users at SLO >= rule x the
+reference's; value = the candidate's users, threshold = rule x reference users).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pydantic import ValidationError
 from ..errors import EXIT_GATE_FAILED, EXIT_OK, QevalInputError
 from ..recipe import GateRules, GateSpec, SpeedSpec
 from ..results import STATUS_OK, get_path
-from .pareto import GIB, decode_at, finite, peak_bytes_at
+from .pareto import GIB, decode_at, finite, peak_bytes_at, users_at_slo_of
 
 #: Rule names in the order they are checked and reported (GateRules field order).
 RULES: tuple[str, ...] = tuple(GateRules.model_fields)
@@ -254,6 +256,18 @@ def _check_rule(rule: str, t: float, cand: dict, ref: dict | None, ref_name: str
         if miss is None and not rv:
             miss = f"reference tier {ref_name!r} lacks decode tokens/s at depth {depth}"
         return _cmp(rule, None if miss else v / rv, t, "min", what, miss)  # type: ignore[operator]
+    if rule == "min_users_at_slo_rel":
+        what = "users at SLO (load.users_at_slo)"
+        v = users_at_slo_of(cand)
+        miss = None if v is not None else f"missing {what}: no load sweep"
+        miss = miss or ref_missing("min_users_at_slo_rel")
+        r = users_at_slo_of(ref) if miss is None else None
+        if miss is None and r is None:
+            miss = f"reference tier {ref_name!r} lacks load.users_at_slo"
+        res = _cmp(rule, v, None if r is None else t * r, "min", what, miss)
+        if miss is None:
+            res.message += f" (= {_fmt(t)} x reference users at SLO {_fmt(r)})"
+        return res
     if rule == "max_budget_exhaustion":
         v = finite(get_path(cand, "quality", "behaviour", "budget_exhausted_rate"))
         return _cmp(rule, v, t, "max", "budget exhaustion rate (quality.behaviour.budget_exhausted_rate)")

@@ -1,12 +1,22 @@
-"""Fallback ladder: the gate-passing tiers, from most to least peak memory.
+"""Overload ladder: the gate-passing tiers in the order a service steps down them when
+load peaks, each rung showing the users it gains and the memory and quality it gives up.
 
-Under load a service steps down the ladder: each step frees memory (bytes, %) and costs
-some quality. Members are the candidates that pass the gate plus the reference tier when
-its result exists with status ``ok`` (the reference passes by definition). Order: peak
-bytes at the gate depth, largest first; ties broken by better quality, then name.
-A passing tier without a peak at that depth cannot be placed and is listed in
-``Ladder.unplaced`` with the reason.
+Members are the candidates that pass the gate plus the reference tier when its result
+exists with status ``ok`` (the reference passes by definition).
 
+Order (``Ladder.basis``):
+
+* ``users_at_slo`` (whenever a member has a load sweep): users at SLO at the recipe's load
+  depth (``load.users_at_slo``, qeval.measure.load), fewest first: the first rung is the
+  tier to serve while load allows, each later rung serves more users at the SLO. Ties are
+  broken by better quality, then more peak memory, then name. A passing tier without a
+  load sweep cannot be placed and is listed in ``Ladder.unplaced`` with the reason.
+* ``peak_memory`` (no member has a load sweep, e.g. ``load.enabled: false``): peak bytes at
+  the gate depth, largest first; ties by better quality, then name; a tier without a peak
+  at that depth is unplaced.
+
+Users gained are counted against the rung above and the first rung. Memory is the
+single-stream peak at the gate depth (bytes); "saved" is positive when a rung needs less.
 "Quality lost" is signed so that a positive number is always worse: for ``kld_mean`` and
 ``ppl_ratio`` (lower is better) it is ``q_step - q_other``; for ``pass_rate`` (higher is
 better) it is ``q_other - q_step``.
@@ -15,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..results import STATUS_OK
+from ..results import STATUS_OK, get_path
 from .gate import GateReport
-from .pareto import peak_bytes_at, quality_direction, quality_value
+from .pareto import finite, peak_bytes_at, quality_direction, quality_value, users_at_slo_of
 
 
 @dataclass
@@ -26,44 +36,63 @@ class LadderStep:
 
     Attributes:
         tier: tier name.
-        peak_bytes: peak memory at the depth, bytes.
+        peak_bytes: peak memory at the gate depth, bytes (None when not measured).
         quality: value of the quality metric (None when the tier lacks it).
+        users_at_slo: users at SLO at the load depth (None without a load sweep).
+        max_decode_tokens_per_s: the sweep's best aggregate decode tokens/s.
+        users_gained_vs_prev / users_gained_vs_first: users at SLO gained versus the rung
+            above / the first rung (0 for the first rung; None without load figures).
         saved_vs_prev_bytes / saved_vs_prev_pct: memory freed versus the rung above
-            (0 for the first rung).
+            (0 for the first rung; None when either peak is missing).
         saved_vs_first_bytes / saved_vs_first_pct: memory freed versus the first rung.
         quality_lost_vs_prev / quality_lost_vs_first: quality given up (positive = worse),
             None when either side lacks the metric.
     """
     tier: str
-    peak_bytes: float
+    peak_bytes: float | None
     quality: float | None
-    saved_vs_prev_bytes: float = 0.0
-    saved_vs_prev_pct: float = 0.0
-    saved_vs_first_bytes: float = 0.0
-    saved_vs_first_pct: float = 0.0
+    users_at_slo: float | None = None
+    max_decode_tokens_per_s: float | None = None
+    users_gained_vs_prev: float | None = None
+    users_gained_vs_first: float | None = None
+    saved_vs_prev_bytes: float | None = 0.0
+    saved_vs_prev_pct: float | None = 0.0
+    saved_vs_first_bytes: float | None = 0.0
+    saved_vs_first_pct: float | None = 0.0
     quality_lost_vs_prev: float | None = None
     quality_lost_vs_first: float | None = None
 
 
 @dataclass
 class Ladder:
+    """The ladder: ``basis`` ``users_at_slo`` or ``peak_memory``; ``depth`` the gate depth
+    (memory), ``load_depth`` the load sweep's prompt depth (None without one)."""
     depth: int
     quality_metric: str
     steps: list[LadderStep] = field(default_factory=list)
     unplaced: dict[str, str] = field(default_factory=dict)
+    basis: str = "peak_memory"
+    load_depth: int | None = None
 
     @property
     def order(self) -> list[str]:
         return [s.tier for s in self.steps]
 
     def to_dict(self) -> dict:
-        return {"depth": self.depth, "quality_metric": self.quality_metric,
-                "steps": [asdict(s) for s in self.steps], "unplaced": dict(self.unplaced)}
+        return {"depth": self.depth, "quality_metric": self.quality_metric, "basis": self.basis,
+                "load_depth": self.load_depth, "steps": [asdict(s) for s in self.steps],
+                "unplaced": dict(self.unplaced)}
+
+
+def _saved(a: float | None, b: float | None) -> tuple[float | None, float | None]:
+    if a is None or b is None:
+        return None, None
+    return a - b, (100.0 * (a - b) / a if a else 0.0)
 
 
 def fallback_ladder(tiers: dict[str, dict], gate_report: GateReport,
                     quality_metric: str = "kld_mean") -> Ladder:
-    """Build the ladder from a gate verdict.
+    """Build the overload ladder from a gate verdict (see the module docstring).
 
     Args:
         tiers: ``{tier name: tier result dict}``.
@@ -85,21 +114,35 @@ def fallback_ladder(tiers: dict[str, dict], gate_report: GateReport,
         members.append(ref)
     members += [n for n in gate_report.passing if n not in members]
 
-    ladder = Ladder(depth=depth, quality_metric=quality_metric)
+    by_users = any(users_at_slo_of(tiers.get(n)) is not None for n in members)
+    ladder = Ladder(depth=depth, quality_metric=quality_metric, basis="users_at_slo" if by_users else "peak_memory")
+    if by_users:
+        depths = {get_path(tiers.get(n), "load", "depth") for n in members} - {None}
+        ladder.load_depth = int(next(iter(depths))) if len(depths) == 1 else None
     placed: list[LadderStep] = []
     for n in members:
-        mem = peak_bytes_at(tiers.get(n), depth)
-        if mem is None:
+        t = tiers.get(n)
+        mem = peak_bytes_at(t, depth)
+        users = users_at_slo_of(t)
+        if by_users and users is None:
+            err = get_path(t, "load", "error")
+            ladder.unplaced[n] = f"no load sweep ({err})" if err else "no load sweep (users at SLO)"
+            continue
+        if not by_users and mem is None:
             ladder.unplaced[n] = f"no peak memory at depth {depth}"
             continue
-        placed.append(LadderStep(n, mem, quality_value(tiers.get(n), quality_metric, is_reference=(n == ref))))
+        placed.append(LadderStep(n, mem, quality_value(t, quality_metric, is_reference=(n == ref)), users,
+                                 finite(get_path(t, "load", "max_decode_tokens_per_s"))))
 
     def qkey(s: LadderStep) -> float:
         if s.quality is None:
             return float("inf")
         return s.quality if qdir == "min" else -s.quality
 
-    placed.sort(key=lambda s: (-s.peak_bytes, qkey(s), s.tier))
+    if by_users:
+        placed.sort(key=lambda s: (s.users_at_slo, qkey(s), -(s.peak_bytes or 0.0), s.tier))
+    else:
+        placed.sort(key=lambda s: (-(s.peak_bytes or 0.0), qkey(s), s.tier))
 
     def lost(q: float | None, q_other: float | None) -> float | None:
         if q is None or q_other is None:
@@ -109,10 +152,11 @@ def fallback_ladder(tiers: dict[str, dict], gate_report: GateReport,
     for i, s in enumerate(placed):
         first = placed[0]
         prev = placed[i - 1] if i else s
-        s.saved_vs_prev_bytes = prev.peak_bytes - s.peak_bytes
-        s.saved_vs_prev_pct = 100.0 * s.saved_vs_prev_bytes / prev.peak_bytes if prev.peak_bytes else 0.0
-        s.saved_vs_first_bytes = first.peak_bytes - s.peak_bytes
-        s.saved_vs_first_pct = 100.0 * s.saved_vs_first_bytes / first.peak_bytes if first.peak_bytes else 0.0
+        s.saved_vs_prev_bytes, s.saved_vs_prev_pct = _saved(prev.peak_bytes, s.peak_bytes)
+        s.saved_vs_first_bytes, s.saved_vs_first_pct = _saved(first.peak_bytes, s.peak_bytes)
+        if by_users:
+            s.users_gained_vs_prev = s.users_at_slo - prev.users_at_slo  # type: ignore[operator]
+            s.users_gained_vs_first = s.users_at_slo - first.users_at_slo  # type: ignore[operator]
         s.quality_lost_vs_prev = lost(s.quality, prev.quality)
         s.quality_lost_vs_first = lost(s.quality, first.quality)
     ladder.steps = placed

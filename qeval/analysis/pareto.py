@@ -7,7 +7,10 @@ Objectives (docs/design.md, "Pareto front"), all read from stored tier results
   There is deliberately *no* fallback to ``memory.weight_bytes``: weights alone leave out
   the KV cache and activations, so mixing them with measured peaks would compare unlike
   figures. A tier without a peak at the depth is "not compared".
-* **decode speed**: ``speed["<depth>"].decode_tokens_per_s`` in tokens/s (maximise).
+* **speed** (``pareto.speed`` in the recipe): ``decode``, the single-stream
+  ``speed["<depth>"].decode_tokens_per_s`` in tokens/s (maximise, the default), or
+  ``users_at_slo``, the capacity the load sweep measured (``load.users_at_slo``, streams,
+  maximise).
 * **quality**: the recipe's ``gate.quality_metric``: ``kld_mean`` (nats, minimise),
   ``ppl_ratio`` (minimise) or ``pass_rate`` (share 0..1, maximise).
 
@@ -59,6 +62,12 @@ def decode_at(tier: dict | None, depth: int) -> float | None:
     return finite(get_path(tier, "speed", str(depth), "decode_tokens_per_s"))
 
 
+def users_at_slo_of(tier: dict | None) -> float | None:
+    """Users at SLO measured by the tier's load sweep (``load.users_at_slo``: the largest
+    concurrency meeting both SLO percentiles with nothing refused; qeval.measure.load), or None."""
+    return finite(get_path(tier, "load", "users_at_slo"))
+
+
 def quality_value(tier: dict | None, metric: str, *, is_reference: bool = False) -> float | None:
     """The quality figure ``metric`` (``kld_mean``, ``ppl_ratio`` or ``pass_rate``) of a tier.
 
@@ -97,6 +106,7 @@ class ParetoEntry:
         quality: value of the quality metric.
         dominated_by: for a dominated tier, one tier on the front that dominates it.
         reason: for a tier not compared, why (e.g. ``"status failed"``).
+        users_at_slo: users at SLO from the load sweep (streams), when measured.
     """
     tier: str
     status: Literal["front", "dominated", "not_compared"]
@@ -105,6 +115,7 @@ class ParetoEntry:
     quality: float | None = None
     dominated_by: str | None = None
     reason: str | None = None
+    users_at_slo: float | None = None
 
     @property
     def mark(self) -> str:
@@ -118,10 +129,16 @@ class ParetoEntry:
 
 @dataclass
 class ParetoResult:
-    """The front at one depth: ``entries`` in the order the tiers were given."""
+    """The front at one depth: ``entries`` in the order the tiers were given; ``speed`` the
+    speed objective (``decode`` or ``users_at_slo``)."""
     depth: int
     quality_metric: str
     entries: list[ParetoEntry] = field(default_factory=list)
+    speed: str = "decode"
+
+    def speed_of(self, e: ParetoEntry) -> float | None:
+        """The entry's value of the speed objective."""
+        return e.users_at_slo if self.speed == "users_at_slo" else e.decode_tokens_per_s
 
     @property
     def front(self) -> list[str]:
@@ -147,14 +164,15 @@ class ParetoResult:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return {"depth": self.depth, "quality_metric": self.quality_metric,
+        return {"depth": self.depth, "quality_metric": self.quality_metric, "speed": self.speed,
                 "front": self.front, "entries": [asdict(e) for e in self.entries]}
 
 
 def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
               quality_dir: str = "min") -> bool:
-    """True when point ``a`` dominates ``b``. Points are ``(memory_bytes, decode_tokens_per_s,
-    quality)``; memory is minimised, decode maximised, quality per ``quality_dir``."""
+    """True when point ``a`` dominates ``b``. Points are ``(memory_bytes, speed, quality)``
+    (speed: decode tokens/s or users at SLO); memory is minimised, speed maximised, quality
+    per ``quality_dir``."""
     qa, qb = (a[2], b[2]) if quality_dir == "min" else (-a[2], -b[2])
     no_worse = a[0] <= b[0] and a[1] >= b[1] and qa <= qb
     strictly = a[0] < b[0] or a[1] > b[1] or qa < qb
@@ -162,7 +180,7 @@ def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
 
 
 def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_mean",
-                 reference: str | None = None) -> ParetoResult:
+                 reference: str | None = None, speed: str = "decode") -> ParetoResult:
     """Split tiers into the Pareto front, dominated tiers and tiers not compared.
 
     Args:
@@ -170,6 +188,7 @@ def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_
         depth: context depth in tokens for memory and decode speed.
         quality_metric: ``kld_mean`` | ``ppl_ratio`` | ``pass_rate``.
         reference: name of the reference tier (gets KLD 0 / PPL ratio 1 when missing).
+        speed: the speed objective: ``decode`` (tokens/s at ``depth``) or ``users_at_slo``.
 
     Returns:
         :class:`ParetoResult`; each dominated tier names a dominating tier that is itself
@@ -180,25 +199,30 @@ def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_
         QevalInputError: unknown ``quality_metric``.
     """
     qdir = quality_direction(quality_metric)
-    result = ParetoResult(depth=int(depth), quality_metric=quality_metric)
+    if speed not in ("decode", "users_at_slo"):
+        raise QevalInputError(f"unknown speed objective {speed!r} (expected decode or users_at_slo)",
+                              field="pareto.speed")
+    result = ParetoResult(depth=int(depth), quality_metric=quality_metric, speed=speed)
     points: dict[str, tuple[float, float, float]] = {}
     for name, t in tiers.items():
         status = (t or {}).get("status")
         mem = peak_bytes_at(t, depth)
         dec = decode_at(t, depth)
+        users = users_at_slo_of(t)
         q = quality_value(t, quality_metric, is_reference=(name == reference))
         entry = ParetoEntry(tier=name, status="not_compared", memory_bytes=mem,
-                            decode_tokens_per_s=dec, quality=q)
+                            decode_tokens_per_s=dec, quality=q, users_at_slo=users)
+        sp, sp_label = (users, "users at SLO (load sweep)") if speed == "users_at_slo" else \
+            (dec, f"decode tokens/s at depth {depth}")
         if status != STATUS_OK:
             entry.reason = f"status {status}"
         else:
-            missing = [label for label, v in ((f"peak memory at depth {depth}", mem),
-                                              (f"decode tokens/s at depth {depth}", dec),
+            missing = [label for label, v in ((f"peak memory at depth {depth}", mem), (sp_label, sp),
                                               (quality_metric, q)) if v is None]
             if missing:
                 entry.reason = "no " + ", no ".join(missing)
             else:
-                points[name] = (mem, dec, q)  # type: ignore[assignment]
+                points[name] = (mem, sp, q)  # type: ignore[assignment]
         result.entries.append(entry)
 
     front = [n for n in points if not any(dominates(points[o], points[n], qdir)

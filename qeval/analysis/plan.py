@@ -38,7 +38,7 @@ from ..recipe import AwqTier, Bf16Tier, GgufTier, GptqTier, Int8Tier, Tier
 from ..results import STATUS_OK, get_path
 from ..tiers import get_method
 from ..weight_formats import (FP8_WEIGHT_ONLY, FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format)
-from .capacity import DEFAULT_OVERHEAD_BYTES, decode_bound, max_context, max_sequences
+from .capacity import DEFAULT_OVERHEAD_BYTES, LoadCheck, decode_bound, load_vs_formula, max_context, max_sequences
 from .gpus import GpuSpec
 from .pareto import GIB, finite
 
@@ -152,6 +152,7 @@ class Plan:
     efficiency_default: tuple[float, float]
     rows: list[PlanRow]
     notes: list[str] = field(default_factory=list)
+    load_checks: list[LoadCheck] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "params": self.params, "run_dir": self.run_dir,
@@ -161,7 +162,8 @@ class Plan:
                 "overhead_bytes": self.overhead_bytes, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                 "bandwidth_source": self.bandwidth_source, "context": self.context, "users": self.users,
                 "efficiency_default": list(self.efficiency_default),
-                "rows": [r.to_dict() for r in self.rows], "notes": list(self.notes)}
+                "rows": [r.to_dict() for r in self.rows], "notes": list(self.notes),
+                "load_checks": [c.to_dict() for c in self.load_checks]}
 
 
 # ---- which tiers --------------------------------------------------------------------------------
@@ -415,7 +417,9 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
     return Plan(model=config_path, params=shape.params if shape else None, run_dir=run_dir, gpu=gpu,
                 memory_bytes=mem, memory_source=mem_src, usable=us, usable_source=us_src, budget_bytes=budget,
                 overhead_bytes=int(overhead_bytes), bandwidth_bytes_per_s=bw, bandwidth_source=bw_src,
-                context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes)
+                context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes,
+                load_checks=load_vs_formula(results or {}, overhead_bytes,
+                                            finite(run.get("bandwidth_bytes_per_s"))))
 
 
 def _run_tier_specs(run: dict, results: dict[str, dict]) -> list[Any]:
@@ -537,7 +541,37 @@ def plan_markdown(plan: Plan) -> str:
     out = plan_header(plan) + ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(cells) + " |" for cells in rows]
     out += [""] + plan_legend(plan)
+    out += load_check_lines(plan)
     return "\n".join(out)
+
+
+def load_check_lines(plan: Plan) -> list[str]:
+    """The run's measured load points beside the formulas (empty without a load sweep):
+    memory formula vs measured peak, N-stream decode bound (the run's measured bandwidth)
+    vs measured aggregate decode tokens/s, and how far the formula was on average."""
+    checks = plan.load_checks
+    if not checks:
+        return []
+    out = ["", "measured under load (the run's load sweep, on the run's machine) beside the formulas: memory = "
+           f"weights + overhead {_gb(plan.overhead_bytes)} + N x context x KV B/token; bound = N-stream decode "
+           "bound at the run's measured bandwidth", "",
+           "| tier | streams N | context | memory formula | measured peak | formula vs measured | "
+           "decode bound tok/s | measured tok/s | share of bound | meets SLO | users at SLO |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        out.append(f"| {c.tier} | {c.concurrency} | {c.context} | {_gb(c.predicted_bytes)} | "
+                   f"{_gb(c.measured_peak_bytes)} | "
+                   f"{'-' if c.memory_error_pct is None else f'{c.memory_error_pct:+.0f}%'} | "
+                   f"{_tok(c.bound_tokens_per_s)} | {_tok(c.measured_tokens_per_s)} | "
+                   f"{'-' if c.share_of_bound is None else f'{100 * c.share_of_bound:.0f}%'} | "
+                   f"{'-' if c.meets_slo is None else ('yes' if c.meets_slo else 'no')} | "
+                   f"{'-' if c.users_at_slo is None else c.users_at_slo} |")
+    errs = [abs(c.memory_error_pct) for c in checks if c.memory_error_pct is not None]
+    if errs:
+        out += ["", f"the memory formula was {sum(errs) / len(errs):.0f}% from the measured peaks on average "
+                    f"(largest {max(errs):.0f}%, {len(errs)} points); it bounds memory only: users at SLO is where "
+                    "latency, not memory, stops a tier"]
+    return out
 
 
 def plan_json(plan: Plan) -> str:

@@ -13,6 +13,10 @@ from typing import Any, Callable, Sequence
 from .load import NotAdmitted, PromptFor, Slo, admission, not_admitted_point, point_stats, summarize
 
 
+#: Engine names (``Engine.name``) with a batched closed-loop path.
+BATCHING_ENGINES = ("llamacpp", "hf")
+
+
 def serve_function(engine: Any) -> Callable[..., Any] | None:
     """The closed-loop batched serve function of ``engine`` (by ``engine.name``), or None
     when the engine cannot batch."""

@@ -121,10 +121,17 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         tab.headers += [f"peak GiB @{d}", f"TTFT s @{d}", f"decode tok/s @{d}", f"roofline % @{d}"]
         tab.csv_fields += [f"peak_gib_{d}", f"ttft_s_{d}", f"decode_tokens_per_s_{d}", f"roofline_share_{d}"]
     tab.headers += ["KLD mean ± se", "same-top %", "PPL ratio", "pass % [95% CI]", "flips",
-                    "budget exh. %", "quality engine", "lm-eval", "Pareto", "notes"]
+                    "budget exh. %", "quality engine", "lm-eval", "users @SLO", "Pareto", "notes"]
     tab.csv_fields += ["kld_mean", "kld_se", "same_top_rate", "ppl_ratio", "pass_rate", "pass_ci_low",
                        "pass_ci_high", "flip_rate", "flips_pass_to_fail", "flips_fail_to_pass",
                        "budget_exhausted_rate", "quality_engine", "lm_eval", "pareto", "slow_path"]
+    conc = load_concurrencies(a.tiers)
+    tab.csv_fields += ["load_depth", "load_scheduling", "users_at_slo", "load_max_decode_tokens_per_s",
+                       "load_requests_not_admitted"]
+    for c in conc:
+        tab.csv_fields += [f"load_decode_tokens_per_s_c{c}", f"load_batching_gain_c{c}", f"load_ttft_p95_s_c{c}",
+                           f"load_itl_p95_s_c{c}", f"load_goodput_tokens_per_s_c{c}", f"load_peak_gib_c{c}",
+                           f"load_admitted_c{c}"]
     dtype = get_path(a.recipe, "model", "dtype") or "bfloat16"
     for name, t in a.tiers.items():
         status = t.get("status") or "?"
@@ -216,8 +223,27 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         lm_cell = "; ".join(f"{task} {k} {v:.3f}" for task, ms in lm.items() if isinstance(ms, dict)
                             for k, v in ms.items()) or ("skipped" if "skipped" in lm else "-")
         raw.update({"quality_engine": q_engine, "lm_eval": lm_cell if lm else None})
+        load = t.get("load") or {}
+        users = finite(load.get("users_at_slo"))
+        raw.update({"load_depth": load.get("depth"), "load_scheduling": ",".join(load.get("scheduling") or []) or None,
+                    "users_at_slo": _whole(users), "load_max_decode_tokens_per_s": finite(load.get("max_decode_tokens_per_s")),
+                    "load_requests_not_admitted": load.get("requests_not_admitted")})
+        pts = {int(p["concurrency"]): p for p in load.get("points") or []}
+        gain = load.get("batching_gain") or {}
+        for c in conc:
+            p = pts.get(c) or {}
+            raw.update({f"load_decode_tokens_per_s_c{c}": finite(p.get("decode_tokens_per_s")),
+                        f"load_batching_gain_c{c}": finite(gain.get(str(c))),
+                        f"load_ttft_p95_s_c{c}": finite(get_path(p, "ttft_s", "p95")),
+                        f"load_itl_p95_s_c{c}": finite(get_path(p, "itl_s", "p95")),
+                        f"load_goodput_tokens_per_s_c{c}": finite(p.get("goodput_tokens_per_s")),
+                        f"load_peak_gib_c{c}": _r(finite(p.get("peak_bytes")), GIB),
+                        f"load_admitted_c{c}": p.get("admitted") if p else None})
+        if load.get("error"):
+            notes.append(f"load sweep failed: {load['error']}")
         cells += [kld_cell, _f(top, ".1f", 100), _f(ppl, ".4f"), pass_cell, flips_cell,
-                  _f(budget, ".1f", 100), str(q_engine or "-"), lm_cell, mark, "; ".join(notes) or ""]
+                  _f(budget, ".1f", 100), str(q_engine or "-"), lm_cell, _f(users, "g"), mark,
+                  "; ".join(notes) or ""]
         tab.rows.append(cells)
         tab.csv_rows.append(raw)
     return tab
@@ -227,6 +253,56 @@ def eager_gpu_decode(t: dict) -> bool:
     """True for a transformers tier whose decode figures were measured eagerly on CUDA
     (launch-bound there: the table marks them "eager")."""
     return t.get("device") == "cuda" and t.get("engine") == "hf" and t.get("decode_mode") == "eager"
+
+
+def load_concurrencies(tiers: dict[str, dict]) -> list[int]:
+    """Every concurrency any tier's load sweep recorded, ascending."""
+    return sorted({int(p["concurrency"]) for t in tiers.values() for p in get_path(t, "load", "points") or []})
+
+
+LOAD_HEADERS = ["tier", "scheduling", "streams", "decode tok/s", "gain", "req/s", "TTFT p50/p95/p99 s",
+                "ITL p50/p95/p99 s", "e2e p50/p95 s", "goodput tok/s", "peak GiB", "KV GiB at peak", "SLO"]
+
+
+def load_table(tiers: dict[str, dict]) -> list[list[str]]:
+    """Rows of the load table: one per tier and concurrency (``LOAD_HEADERS``); a point not
+    admitted shows the reason; a failed sweep one row with its error."""
+    def trio(d: Any, keys: tuple[str, ...]) -> str:
+        return "/".join(_f((d or {}).get(k), ".3g") for k in keys)
+
+    rows = []
+    for name, t in tiers.items():
+        load = t.get("load") or {}
+        if load.get("error"):
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {load['error']}"])
+            continue
+        gain = load.get("batching_gain") or {}
+        for p in load.get("points") or []:
+            c = int(p["concurrency"])
+            if not p.get("admitted"):
+                rows.append([name, "-", str(c), "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                             f"not admitted ({p.get('requests_not_admitted')} requests): {p.get('reason')}"])
+                continue
+            rows.append([name, str(p.get("scheduling") or "-"), str(c), _f(p.get("decode_tokens_per_s"), ".3g"),
+                         _f(gain.get(str(c)), ".2f", suffix="x"), _f(p.get("requests_per_s"), ".3g"),
+                         trio(p.get("ttft_s"), ("p50", "p95", "p99")), trio(p.get("itl_s"), ("p50", "p95", "p99")),
+                         trio(p.get("e2e_s"), ("p50", "p95")), _f(p.get("goodput_tokens_per_s"), ".3g"),
+                         _gib(p.get("peak_bytes"), 3), _gib(p.get("kv_bytes_peak"), 4),
+                         "meets" if p.get("meets_slo") else "misses"])
+    return rows
+
+
+def load_caption(tiers: dict[str, dict]) -> str | None:
+    """One line saying what the load table measured (depth, tokens, SLO), from the first sweep."""
+    load = next((t.get("load") for t in tiers.values() if (t.get("load") or {}).get("points")), None)
+    if not load:
+        return None
+    slo = load.get("slo") or {}
+    return (f"Closed loop: each stream sends {load.get('requests_per_stream')} requests in turn, each a fresh "
+            f"{load.get('depth')}-token prompt and {load.get('output_tokens')} new tokens; prefill in chunks of "
+            f"{load.get('prefill_chunk')} tokens. SLO: TTFT p95 <= {slo.get('ttft_p95_s')} s and ITL p95 <= "
+            f"{slo.get('itl_p95_s')} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
+            "tokens of requests within the SLO / run time (qeval.measure.load).")
 
 
 def _kv_base_tier(tiers: dict[str, dict], name: str) -> str | None:
@@ -275,6 +351,10 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
           f"Pareto front and gate at depth {a.depth} tokens; quality metric `{a.quality_metric}`; "
           f"reference `{a.reference}`. Memory in GiB (2^30 bytes).", "",
           markdown_table(tab.headers, tab.rows)]
+    lrows = load_table(a.tiers)
+    if lrows:
+        md += ["## Load: users at SLO", "", load_caption(a.tiers) or "", "",
+               markdown_table(LOAD_HEADERS, lrows)]
     unfinished = [(n, t) for n, t in a.tiers.items() if t.get("status") != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
@@ -356,12 +436,12 @@ reference <code>{{ reference }}</code> · gate
 {% if slow %}<p>{% for s in slow %}<span class="badge warn">{{ s.tier }}: slow path at long context</span> {% endfor %}</p>{% endif %}
 
 <h2>Pareto front at depth {{ depth }}</h2>
-<p class="muted">Objectives: peak memory (lower), decode tokens/s (higher), {{ quality_metric }} ({{ 'lower' if quality_dir == 'min' else 'higher' }}).
+<p class="muted">Objectives: peak memory (lower), {{ 'users at SLO from the load sweep' if pareto_speed == 'users_at_slo' else 'decode tokens/s' }} (higher; <code>pareto.speed: {{ pareto_speed }}</code>), {{ quality_metric }} ({{ 'lower' if quality_dir == 'min' else 'higher' }}).
 A tier is dominated when another is no worse on all three and strictly better on one.</p>
 <div class="wide"><table>
-<tr><th class="l">tier</th><th>peak GiB</th><th>decode tok/s</th><th>{{ quality_metric }}</th><th class="l">Pareto</th></tr>
+<tr><th class="l">tier</th><th>peak GiB</th><th>decode tok/s</th><th>users @SLO</th><th>{{ quality_metric }}</th><th class="l">Pareto</th></tr>
 {% for e in pareto %}<tr class="{{ e.cls }}"><td class="l">{% if e.front %}<span class="star">★</span> {% endif %}{{ e.tier }}</td>
-<td>{{ e.mem }}</td><td>{{ e.dec }}</td><td>{{ e.q }}</td><td class="l">{{ e.mark }}</td></tr>
+<td>{{ e.mem }}</td><td>{{ e.dec }}</td><td>{{ e.users }}</td><td>{{ e.q }}</td><td class="l">{{ e.mark }}</td></tr>
 {% endfor %}</table></div>
 
 <h2>Release gate</h2>
@@ -377,13 +457,24 @@ Memory and speed rules at depth {{ depth }}. A missing figure fails its rule.</p
 {% else %}<tr><td class="l" colspan="4">no candidates</td></tr>{% endfor %}
 </table></div>
 
-<h2>Fallback ladder</h2>
-<p class="muted">Gate-passing tiers (and the reference) from most to least peak memory at depth {{ depth }}. "Quality lost" is the change in {{ quality_metric }}, positive = worse.</p>
+{% if ladder_by_users %}<h2>Overload ladder</h2>
+<p class="muted">Gate-passing tiers (and the reference) by users at SLO at load depth {{ load_depth }}, fewest first: step down when load peaks. Each rung: users gained, memory saved (single-stream peak at depth {{ depth }}) and {{ quality_metric }} given up (positive = worse).</p>
+{% else %}<h2>Fallback ladder</h2>
+<p class="muted">Gate-passing tiers (and the reference) from most to least peak memory at depth {{ depth }} (no load sweep in this run). "Quality lost" is the change in {{ quality_metric }}, positive = worse.</p>{% endif %}
 {% if ladder %}<div class="wide"><table>
-<tr><th>#</th><th class="l">tier</th><th>peak GiB</th><th>saved vs prev</th><th>saved vs first</th><th>{{ quality_metric }}</th><th>quality lost vs prev</th><th>vs first</th></tr>
-{% for s in ladder %}<tr><td>{{ loop.index }}</td><td class="l">{{ s.tier }}</td><td>{{ s.peak }}</td><td>{{ s.saved_prev }}</td><td>{{ s.saved_first }}</td><td>{{ s.q }}</td><td>{{ s.lost_prev }}</td><td>{{ s.lost_first }}</td></tr>
+<tr><th>#</th><th class="l">tier</th>{% if ladder_by_users %}<th>users at SLO</th><th>users gained vs prev</th><th>vs first</th>{% endif %}<th>peak GiB</th><th>saved vs prev</th><th>saved vs first</th><th>{{ quality_metric }}</th><th>quality lost vs prev</th><th>vs first</th></tr>
+{% for s in ladder %}<tr><td>{{ loop.index }}</td><td class="l">{{ s.tier }}</td>{% if ladder_by_users %}<td>{{ s.users }}</td><td>{{ s.gained_prev }}</td><td>{{ s.gained_first }}</td>{% endif %}<td>{{ s.peak }}</td><td>{{ s.saved_prev }}</td><td>{{ s.saved_first }}</td><td>{{ s.q }}</td><td>{{ s.lost_prev }}</td><td>{{ s.lost_first }}</td></tr>
 {% endfor %}</table></div>{% else %}<p>No tier passes the gate.</p>{% endif %}
 {% for n, why in unplaced.items() %}<p class="muted">{{ n }} passes but is not placed: {{ why }}</p>{% endfor %}
+
+{% if load_rows %}<h2>Load: throughput and latency under concurrency</h2>
+<p class="muted">{{ load_caption }}</p>
+<div class="wide"><table>
+<tr>{% for h in load_headers %}<th class="{{ 'l' if loop.index0 in (0, 1) or loop.last else '' }}">{{ h }}</th>{% endfor %}</tr>
+{% for r in load_rows %}<tr>{% for c in r %}<td class="{{ 'l' if loop.index0 in (0, 1) else '' }}{{ ' l wrap' if loop.last else '' }}">{{ c }}</td>{% endfor %}</tr>
+{% endfor %}</table></div>
+<div class="plots">{% for p in load_plots %}<figure>{% if p.src %}<img alt="{{ p.title }}" src="{{ p.src }}">{% else %}<p class="muted">{{ p.title }}: no data.</p>{% endif %}<figcaption>{{ p.caption }}</figcaption></figure>
+{% endfor %}</div>{% endif %}
 
 <h2>Capacity</h2>
 {% for line in capacity_head %}<p class="muted">{{ line }}</p>
@@ -454,7 +545,7 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
     pareto_rows = [{"tier": e.tier, "front": e.status == "front", "mark": e.mark,
                     "cls": {"front": "front", "dominated": "", "not_compared": "notok"}[e.status],
                     "mem": _gib(e.memory_bytes), "dec": _f(e.decode_tokens_per_s, ".3g"),
-                    "q": _f(e.quality, qfmt)} for e in a.pareto.entries]
+                    "users": _f(e.users_at_slo, "g"), "q": _f(e.quality, qfmt)} for e in a.pareto.entries]
     cands = []
     for c in a.gate.candidates:
         status_rule = next((r for r in c.rules if r.rule == "status"), None)
@@ -466,11 +557,23 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
     def signed(v: float | None, fmt: str) -> str:
         return "-" if v is None else f"{v:+{fmt}}"
 
+    def saved(b: float | None, pct: float | None) -> str:
+        return "-" if b is None or pct is None else f"{b / GIB:.2f} GiB ({pct:.0f}%)"
+
     ladder = [{"tier": s.tier, "peak": _gib(s.peak_bytes),
-               "saved_prev": f"{s.saved_vs_prev_bytes / GIB:.2f} GiB ({s.saved_vs_prev_pct:.0f}%)",
-               "saved_first": f"{s.saved_vs_first_bytes / GIB:.2f} GiB ({s.saved_vs_first_pct:.0f}%)",
+               "saved_prev": saved(s.saved_vs_prev_bytes, s.saved_vs_prev_pct),
+               "saved_first": saved(s.saved_vs_first_bytes, s.saved_vs_first_pct),
+               "users": _f(s.users_at_slo, "g"), "gained_prev": signed(s.users_gained_vs_prev, "g"),
+               "gained_first": signed(s.users_gained_vs_first, "g"),
                "q": _f(s.quality, qfmt), "lost_prev": signed(s.quality_lost_vs_prev, qfmt),
                "lost_first": signed(s.quality_lost_vs_first, qfmt)} for s in a.ladder.steps]
+    slo = next((get_path(t, "load", "slo") for t in a.tiers.values() if get_path(t, "load", "slo")), None)
+    load_plots = [
+        {"title": "Throughput vs concurrency", "src": _data_uri(plots.load_throughput_png(a.tiers)),
+         "caption": "Aggregate decode tokens/s against concurrent streams, per tier (x: not admitted)."},
+        {"title": "Latency vs concurrency", "src": _data_uri(plots.load_latency_png(a.tiers, slo)),
+         "caption": "TTFT p95 and ITL p95 against concurrent streams, per tier; dashed: the recipe's SLO."},
+    ]
     cap = _capacity_plan(run, a, budget_bytes, budget_src, deepest, users, overhead_bytes)
     cap_headers, cap_rows = plan_table(cap)
     plot_list = [
@@ -509,9 +612,13 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
         created=run.get("started_at") or run.get("created_utc") or "time not recorded",
         device=device, threads=a.recipe.get("threads", "?"), depth=a.depth,
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
+        pareto_speed=a.pareto.speed,
         reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
         unfinished=unfinished, slow=list(slow.values()), pareto=pareto_rows, rules=a.gate.rules,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
+        ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",
+        load_rows=load_table(a.tiers), load_headers=LOAD_HEADERS, load_caption=load_caption(a.tiers) or "",
+        load_plots=load_plots,
         capacity_head=plan_header(cap)[1:], capacity_headers=cap_headers, capacity_rows=cap_rows,
         capacity_legend=plan_legend(cap), plots=plot_list,
         depths=a.depths, quality_headers=tab.headers[:1] + tab.headers[n_speed:], table_rows=rows,
@@ -545,7 +652,9 @@ def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,
     """Write a self-contained ``report.html`` into the run folder from its stored JSON.
 
     Sections: gate verdict badge, Pareto table (front marked ★, dominated tiers name a
-    dominator), gate verdicts with failing rules, fallback ladder, capacity table, plots
+    dominator), gate verdicts with failing rules, the overload ladder (or, without a load
+    sweep, the fallback ladder by memory), the load table with throughput- and
+    latency-vs-concurrency plots (SLO drawn), capacity table, plots
     (quality vs memory with marker size = decode tokens/s; decode tokens/s vs depth; KLD by
     position bucket), the full tier table with "slow path at long context" flags, and the
     tiers that failed or were not built with their errors and log tails.

@@ -32,13 +32,20 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
     gate_doc = json.loads(outs.gate_json.read_text())
-    steps = (gate_doc.get("ladder") or {}).get("steps") or []
+    lad = gate_doc.get("ladder") or {}
+    steps = lad.get("steps") or []
     if steps:
-        lines.append("fallback ladder (most to least memory):")
+        by_users = lad.get("basis") == "users_at_slo"
+        lines.append(f"overload ladder (users at SLO at depth {lad.get('load_depth') or '-'}, fewest first):"
+                     if by_users else "fallback ladder (most to least memory):")
         for i, s in enumerate(steps):
             q = s.get("quality")
-            lines.append(f"  {i + 1}. {s['tier']:<18} peak {format_gib(s['peak_bytes'])}"
-                         f"  saved {s['saved_vs_first_pct']:.0f}% vs first"
+            saved = s.get("saved_vs_first_pct")
+            lines.append(f"  {i + 1}. {s['tier']:<18}"
+                         + (f" users {s['users_at_slo']:g} ({s['users_gained_vs_first']:+g} vs first) "
+                            if by_users else "")
+                         + f" peak {format_gib(s['peak_bytes'])}"
+                         + (f"  saved {saved:.0f}% vs first" if isinstance(saved, (int, float)) else "")
                          + (f"  quality {q:.4g}" if isinstance(q, (int, float)) else ""))
     for name, text in (gate_doc.get("slow_path") or {}).items():
         lines.append(f"  slow path: {name}: {text}")

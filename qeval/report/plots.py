@@ -136,3 +136,80 @@ def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     return _png(fig)
+
+
+def _load_series(tiers: dict[str, dict], key: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """Per ok tier with a load sweep: ``{tier: [(concurrency, value)]}`` of admitted points,
+    ``{tier: [concurrency not admitted]}`` and ``{tier: colour}``."""
+    color_of = {n: _color(i) for i, n in enumerate(tiers)}
+    series: dict[str, list] = {}
+    refused: dict[str, list] = {}
+    for name, t in tiers.items():
+        pts = get_path(t, "load", "points") or []
+        if t.get("status") != STATUS_OK or not pts:
+            continue
+        ok = [(int(p["concurrency"]), get_path(p, *key)) for p in pts if p.get("admitted")]
+        ok = [(c, float(v)) for c, v in ok if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if ok:
+            series[name] = ok
+        bad = [int(p["concurrency"]) for p in pts if not p.get("admitted")]
+        if bad:
+            refused[name] = bad
+    return series, refused, color_of
+
+
+def _concurrency_axis(ax, series: dict, refused: dict) -> None:
+    xs = sorted({c for pts in series.values() for c, _ in pts} | {c for v in refused.values() for c in v})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("concurrent streams (closed loop)")
+    ax.grid(True, alpha=0.3)
+
+
+def load_throughput_png(tiers: dict[str, dict]) -> bytes | None:
+    """Aggregate decode tokens/s (y) against concurrency (x, log2), one line per tier with
+    a load sweep; a point not admitted is an ``x`` on the x axis."""
+    series, refused, color_of = _load_series(tiers, ("decode_tokens_per_s",))
+    if not series:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, pts in series.items():
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name, color=color_of[name])
+    for name, cs in refused.items():
+        ax.scatter(cs, [0] * len(cs), marker="x", s=60, color=color_of[name],
+                   label=f"{name}: not admitted" if name in series else name)
+    _concurrency_axis(ax, series, refused)
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Throughput vs concurrency (x on the axis: not admitted)", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def load_latency_png(tiers: dict[str, dict], slo: dict | None) -> bytes | None:
+    """TTFT p95 (left) and ITL p95 (right) in seconds against concurrency (log2), one line
+    per tier with a load sweep; the recipe's SLO drawn as a dashed line on each."""
+    ttft, refused, color_of = _load_series(tiers, ("ttft_s", "p95"))
+    itl, _, _ = _load_series(tiers, ("itl_s", "p95"))
+    if not ttft and not itl:
+        return None
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = Figure(figsize=(_SIZE[0] * 1.4, _SIZE[1]), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    for i, (series, what, key) in enumerate(((ttft, "TTFT p95 (s)", "ttft_p95_s"),
+                                             (itl, "ITL p95 (s)", "itl_p95_s"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for name, pts in series.items():
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name, color=color_of[name])
+        limit = (slo or {}).get(key)
+        if isinstance(limit, (int, float)):
+            ax.axhline(limit, linestyle="--", color="#9b1c1c", linewidth=1.2, label=f"SLO {limit:g} s")
+        _concurrency_axis(ax, series or ttft, refused)
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{what.split(' (')[0]} vs concurrency", fontsize=10)
+        ax.legend(fontsize=8, loc="best")
+    return _png(fig)
