@@ -64,7 +64,12 @@ def describe_plan(recipe) -> str:
              f"device   {recipe.device}   threads {recipe.threads}   executor {recipe.executor}",
              f"speed    depths {recipe.speed.depths} (main {recipe.speed.main_depth})  decode_tokens "
              f"{recipe.speed.decode_tokens}  repeats {recipe.speed.repeats}  warmup {recipe.speed.warmup}",
-             "tiers"]
+             ]
+    ld = recipe.load
+    lines.append(f"load     concurrency {ld.concurrency}  depth {recipe.load_depth}  output_tokens {ld.output_tokens}"
+                 f"  requests_per_stream {ld.requests_per_stream}  prefill_chunk {ld.prefill_chunk}  SLO TTFT p95 <= "
+                 f"{ld.slo.ttft_p95_s:g} s, ITL p95 <= {ld.slo.itl_p95_s:g} s" if ld.enabled else "load     off")
+    lines.append("tiers")
     for t in recipe.tiers:
         extra = {k: v for k, v in t.model_dump().items() if k not in ("name", "method") and v is not None}
         built = "" if get_method(t.method) else "   [not built yet]"

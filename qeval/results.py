@@ -5,7 +5,7 @@ A run folder ``results/<recipe name>/<UTC timestamp>/`` holds::
     run.json                 resolved recipe, package versions, CPU/GPU, threads, git commit,
                              memory bandwidth (bytes/s), source checkpoint
     tiers/<tier>.json        one TierResult per tier (below), written atomically
-    stages/<tier>.<stage>.json  per-stage outputs (prepare, measure, quality) used for resume
+    stages/<tier>.<stage>.json  per-stage outputs (prepare, measure, load, quality) used for resume
     logs/<tier>.<stage>.log  each stage's stdout/stderr (the tail goes into a failure)
     reference/               BF16 reference answers (token ids) and their log-probabilities
     table.md, table.csv      the tier table
@@ -47,8 +47,27 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
                                 "budget_exhausted_rate", "thinking_exhausted_rate",
                                 "rouge_l", "chrf", "first_divergence_mean", "n_items"},
                   "lm_eval": {"<task>": {"<metric>": float}}},
-      "timings": {"prepare_s": float, "measure_s": float, "quality_s": float}
+      "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
+               "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static"],
+               "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
+               "max_decode_at_concurrency": int, "requests_not_admitted": int,
+               "kv_bytes_per_token": float, "kv_budget_bytes": float, "kv_budget_source": str,
+               "engine": str, "backend": str, "device": str, "threads": int, "held_bytes": int,
+               "points": [{"concurrency": int, "admitted": bool, "reason": str | None,
+                           "scheduling": str, "requests": int, "requests_not_admitted": int,
+                           "output_tokens": int, "duration_s": float, "decode_tokens_per_s": float,
+                           "requests_per_s": float, "ttft_s": {"p50", "p95", "p99"},
+                           "itl_s": {"p50", "p95", "p99"}, "e2e_s": {"p50", "p95"},
+                           "tpot_mean_s": float, "decode_step_tokens_per_s": float,
+                           "goodput_tokens_per_s": float, "slo_attainment": float, "meets_slo": bool,
+                           "peak_bytes": int, "kv_bytes_peak": int, "kv_pool_bytes": int | None,
+                           "steps": int, "details": {...engine extras...}}]}
+              | {"error": str, "points": []}   # the load stage failed (the tier's other results stand)
+              | None,                          # no sweep (load.enabled false, or an engine that cannot batch)
+      "timings": {"prepare_s": float, "measure_s": float, "load_s": float, "quality_s": float}
     }
+
+Load figures: seconds, tokens/s, bytes; definitions in :mod:`qeval.measure.load`.
 
 Depth keys are strings in JSON (``"1024"``).
 """

@@ -28,6 +28,7 @@ def test_default_recipe_reduced(tmp_path):
         small = tmp_path / Path(s["path"]).name
         small.write_text("\n".join(rows[:3]) + "\n")
         s.update(path=str(small), limit=1, max_new_tokens=24)
+    r["load"].update(concurrency=[1, 2], depth=64, output_tokens=8, requests_per_stream=1, prefill_chunk=32)
     r["quality"]["lm_eval_tasks"] = []
     r["quality"]["lm_eval_limit"] = None
     r["gate"].update(depth=256, candidates=["int8", "gguf-q4_k_m"])
@@ -54,5 +55,13 @@ def test_default_recipe_reduced(tmp_path):
         assert rows[n]["quality"]["fidelity"]["kld_mean"] > 0
         assert rows[n]["speed"]["256"]["decode_tokens_per_s"] > 0
     assert rows["gguf-q4_k_m"]["engine"] == "llamacpp" and rows["gguf-q4_k_m"]["quant"]["fallback_tensors"] > 0
+    for n, t in rows.items():  # every tier can batch: a load sweep with both points served
+        pts = {p["concurrency"]: p for p in (t.get("load") or {}).get("points") or []}
+        assert set(pts) == {1, 2} and all(p["admitted"] for p in pts.values()), (n, t.get("load"))
+        assert pts[2]["requests"] == 2 and pts[2]["decode_tokens_per_s"] > 0
+        assert isinstance(t["load"]["users_at_slo"], int)
+    assert rows["gguf-q4_k_m"]["load"]["scheduling"] == ["continuous"]
+    assert rows["bf16-kv8"]["load"]["scheduling"] == ["static"]
+    assert "## Load: users at SLO" in (run_dir / "table.md").read_text()
     assert (run_dir / "report.html").stat().st_size > 10_000
     assert "gate:" in p.stdout

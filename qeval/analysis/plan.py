@@ -418,8 +418,9 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                 memory_bytes=mem, memory_source=mem_src, usable=us, usable_source=us_src, budget_bytes=budget,
                 overhead_bytes=int(overhead_bytes), bandwidth_bytes_per_s=bw, bandwidth_source=bw_src,
                 context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes,
-                load_checks=load_vs_formula(results or {}, overhead_bytes,
-                                            finite(run.get("bandwidth_bytes_per_s"))))
+                load_checks=load_vs_formula(results or {}, overhead_bytes,  # the run's machine, not the target
+                                            finite(run.get("bandwidth_bytes_per_s")
+                                                   or run.get("memory_bandwidth_bytes_per_s"))))
 
 
 def _run_tier_specs(run: dict, results: dict[str, dict]) -> list[Any]:
