@@ -87,7 +87,7 @@ def main() -> None:
         t_url = time.perf_counter() - t
         server.stop()
     ray.shutdown()
-    ok = lambda res: sum(r["status"] == "ok" for r in res.values())  # noqa: E731
+    ok = lambda res: sum(r.status == "ok" for r in res.values())  # noqa: E731
     print(f"4 tiers, tiny llama hidden {a.hidden} x {a.layers} layers, artifacts cached")
     print(f"local executor:                  {t_local:7.1f} s  ({ok(local)}/4 tiers ok)")
     print(f"ray executor, {a.workers} workers:         {t_ray:7.1f} s  ({ok(remote)}/4 tiers ok)")

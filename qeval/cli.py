@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import EXIT_BAD_INPUT, QevalInputError
+from .results import RUN_SCOPE, RunLayout, stage_done
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="qeval: which quantization tier to serve, and which fallbacks, measured.")
@@ -138,7 +139,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             raise QevalInputError("a run URL can be resumed only with the recipe's storage at that URL",
                                   field="--resume")
         if resume is not None:
-            if not (resume / "run.json").is_file():
+            if not RunLayout(resume).is_run():
                 raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")
             run_dir = resume
         else:
@@ -209,7 +210,7 @@ def _run_folder(arg: str):
     rel = "/".join(parts[-3:])
     try:
         store = RemoteStorage(base)
-        if not store.exists(f"{rel}/run.json"):
+        if not store.exists(f"{rel}/{RunLayout.RUN_JSON}"):
             if not store.fs.exists(store.root.split("/")[0]):
                 raise QevalInputError(f"cannot read {arg}: {base.split('://')[0]}://{store.root.split('/')[0]} does "
                                       f"not exist or these credentials cannot see it", field="run")
@@ -246,10 +247,10 @@ def _fetch_run(remote, url: str) -> Path:
     prefix = remote.url + "/"
     rel = url.rstrip("/")[len(prefix):] if url.startswith(prefix) else ""
     parts = rel.split("/")
-    if len(parts) != 3 or parts[0] != "results" or not remote.exists(f"{rel}/run.json"):
+    if len(parts) != 3 or parts[0] != "results" or not remote.exists(f"{rel}/{RunLayout.RUN_JSON}"):
         raise QevalInputError(f"{url} is not a run folder under {remote.url}/results/", field="--resume")
     local = _staging_copy(remote, rel)
-    if (local / "stages" / "_run.source.json").is_file():
+    if stage_done(RunLayout(local), RUN_SCOPE, "source"):
         from .storage import localize_source
         try:
             localize_source(remote, local)
@@ -274,8 +275,7 @@ def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL und
         local, remote = _run_folder(run_dir)
         _decide(local, None)
         if remote is not None:
-            from .storage import OUTPUT_FILES
-            remote[0].upload_dir(local, remote[1], include=lambda rel: rel in OUTPUT_FILES)
+            remote[0].upload_dir(local, remote[1], include=lambda rel: rel in RunLayout.OUTPUT_FILES)
     except QevalInputError as e:
         _fail(e)
 

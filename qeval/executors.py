@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import QevalInputError
-from .results import STATUS_FAILED
+from .results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
 
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
@@ -33,7 +33,7 @@ _WORKER_ENV: dict[str, str] | None = None  # this Ray worker's own environment, 
 
 
 def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: str,
-               reference_failed: str | None, env: dict[str, str]) -> dict:
+               reference_failed: str | None, env: dict[str, str]) -> TierResult:
     """Body of the Ray task: run one tier's stages on this node; returns its tier result.
 
     ``run_dir`` is the driver's run folder (mounted storage) or, with a storage URL, the
@@ -83,10 +83,10 @@ def stage_from_store(remote: Any, rel: str, tier: str) -> Path:
         RuntimeError: the source checkpoint is not in the store or hashes differently.
     """
     from .source import cache_root
-    from .storage import localize_source, run_wide_files, tier_files
+    from .storage import localize_source
     local = cache_root() / "nodes" / tier / rel  # per tier: tasks of one run share a node
-    wanted = tier_files(tier)
-    remote.download_dir(rel, local, include=lambda f: run_wide_files(f) or wanted(f))
+    wanted = RunLayout.tier_files(tier)
+    remote.download_dir(rel, local, include=lambda f: RunLayout.run_wide_file(f) or wanted(f))
     localize_source(remote, local)
     return local
 
@@ -113,7 +113,7 @@ def ray_init(address: str | None) -> Any:
     return ray
 
 
-def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dict]:
+def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, TierResult]:
     """Submit every tier of ``runner`` as a Ray task and collect the results (recipe order)."""
     from .source import cache_root
 
@@ -136,24 +136,21 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
     for tier in runner.tiers:
         runner.on_event(tier, "ray", "submitted")
         pending[tier] = task.remote(runner.recipe_dict, recipe_path, where, tier, reference_failed, env)
-    results: dict[str, dict] = {}
+    results: dict[str, TierResult] = {}
     for tier, ref in pending.items():
         try:
             results[tier] = ray.get(ref)
             if runner.remote is not None:  # the tier's stages, logs and result into the driver's folder
-                from .results import atomic_write_json
-                from .storage import tier_files
-                runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=tier_files(tier))
-                if not (runner.run_dir / "tiers" / f"{tier}.json").exists():  # the node could not copy it
-                    atomic_write_json(runner.run_dir / "tiers" / f"{tier}.json", results[tier])
-            st = results[tier].get("status")
-            runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].get("error") or "")
+                runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=RunLayout.tier_files(tier))
+                if not runner.layout.tier_result(tier).exists():  # the node could not copy it
+                    write_tier_result(runner.layout, results[tier])
+            st = results[tier].status
+            runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].error or "")
         except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
             why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
             if runner.remote is not None:  # keep the stages the task stored before it was lost
                 try:
-                    from .storage import tier_files
-                    runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=tier_files(tier))
+                    runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=RunLayout.tier_files(tier))
                 except Exception:  # noqa: BLE001 - the failure above is the one to report
                     pass
             results[tier] = runner._finish(tier, STATUS_FAILED, error=why)

@@ -1,17 +1,26 @@
-"""Run-folder layout and the tier result format; atomic writes.
+"""The run format: every file of a run folder, its typed model, and the only code that
+writes or reads it.
 
-A run folder ``results/<recipe name>/<UTC timestamp>/`` holds::
+A run folder ``results/<recipe name>/<UTC timestamp>/`` holds (:class:`RunLayout` names
+each path)::
 
-    run.json                 resolved recipe, package versions, CPU/GPU, threads, git commit,
-                             memory bandwidth (bytes/s), source checkpoint
-    tiers/<tier>.json        one TierResult per tier (below), written atomically
-    stages/<tier>.<stage>.json  per-stage outputs (prepare, measure, load, quality) used for resume
-    logs/<tier>.<stage>.log  each stage's stdout/stderr (the tail goes into a failure)
-    reference/               BF16 reference answers (token ids) and their log-probabilities
-    table.md, table.csv      the tier table
-    gate.json, report.html   decisions (analysis stage)
+    run.json                    RunInfo: resolved recipe, package versions, CPU/GPU, threads,
+                                git commit, memory bandwidth (bytes/s), source checkpoint
+    tiers/<tier>.json           TierResult per tier, written atomically
+    stages/_run.<stage>.json    run-wide stages: SourceStage, EnvStage, ReferenceStage
+    stages/<tier>.<stage>.json  per-tier stages: PrepareStage, MeasureStage, LoadStage, QualityStage
+                                (used for resume; merged into the tier result)
+    stages/<scope>.<stage>.error.json   StageError of a failed stage
+    logs/<scope>.<stage>.log    each stage's stdout/stderr (the tail goes into a failure)
+    reference/segments.json     BF16 reference answers (token ids, texts, checks)
+    reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
+    answers/<tier>.json         a tier's free-running answers with check results
+    lm_eval_tasks/<tier>/       resolved lm-eval task YAMLs
+    table.md, table.csv         the tier table
+    gate.json, report.html      decisions (analysis stage); junit.xml on request
 
-Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not measured::
+Tier result (``tiers/<tier>.json``, :class:`TierResult`); every figure may be None when
+not measured::
 
     {
       "tier": "gptq", "method": "gptq", "status": "ok" | "failed" | "not_built",
@@ -19,34 +28,41 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
       "spec": {...tier spec from the recipe...},
       "engine": "hf" | "llamacpp", "backend": "gptqmodel:torch_int4", "device": "cpu",
       "threads": 1, "kv_cache": "model" | "int8", "flash_attn": bool | None,
+      "load_seconds": float,
       "decode_mode": "eager" | "static" | None,   # transformers tiers: the timed decode loop
       "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed)
       "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
       "sampling": {"decode": "argmax", "ignored_file_defaults": {...}},  # model defaults set aside
       "runtime": {"kernel_build_seconds": float, "selected_kernel": str},  # built before the timed load
       "artifact": {"key": str, "path": str, "reused": bool},
+      "resolved": {...parameters the method resolved, e.g. the group size...},
       "quant": {"stored_bytes": int,            # all weights as stored (packed ints as stored)
                 "bits_per_weight": float,       # 8 * stored_bytes / parameter count, whole model
                 "bits_per_weight_quantized": float,  # over the quantized layers only
-                "group_size": int | None, "quant_seconds": float, "quant_peak_bytes": int,
-                "fallback_tensors": int | None},
+                "parameters": int, "group_size": int | None, "quant_seconds": float,
+                "quant_peak_bytes": int, "fallback_tensors": int | None,
+                ...method-specific extras (tensor_types, fallbacks, library, ...)},
       "memory": {"weight_bytes": int, "kv_bytes_per_token": float,
-                 "peak_bytes": {"<depth>": int},
+                 "kv_bytes_at_depth": {"<depth>": int}, "peak_bytes": {"<depth>": int},
+                 "after_load_bytes": int, "baseline_bytes": int,
                  "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device",
-                 "nvml_peak_bytes": {"<depth>": int}, "nvml_kind": str,   # CUDA transformers tiers:
-                 "nvml": str},                    # NVML beside torch's counter, or why it is absent
+                 "nvml_peak_bytes": {"<depth>": int}, "nvml_after_load_bytes": int,
+                 "nvml_kind": str,                # CUDA transformers tiers: NVML beside torch's counter,
+                 "nvml": str},                    # or why it is absent
       "speed": {"<depth>": {"ttft_s": float, "prefill_tokens_per_s": float,
                             "decode_tokens_per_s": float, "roofline_tokens_per_s": float,
                             "roofline_share": float, "ttft_s_all": [..], "decode_tokens_per_s_all": [..]}},
-      "quality": {"engine": "real" | "dequantized" | "reference",
+      "quality": {"engine": "real" | "dequantized", "backend": str,
                   "fidelity": {"kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max",
                                "same_top_rate", "ppl_ratio", "ppl_ratio_se", "delta_p_mean",
                                "delta_p_rms", "n_tokens", "kld_by_bucket": {"0-255": float, ...}},
                   "behaviour": {"pass_rate", "pass_ci_low", "pass_ci_high", "n_checks",
                                 "flips_pass_to_fail", "flips_fail_to_pass", "flip_rate",
                                 "budget_exhausted_rate", "thinking_exhausted_rate",
-                                "rouge_l", "chrf", "first_divergence_mean", "n_items"},
-                  "lm_eval": {"<task>": {"<metric>": float}}},
+                                "rouge_l", "chrf", "first_divergence_mean", "identical_rate",
+                                "n_items", "n_answers"},
+                  "fidelity_seconds": float, "behaviour_seconds": float,
+                  "lm_eval": {"<task>": {"<metric>": float}} | {"skipped": str} | None},
       "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
                "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static"],
                "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
@@ -69,7 +85,12 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
 
 Load figures: seconds, tokens/s, bytes; definitions in :mod:`qeval.measure.load`.
 
-Depth keys are strings in JSON (``"1024"``).
+Depth keys are strings in JSON (``"1024"``). The models forbid unknown fields where qeval
+owns every key (a typo in a writer, or a reader expecting a key nothing writes, fails in
+the tests); ``quant``, ``load`` and the reference stage keep extra keys, because they carry
+method- or engine-specific figures and come from cached artifact manifests. A file that
+does not fit its model is bad input: :class:`~qeval.errors.QevalInputError` naming the
+file and field.
 """
 from __future__ import annotations
 
@@ -77,14 +98,407 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import QevalInputError
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
 STATUS_NOT_BUILT = "not_built"
+Status = Literal["ok", "failed", "not_built"]
 
+RUN_SCOPE = "_run"  # the "tier" name of run-wide stages (source, env, reference)
+TIER_STAGES = ("prepare", "measure", "load", "quality")
+RUN_STAGES = ("source", "env", "reference")
+
+
+# ---- the layout ------------------------------------------------------------------------
+
+class RunLayout:
+    """Every path inside one run folder (see the module docstring for the tree).
+
+    Args:
+        root: the run folder (need not exist yet).
+    """
+
+    RUN_JSON = "run.json"
+    #: Files a person or CI reads, rebuilt by ``qeval report`` (relative paths).
+    OUTPUT_FILES = (RUN_JSON, "table.md", "table.csv", "gate.json", "report.html", "junit.xml")
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunLayout({str(self.root)!r})"
+
+    # run-wide files
+    @property
+    def run_json(self) -> Path:
+        return self.root / self.RUN_JSON
+
+    @property
+    def tiers_dir(self) -> Path:
+        return self.root / "tiers"
+
+    @property
+    def stages_dir(self) -> Path:
+        return self.root / "stages"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def reference_dir(self) -> Path:
+        return self.root / "reference"
+
+    @property
+    def reference_segments(self) -> Path:
+        return self.reference_dir / "segments.json"
+
+    @property
+    def reference_logprobs(self) -> Path:
+        return self.reference_dir / "logprobs.npy"
+
+    @property
+    def table_md(self) -> Path:
+        return self.root / "table.md"
+
+    @property
+    def table_csv(self) -> Path:
+        return self.root / "table.csv"
+
+    @property
+    def gate_json(self) -> Path:
+        return self.root / "gate.json"
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def junit_xml(self) -> Path:
+        return self.root / "junit.xml"
+
+    # per tier (``scope`` is a tier name or RUN_SCOPE)
+    def tier_result(self, tier: str) -> Path:
+        return self.tiers_dir / f"{tier}.json"
+
+    def stage(self, scope: str, stage: str, error: bool = False) -> Path:
+        """``stages/<scope>.<stage>.json`` (or ``.error.json``)."""
+        return self.stages_dir / f"{scope}.{stage}{'.error' if error else ''}.json"
+
+    def log(self, scope: str, stage: str) -> Path:
+        return self.logs_dir / f"{scope}.{stage}.log"
+
+    def answers(self, tier: str) -> Path:
+        return self.root / "answers" / f"{tier}.json"
+
+    def lm_eval_tasks(self, tier: str) -> Path:
+        return self.root / "lm_eval_tasks" / tier
+
+    def is_run(self) -> bool:
+        """Whether the folder holds a ``run.json``."""
+        return self.run_json.is_file()
+
+    # relative-path filters (copying through a store, see qeval.storage)
+    def rel(self, path: Path) -> str:
+        """``path`` relative to the run folder, ``/``-separated."""
+        return Path(path).relative_to(self.root).as_posix()
+
+    @staticmethod
+    def tier_files(tier: str) -> Callable[[str], bool]:
+        """Filter over relative paths: one tier's files (its stages, logs, answers, result)."""
+        def inc(rel: str) -> bool:
+            name = rel.split("/", 1)[-1]
+            return rel in (f"tiers/{tier}.json", f"answers/{tier}.json") or (
+                rel.startswith(("stages/", "logs/")) and name.startswith(f"{tier}."))
+        return inc
+
+    @staticmethod
+    def run_wide_file(rel: str) -> bool:
+        """Filter over relative paths: what every tier task needs (run.json, run stages, reference)."""
+        return rel == RunLayout.RUN_JSON or rel.startswith((f"stages/{RUN_SCOPE}.", "reference/"))
+
+    @staticmethod
+    def run_log(rel: str) -> bool:
+        """Filter over relative paths: the run-wide stages' logs."""
+        return rel.startswith(f"logs/{RUN_SCOPE}.")
+
+
+# ---- models ------------------------------------------------------------------------------
+
+class _Closed(BaseModel):
+    """Every key is declared: an unknown one is an error."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    """Declared keys typed; method-specific extra keys kept as they are."""
+    model_config = ConfigDict(extra="allow")
+
+
+class _StageBase(_Closed):
+    """What the worker adds to every stage file: seconds it took, host, recipe fingerprint."""
+    stage_seconds: float | None = None
+    host: str | None = None
+    fingerprint: str | None = None
+
+
+class SourceStage(_StageBase):
+    """``stages/_run.source.json``: the resolved BF16 source checkpoint.
+
+    ``max_context`` in tokens (``max_position_embeddings``); ``storage_rel`` its place in a
+    storage URL when the recipe has one."""
+    path: str
+    sha256: str
+    origin: str
+    converted: bool = False
+    max_context: int | None = None
+    storage_rel: str | None = None
+
+
+class EnvStage(_StageBase):
+    """``stages/_run.env.json``: device, GPU name and memory (bytes), memory bandwidth (bytes/s)."""
+    device: str
+    bandwidth_bytes_per_s: float | None = None
+    gpu: str | None = None
+    gpu_memory_bytes: int | None = None
+    bandwidth_probe_bytes: int | None = None
+    torch: str | None = None
+    torch_threads: int | None = None
+
+
+class ReferenceStage(_StageBase):
+    """``stages/_run.reference.json``: the reference pass's manifest info (answer counts,
+    seconds, stop ids) plus where its cached artifact is. Extra keys of older manifests are kept."""
+    model_config = ConfigDict(extra="allow")
+    segments: int | None = None
+    answer_tokens: int | None = None
+    vocab: int | None = None
+    generate_seconds: float | None = None
+    reference_seconds: float | None = None
+    stop_ids: list[int] = Field(default_factory=list)
+    backend: str | None = None
+    reused: bool | None = None
+    artifact: str | None = None
+
+
+class QuantInfo(_Open):
+    """Storage figures of a tier's weights (bytes, bits per weight) and how they were made;
+    method-specific extras (``tensor_types``, ``fallbacks``, ``library`` ...) are kept."""
+    stored_bytes: int | None = None
+    parameters: int | None = None
+    bits_per_weight: float | None = None
+    bits_per_weight_quantized: float | None = None
+    group_size: int | None = None
+    quant_seconds: float | None = None
+    quant_peak_bytes: int | None = None
+    fallback_tensors: int | None = None
+    backend: str | None = None
+
+
+class PrepareStage(_StageBase):
+    """``stages/<tier>.prepare.json``: the artifact (None for a tier served from the source)."""
+    artifact: str | None = None
+    key: str | None = None
+    reused: bool | None = None
+    resolved: dict[str, Any] | None = None
+    info: QuantInfo = Field(default_factory=QuantInfo)
+
+
+class Memory(_Closed):
+    """Memory of a loaded tier: bytes; ``peak_bytes`` and ``kv_bytes_at_depth`` per depth."""
+    weight_bytes: int | None = None
+    kv_bytes_per_token: float | None = None
+    kv_bytes_at_depth: dict[str, int] = Field(default_factory=dict)
+    peak_bytes: dict[str, int | None] = Field(default_factory=dict)
+    after_load_bytes: int | None = None
+    baseline_bytes: int | None = None
+    kind: str | None = None
+    nvml_peak_bytes: dict[str, int | None] | None = None
+    nvml_after_load_bytes: int | None = None
+    nvml_kind: str | None = None
+    nvml: str | None = None
+
+
+class SpeedPoint(_Closed):
+    """Speed at one depth: TTFT (s), prefill and decode tokens/s (medians), roofline bound
+    (tokens/s) and achieved share, and the raw repeats."""
+    ttft_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    ttft_s_all: list[float] = Field(default_factory=list)
+    decode_tokens_per_s_all: list[float] = Field(default_factory=list)
+    roofline_tokens_per_s: float | None = None
+    roofline_share: float | None = None
+
+
+class MeasureStage(_StageBase):
+    """``stages/<tier>.measure.json``: engine, backend, memory and speed of one tier."""
+    engine: str | None = None
+    backend: str | None = None
+    device: str | None = None
+    threads: int | None = None
+    kv_cache: str | None = None
+    flash_attn: bool | None = None
+    load_seconds: float | None = None
+    decode_mode: str | None = None
+    decode_note: str | None = None
+    decode_tokens: int | None = None
+    sampling: dict[str, Any] | None = None
+    runtime: dict[str, Any] | None = None
+    quant: QuantInfo = Field(default_factory=QuantInfo)
+    memory: Memory = Field(default_factory=Memory)
+    speed: dict[str, SpeedPoint] = Field(default_factory=dict)
+
+
+class Fidelity(_Closed):
+    """Teacher-forced fidelity against the reference (definitions: qeval.measure.fidelity)."""
+    n_tokens: int = 0
+    kld_mean: float | None = None
+    kld_se: float | None = None
+    kld_median: float | None = None
+    kld_p99: float | None = None
+    kld_max: float | None = None
+    same_top_rate: float | None = None
+    ppl_ratio: float | None = None
+    ppl_ratio_se: float | None = None
+    delta_p_mean: float | None = None
+    delta_p_rms: float | None = None
+    kld_by_bucket: dict[str, float] = Field(default_factory=dict)
+
+
+class Behaviour(_Closed):
+    """Free-running behaviour against the reference (definitions: qeval.measure.behaviour)."""
+    pass_rate: float | None = None
+    pass_ci_low: float | None = None
+    pass_ci_high: float | None = None
+    n_checks: int | None = None
+    flips_pass_to_fail: int | None = None
+    flips_fail_to_pass: int | None = None
+    flip_rate: float | None = None
+    budget_exhausted_rate: float | None = None
+    thinking_exhausted_rate: float | None = None
+    rouge_l: float | None = None
+    chrf: float | None = None
+    first_divergence_mean: float | None = None
+    identical_rate: float | None = None
+    n_items: int | None = None
+    n_answers: int | None = None
+
+
+class Quality(_Closed):
+    """Quality of one tier: which engine computed it, fidelity, behaviour, lm-eval scores."""
+    engine: str | None = None
+    backend: str | None = None
+    fidelity: Fidelity | None = None
+    behaviour: Behaviour | None = None
+    fidelity_seconds: float | None = None
+    behaviour_seconds: float | None = None
+    lm_eval: dict[str, Any] | None = None
+
+
+class QualityStage(_StageBase):
+    """``stages/<tier>.quality.json``."""
+    quality: Quality
+
+
+class LoadStage(_StageBase):
+    """``stages/<tier>.load.json``: the load sweep's section (:func:`qeval.measure.serving.load_sweep`;
+    None with ``skipped`` when the engine cannot batch) and the recipe ``load`` section it ran with."""
+    load: dict[str, Any] | None = None
+    skipped: str | None = None
+    load_fingerprint: str | None = None
+
+
+class StageError(_Closed):
+    """``stages/<scope>.<stage>.error.json``: why a stage failed (``type`` input: bad input;
+    unavailable: the tier cannot run on this machine as asked; exception: anything else)."""
+    error: str
+    type: Literal["input", "unavailable", "exception"]
+    traceback: str | None = None
+
+
+class Artifact(_Closed):
+    """Where a tier's prepared artifact is in the cache (key, folder) and whether it was reused."""
+    key: str | None = None
+    path: str | None = None
+    reused: bool | None = None
+
+
+class Timings(_Closed):
+    """Seconds each tier stage took."""
+    prepare_s: float | None = None
+    measure_s: float | None = None
+    load_s: float | None = None
+    quality_s: float | None = None
+
+
+class TierResult(_Closed):
+    """``tiers/<tier>.json``: the merged stages of one tier (shape in the module docstring)."""
+    tier: str
+    method: str
+    status: Status
+    error: str | None = None
+    log_tail: str | None = None
+    spec: dict[str, Any] = Field(default_factory=dict)
+    timings: Timings = Field(default_factory=Timings)
+    artifact: Artifact | None = None
+    resolved: dict[str, Any] | None = None
+    quant: QuantInfo | None = None
+    engine: str | None = None
+    backend: str | None = None
+    device: str | None = None
+    threads: int | None = None
+    kv_cache: str | None = None
+    flash_attn: bool | None = None
+    load_seconds: float | None = None
+    decode_mode: str | None = None
+    decode_note: str | None = None
+    decode_tokens: int | None = None
+    sampling: dict[str, Any] | None = None
+    runtime: dict[str, Any] | None = None
+    memory: Memory | None = None
+    speed: dict[str, SpeedPoint] | None = None
+    quality: Quality | None = None
+    load: dict[str, Any] | None = Field(None, description="the load stage's figures (users_at_slo, depth, slo, "
+                                        "points; qeval.measure.serving), {error, points: []} when it failed")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == STATUS_OK
+
+
+class RunInfo(_Closed):
+    """``run.json``: what was run, where and with what (versions, CPU, GPU, bandwidth)."""
+    recipe: dict[str, Any]
+    recipe_path: str | None = None
+    qeval_commit: str | None = None
+    versions: dict[str, str | None] = Field(default_factory=dict)
+    cpu: str | None = None
+    cpu_count: int | None = None
+    threads: int | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    source: SourceStage | None = None
+    env: EnvStage | None = None
+    bandwidth_bytes_per_s: float | None = None
+    device: str | None = None
+    gpu: str | None = None
+    gpu_memory_bytes: int | None = None
+
+
+STAGE_MODELS: dict[str, type[_StageBase]] = {
+    "source": SourceStage, "env": EnvStage, "reference": ReferenceStage,
+    "prepare": PrepareStage, "measure": MeasureStage, "load": LoadStage, "quality": QualityStage}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---- atomic writes -----------------------------------------------------------------------
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder,
@@ -108,7 +522,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """:func:`atomic_write_text` of ``json.dumps(obj, indent=2)``."""
+    """:func:`atomic_write_text` of ``json.dumps(obj, indent=2)`` (a pydantic model is dumped first)."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump()
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
@@ -141,39 +557,147 @@ def read_json(path: str | Path) -> Any:
         raise QevalInputError(f"not valid JSON: {e.msg}", file=p, line=e.lineno) from None
 
 
-def load_run(run_dir: str | Path) -> tuple[dict, dict[str, dict]]:
-    """Read a run folder: ``(run.json content, {tier name: tier result})``, tiers in
-    recipe order.
+def read_model(path: str | Path, model: type[M]) -> M:
+    """Read a JSON file into ``model``.
 
     Raises:
-        QevalInputError: not a run folder, or a malformed JSON file in it.
+        QevalInputError: missing or malformed file, or content that does not fit the
+            model (names the file and the first bad field).
     """
-    d = Path(run_dir)
-    if not (d / "run.json").is_file():
-        raise QevalInputError("not a qeval run folder (no run.json)", file=d)
-    run = read_json(d / "run.json")
-    order = [t["name"] for t in run.get("recipe", {}).get("tiers", [])]
-    tiers: dict[str, dict] = {}
+    return parse_model(read_json(path), model, path)
+
+
+def parse_model(data: Any, model: type[M], where: str | Path | None = None) -> M:
+    """Validate ``data`` (a dict) as ``model``.
+
+    Raises:
+        QevalInputError: the first field that does not fit, named as ``a.b[0].c``.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid value")
+        raise QevalInputError(f"{msg} (expected a {model.__name__} of this qeval version)", file=where,
+                              field=loc or None) from None
+
+
+# ---- the run folder's readers and writers ---------------------------------------------------
+
+def write_run_info(layout: RunLayout, info: RunInfo) -> None:
+    """Write ``run.json`` atomically."""
+    atomic_write_json(layout.run_json, info)
+
+
+def read_run_info(layout: RunLayout) -> RunInfo:
+    """``run.json`` of the run folder.
+
+    Raises:
+        QevalInputError: not a run folder, or a ``run.json`` that does not fit :class:`RunInfo`.
+    """
+    if not layout.is_run():
+        raise QevalInputError("not a qeval run folder (no run.json)", file=layout.root)
+    return read_model(layout.run_json, RunInfo)
+
+
+def write_stage(layout: RunLayout, scope: str, stage: str, data: dict | BaseModel) -> BaseModel:
+    """Validate a stage's output against its model (:data:`STAGE_MODELS`) and write it
+    atomically. Returns the model.
+
+    Raises:
+        pydantic.ValidationError: the stage produced a key or value its model does not
+            declare (a bug in the stage, reported as the stage's failure).
+    """
+    model = data if isinstance(data, BaseModel) else STAGE_MODELS[stage].model_validate(data)
+    atomic_write_json(layout.stage(scope, stage), model)
+    return model
+
+
+def read_stage(layout: RunLayout, scope: str, stage: str) -> Any:
+    """A finished stage's file as its model (:data:`STAGE_MODELS`).
+
+    Raises:
+        QevalInputError: missing, malformed, or not fitting the model.
+    """
+    return read_model(layout.stage(scope, stage), STAGE_MODELS[stage])
+
+
+def stage_done(layout: RunLayout, scope: str, stage: str) -> bool:
+    """Whether the stage finished (its file exists)."""
+    return layout.stage(scope, stage).exists()
+
+
+def write_stage_error(layout: RunLayout, scope: str, stage: str, error: StageError) -> None:
+    """Write ``stages/<scope>.<stage>.error.json`` atomically."""
+    atomic_write_json(layout.stage(scope, stage, error=True), error)
+
+
+def read_stage_error(layout: RunLayout, scope: str, stage: str) -> StageError | None:
+    """The stage's error record, or None when there is none or it cannot be read."""
+    p = layout.stage(scope, stage, error=True)
+    if not p.exists():
+        return None
+    try:
+        return StageError.model_validate_json(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_tier_result(layout: RunLayout, result: TierResult) -> None:
+    """Write ``tiers/<tier>.json`` atomically."""
+    atomic_write_json(layout.tier_result(result.tier), result)
+
+
+def read_tier_result(layout: RunLayout, tier: str) -> TierResult:
+    """``tiers/<tier>.json``.
+
+    Raises:
+        QevalInputError: missing, malformed, or not fitting :class:`TierResult`.
+    """
+    return read_model(layout.tier_result(tier), TierResult)
+
+
+def load_run(run_dir: str | Path) -> tuple[RunInfo, dict[str, TierResult]]:
+    """Read a run folder: ``(run.json, {tier name: tier result})``, tiers in recipe
+    order, then any other result file.
+
+    Raises:
+        QevalInputError: not a run folder, or a malformed file in it.
+    """
+    layout = RunLayout(run_dir)
+    run = read_run_info(layout)
+    order = [t["name"] for t in run.recipe.get("tiers", []) if isinstance(t, dict) and "name" in t]
+    tiers: dict[str, TierResult] = {}
     for name in order:
-        p = d / "tiers" / f"{name}.json"
-        if p.is_file():
-            tiers[name] = read_json(p)
-    for p in sorted((d / "tiers").glob("*.json")) if (d / "tiers").is_dir() else []:
+        if layout.tier_result(name).is_file():
+            tiers[name] = read_tier_result(layout, name)
+    for p in sorted(layout.tiers_dir.glob("*.json")) if layout.tiers_dir.is_dir() else []:
         if p.stem not in tiers:
-            tiers[p.stem] = read_json(p)
+            tiers[p.stem] = read_model(p, TierResult)
     return run, tiers
 
 
-def get_path(obj: dict | None, *keys: Any) -> Any:
-    """``obj[k1][k2]...`` or None when any level is missing (depth keys may be int or str)."""
+def get_path(obj: Any, *keys: Any) -> Any:
+    """``obj[k1][k2]...`` (attributes of a model, keys of a dict) or None when any level
+    is missing (depth keys may be int or str)."""
     cur: Any = obj
     for k in keys:
-        if not isinstance(cur, dict):
-            return None
-        if k in cur:
-            cur = cur[k]
-        elif str(k) in cur:
-            cur = cur[str(k)]
+        if isinstance(cur, BaseModel):
+            extra = cur.model_extra or {}
+            if isinstance(k, str) and k in type(cur).model_fields:
+                cur = getattr(cur, k)
+            elif str(k) in extra:
+                cur = extra[str(k)]
+            else:
+                return None
+        elif isinstance(cur, dict):
+            if k in cur:
+                cur = cur[k]
+            elif str(k) in cur:
+                cur = cur[str(k)]
+            else:
+                return None
         else:
             return None
     return cur

@@ -26,10 +26,10 @@ from typing import Callable
 
 from .errors import EXIT_BAD_INPUT, QevalInputError
 from .recipe import Recipe, TIER_METHODS, check_context
-from .results import (STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, atomic_write_json, read_json)
-from .worker import stage_path
+from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
+                      RunInfo, RunLayout, TierResult, read_run_info, read_stage, read_stage_error, stage_done,
+                      write_run_info, write_tier_result)
 
-TIER_STAGES = ("prepare", "measure", "load", "quality")
 TIMED_STAGES = ("measure", "load", "env")
 
 
@@ -157,6 +157,7 @@ class Runner:
                  executor: str | None = None, ray_address: str | None = None) -> None:
         self.recipe = recipe
         self.run_dir = Path(run_dir)
+        self.layout = RunLayout(self.run_dir)
         self.tiers = tiers or [t.name for t in recipe.tiers]
         self.on_event = on_event
         self.env = child_env(recipe)
@@ -195,16 +196,16 @@ class Runner:
             self.remote.upload_dir(self.run_dir, self.remote_rel, seen=self._pushed)
 
     # -- stage execution --------------------------------------------------------------
-    def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None,
+    def run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
                   fingerprint: str | None = None) -> StageOutcome:
         """Run one stage in a child process and wait for it (polling the log for progress).
 
         The child runs in its own session (a timeout kills its whole process group) and
         is killed by the kernel if this process dies (PR_SET_PDEATHSIG), so a killed run
         leaves no orphan that would write a stage file behind a later ``--resume``."""
-        log = self.run_dir / "logs" / f"{tier}.{stage}.log"
+        log = self.layout.log(tier, stage)
         log.parent.mkdir(parents=True, exist_ok=True)
-        err_file = stage_path(self.run_dir, tier, stage, error=True)
+        err_file = self.layout.stage(tier, stage, error=True)
         if err_file.exists():
             err_file.unlink()
         timeout = timeout or self.recipe.stage_timeout_s
@@ -240,17 +241,13 @@ class Runner:
                 raise Interrupted() from None
             finally:
                 self._proc = None
-        if rc == 0 and stage_path(self.run_dir, tier, stage).exists():
+        if rc == 0 and stage_done(self.layout, tier, stage):
             return StageOutcome(True)
         reason = None
         input_error = False
-        if err_file.exists():
-            try:
-                e = json.loads(err_file.read_text())
-                reason = e.get("error")
-                input_error = e.get("type") == "input"
-            except ValueError:
-                pass
+        err = read_stage_error(self.layout, tier, stage)
+        if err is not None:
+            reason, input_error = err.error, err.type == "input"
         if reason is None:
             if rc < 0:
                 sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
@@ -261,10 +258,10 @@ class Runner:
         return StageOutcome(False, reason, _tail(log), input_error)
 
     # -- the run ----------------------------------------------------------------------
-    def write_run_json(self, extra: dict | None = None) -> dict:
-        """Write ``run.json`` atomically: resolved recipe, versions, CPU, threads, git commit, plus ``extra``."""
-        p = self.run_dir / "run.json"
-        run = read_json(p) if p.exists() else {}
+    def write_run_json(self, extra: dict | None = None) -> RunInfo:
+        """Write ``run.json`` atomically: resolved recipe, versions, CPU, threads, git commit,
+        plus ``extra`` (fields of :class:`~qeval.results.RunInfo`)."""
+        run = read_run_info(self.layout).model_dump() if self.layout.is_run() else {}
         from .storage import redact_options
         stored = dict(self.recipe_dict, storage_options=redact_options(self.recipe_dict.get("storage_options") or {}))
         run.update({
@@ -278,26 +275,27 @@ class Runner:
             "started_at": run.get("started_at") or datetime.now(timezone.utc).isoformat(),
         })
         run.update(extra or {})
-        atomic_write_json(p, run)
-        return run
+        info = RunInfo.model_validate(run)
+        write_run_info(self.layout, info)
+        return info
 
-    def run_global(self, stage: str) -> dict:
-        """Run a run-wide stage (source, env, reference) unless already done; returns its JSON.
+    def run_global(self, stage: str):
+        """Run a run-wide stage (source, env, reference) unless already done; returns its
+        model (:data:`qeval.results.STAGE_MODELS`).
 
         Raises:
             QevalInputError: the stage failed on bad input.
             RuntimeError: the stage failed otherwise (nothing can be measured without it).
         """
-        p = stage_path(self.run_dir, "_run", stage)
-        if p.exists():
-            return read_json(p)
+        if stage_done(self.layout, RUN_SCOPE, stage):
+            return read_stage(self.layout, RUN_SCOPE, stage)
         self.on_event("run", stage, "starting")
         out = self.run_stage(stage)
         if not out.ok:
             if out.input_error:
                 raise QevalInputError(out.reason or "bad input")
             raise RuntimeError(f"stage {stage} failed: {out.reason}\n{out.log_tail or ''}")
-        return read_json(p)
+        return read_stage(self.layout, RUN_SCOPE, stage)
 
     def check_resume(self) -> None:
         """Refuse a resume whose recipe changed in a way that invalidates finished stages.
@@ -305,15 +303,14 @@ class Runner:
         Raises:
             QevalInputError: names the tier and the changed recipe sections.
         """
-        p = self.run_dir / "run.json"
-        if not p.exists():
+        if not self.layout.is_run():
             return
-        old = read_json(p).get("recipe") or {}
+        old = read_run_info(self.layout).recipe
         for tier in self.tiers:
-            done = [s for s in TIER_STAGES if stage_path(self.run_dir, tier, s).exists()]
+            done = [s for s in TIER_STAGES if stage_done(self.layout, tier, s)]
             if not done:
                 continue
-            fp = read_json(stage_path(self.run_dir, tier, done[0])).get("fingerprint")
+            fp = read_stage(self.layout, tier, done[0]).fingerprint
             if fp and fp != tier_fingerprint(self.recipe_dict, tier):
                 raise QevalInputError(
                     f"cannot resume: the recipe changed ({', '.join(_changed_fields(old, self.recipe_dict, tier))}) "
@@ -322,22 +319,20 @@ class Runner:
             raise QevalInputError("cannot resume: the recipe's model changed; start a new run",
                                   file=self.recipe.path, field="model")
 
-    def run(self) -> dict[str, dict]:
+    def run(self) -> dict[str, TierResult]:
         """Run every stage that is not done yet. Returns ``{tier: tier result}``."""
         self.check_resume()
         self.write_run_json()
-        if not stage_path(self.run_dir, "_run", "source").exists():
+        if not stage_done(self.layout, RUN_SCOPE, "source"):
             self.check_download()
         src = self.run_global("source")
-        check_context(self.recipe, src.get("max_context"))
-        self.check_disk(src)
+        check_context(self.recipe, src.max_context)
+        self.check_disk(Path(src.path))
         env = self.run_global("env")
-        self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.get("bandwidth_bytes_per_s"),
-                             "device": env.get("device"), "gpu": env.get("gpu"),
-                             "gpu_memory_bytes": env.get("gpu_memory_bytes")})
+        self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,
+                             "device": env.device, "gpu": env.gpu, "gpu_memory_bytes": env.gpu_memory_bytes})
         reference_failed = self.reference_stage() if self.recipe.suites else None
-        from .storage import run_wide_files
-        self.push(lambda rel: run_wide_files(rel) or rel.startswith("logs/_run."))
+        self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
         if self.executor == "ray":
             from .executors import run_tiers_on_ray
             results = run_tiers_on_ray(self, reference_failed)
@@ -363,22 +358,22 @@ class Runner:
             raise QevalInputError(f"downloading {self.recipe.model.source} needs {need / 2**30:.1f} GiB in {folder}, "
                                   f"which has {free / 2**30:.1f} GiB free", file=self.recipe.path, field="model.source")
 
-    def check_disk(self, src: dict) -> None:
+    def check_disk(self, folder: Path) -> None:
         """Pre-flight: free disk in the artifact cache against what the tiers and the
-        reference pass will write (:func:`disk_needs`).
+        reference pass will write (:func:`disk_needs`; ``folder``: the source checkpoint,
+        whose safetensors give the parameter count).
 
         Raises:
             QevalInputError: too little free disk (names the total, its parts and the free space).
         """
         from .source import cache_root
-        folder = Path(src["path"])
         weight_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         dtype_bytes = 4 if self.recipe.model.dtype == "float32" else 2
         params = weight_bytes // dtype_bytes
-        todo = [t for t in self.tiers if not (self.run_dir / "tiers" / f"{t}.json").exists()]
+        todo = [t for t in self.tiers if not self.layout.tier_result(t).exists()]
         probe = _existing_parent(cache_root())
         tokens = None
-        if self.recipe.suites and not stage_path(self.run_dir, "_run", "reference").exists():
+        if self.recipe.suites and not stage_done(self.layout, RUN_SCOPE, "reference"):
             tokens = reference_answer_tokens(self.recipe)
         parts = disk_needs(self.recipe, todo, params, vocab=_vocab_size(folder), answer_tokens=tokens)
         if tokens and not _same_filesystem(probe, _existing_parent(self.run_dir)):
@@ -399,7 +394,7 @@ class Runner:
         try:
             if method is None:
                 return f"reference tier {ref!r} uses a method that is not built yet"
-            if method.needs_artifact and not stage_path(self.run_dir, ref, "prepare").exists():
+            if method.needs_artifact and not stage_done(self.layout, ref, "prepare"):
                 out = self.run_stage("prepare", ref, fingerprint=tier_fingerprint(self.recipe_dict, ref))
                 if not out.ok:
                     return f"preparing {ref}: {out.reason}"
@@ -408,10 +403,9 @@ class Runner:
             return str(e).splitlines()[0]
         return None
 
-    def run_tier(self, tier: str, reference_failed: str | None = None) -> dict:
-        """Run the tier's unfinished stages (prepare, measure, quality) in child processes
-        and write ``tiers/<tier>.json``; returns that result."""
-        from .storage import tier_files
+    def run_tier(self, tier: str, reference_failed: str | None = None) -> TierResult:
+        """Run the tier's unfinished stages (prepare, measure, load, quality) in child
+        processes and write ``tiers/<tier>.json``; returns that result."""
         from .tiers import get_method
         spec = self.recipe.tier(tier)
         method = get_method(spec.method)
@@ -424,7 +418,7 @@ class Runner:
                 continue
             if stage == "load" and not self._wants_load(tier):
                 continue
-            if stage_path(self.run_dir, tier, stage).exists():
+            if stage_done(self.layout, tier, stage):
                 continue
             if stage == "quality" and reference_failed:
                 failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
@@ -432,7 +426,7 @@ class Runner:
             self.on_event(tier, stage, "starting")
             timeout = self.recipe.load.timeout_s if stage == "load" else None
             out = self.run_stage(stage, tier, timeout=timeout, fingerprint=fp)
-            self.push(tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
+            self.push(RunLayout.tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
             if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality
                 self.on_event(tier, "load", f"load sweep failed: {out.reason}")
                 continue
@@ -454,45 +448,49 @@ class Runner:
         from .worker import load_fingerprint
         if not self.recipe.load.enabled:
             return False
-        m = stage_path(self.run_dir, tier, "measure")
-        if m.exists() and read_json(m).get("engine") not in BATCHING_ENGINES:
+        if stage_done(self.layout, tier, "measure") and \
+                read_stage(self.layout, tier, "measure").engine not in BATCHING_ENGINES:
             return False
-        done = stage_path(self.run_dir, tier, "load")
-        if done.exists() and read_json(done).get("load_fingerprint") != load_fingerprint(self.recipe_dict):
-            done.unlink()
+        if stage_done(self.layout, tier, "load") and \
+                read_stage(self.layout, tier, "load").load_fingerprint != load_fingerprint(self.recipe_dict):
+            self.layout.stage(tier, "load").unlink()
         return True
 
-    def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> dict:
+    #: Measure-stage fields copied into the tier result as they are.
+    MEASURE_FIELDS = ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "memory", "speed",
+                      "load_seconds", "decode_mode", "decode_note", "decode_tokens", "sampling", "runtime")
+
+    def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> TierResult:
         """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""
         spec = self.recipe.tier(tier)
-        res: dict = {"tier": tier, "method": spec.method, "status": status, "error": error,
-                     "log_tail": log_tail, "spec": spec.model_dump(mode="json"), "timings": {}}
+        res = TierResult(tier=tier, method=spec.method, status=status, error=error, log_tail=log_tail,
+                         spec=spec.model_dump(mode="json"))
+        quant: dict = {}
         for stage in TIER_STAGES:
-            p = stage_path(self.run_dir, tier, stage)
-            if not p.exists():
+            if not stage_done(self.layout, tier, stage):
                 continue
-            d = read_json(p)
-            res["timings"][f"{stage}_s"] = d.get("stage_seconds")
+            d = read_stage(self.layout, tier, stage)
+            setattr(res.timings, f"{stage}_s", d.stage_seconds)
             if stage == "prepare":
-                res["artifact"] = {"key": d.get("key"), "path": d.get("artifact"), "reused": d.get("reused")}
-                res["quant"] = dict(d.get("info") or {})
-                res["resolved"] = d.get("resolved")
+                res.artifact = Artifact(key=d.key, path=d.artifact, reused=d.reused)
+                quant = d.info.model_dump()
+                res.resolved = d.resolved
             elif stage == "measure":
-                for k in ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "memory", "speed",
-                          "load_seconds", "decode_mode", "decode_note", "decode_tokens", "sampling", "runtime"):
-                    res[k] = d.get(k)
-                res.setdefault("quant", {}).update({k: v for k, v in (d.get("quant") or {}).items() if v is not None})
+                for k in self.MEASURE_FIELDS:
+                    setattr(res, k, getattr(d, k))
+                quant.update({k: v for k, v in d.quant.model_dump().items() if v is not None})
             elif stage == "load":
-                res["load"] = d.get("load")
+                res.load = d.load
             elif stage == "quality":
-                res["quality"] = d.get("quality")
-        if res.get("load") is None and self.recipe.load.enabled:
-            err = stage_path(self.run_dir, tier, "load", error=True)
-            if err.exists():  # the sweep failed; the tier's other results stand
-                res["load"] = {"error": read_json(err).get("error") or "load stage failed", "points": []}
-        atomic_write_json(self.run_dir / "tiers" / f"{tier}.json", res)
-        from .storage import tier_files
-        self.push(tier_files(tier))
+                res.quality = d.quality
+        if quant or stage_done(self.layout, tier, "prepare"):
+            res.quant = QuantInfo.model_validate(quant)
+        if res.load is None and self.recipe.load.enabled:
+            err = read_stage_error(self.layout, tier, "load")
+            if err is not None:  # the sweep failed; the tier's other results stand
+                res.load = {"error": err.error or "load stage failed", "points": []}
+        write_tier_result(self.layout, res)
+        self.push(RunLayout.tier_files(tier))
         return res
 
 

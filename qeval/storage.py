@@ -211,23 +211,6 @@ def run_rel(run_dir: Path) -> str:
     return f"results/{run_dir.parent.name}/{run_dir.name}"
 
 
-def tier_files(tier: str) -> Callable[[str], bool]:
-    """Filter for one tier's files in a run folder (its stages, logs, answers and tier result)."""
-    def inc(rel: str) -> bool:
-        name = rel.split("/", 1)[-1]
-        return rel in (f"tiers/{tier}.json", f"answers/{tier}.json") or (
-            rel.startswith(("stages/", "logs/")) and name.startswith(f"{tier}."))
-    return inc
-
-
-def run_wide_files(rel: str) -> bool:
-    """Filter for the run-wide files a tier task needs: run.json, the run stages, the reference."""
-    return rel == "run.json" or rel.startswith(("stages/_run.", "reference/"))
-
-
-OUTPUT_FILES = ("run.json", "table.md", "table.csv", "gate.json", "report.html", "junit.xml")
-
-
 # ---- artifacts and sources --------------------------------------------------------------
 
 def fetch_artifact(remote: RemoteStorage, name: str, folder: Path) -> bool:
@@ -312,14 +295,14 @@ def localize_source(remote: RemoteStorage, run_dir: Path) -> Path:
     Raises:
         RuntimeError: the store lacks the checkpoint or it hashes differently.
     """
-    from .results import atomic_write_json, read_json
+    from .results import RUN_SCOPE, RunLayout, read_stage, write_stage
     from .source import cache_root, checkpoint_sha256
-    sp = Path(run_dir) / "stages" / "_run.source.json"
-    src = read_json(sp)
-    here = Path(src["path"])
-    if (here / "config.json").is_file() and checkpoint_sha256(here) == src["sha256"]:
+    layout = RunLayout(run_dir)
+    src = read_stage(layout, RUN_SCOPE, "source")
+    here = Path(src.path)
+    if (here / "config.json").is_file() and checkpoint_sha256(here) == src.sha256:
         return here
-    local = fetch_source(remote, src["sha256"], cache_root())
-    src["path"] = str(local)
-    atomic_write_json(sp, src)
+    local = fetch_source(remote, src.sha256, cache_root())
+    src.path = str(local)
+    write_stage(layout, RUN_SCOPE, "source", src)
     return local

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from .errors import QevalInputError, TierUnavailable
-from .results import atomic_write_json
+from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
 
 RSS_AFTER_START = None
 
@@ -30,21 +30,17 @@ def _progress(msg: str) -> None:
     print(f"[qeval] {msg}", flush=True)
 
 
-def stage_path(run_dir: Path, tier: str, stage: str, error: bool = False) -> Path:
-    """``stages/<tier>.<stage>.json`` (or ``.error.json``) in the run folder."""
-    return run_dir / "stages" / f"{tier}.{stage}{'.error' if error else ''}.json"
-
-
 def load_recipe_from_run(run_dir: Path):
-    """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``."""
+    """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``, and the
+    :class:`~qeval.results.RunInfo`."""
     from .recipe import Recipe
     from .storage import OPTIONS_ENV
-    run = json.loads((run_dir / "run.json").read_text())
-    rd = dict(run["recipe"])
+    run = read_run_info(RunLayout(run_dir))
+    rd = dict(run.recipe)
     if os.environ.get(OPTIONS_ENV):  # the real storage options (run.json's are redacted)
         rd["storage_options"] = json.loads(os.environ[OPTIONS_ENV])
     r = Recipe.model_validate(rd)
-    r._path = Path(run.get("recipe_path") or "recipe.yaml")
+    r._path = Path(run.recipe_path or "recipe.yaml")
     return r, run
 
 
@@ -63,14 +59,14 @@ def pin_threads(threads: int) -> None:
 def tier_context(recipe, run_dir: Path, device: str):
     """The :class:`~qeval.tiers.base.TierContext` of this run (source from the source stage; threads from QEVAL_STAGE_THREADS or the recipe)."""
     from .tiers.base import TierContext
-    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
+    src = read_stage(RunLayout(run_dir), RUN_SCOPE, "source")
     from .calibration import calibration_fields, load_calibration_texts
 
     def calib() -> list[str]:
         return load_calibration_texts(recipe)
 
     threads = int(os.environ.get("QEVAL_STAGE_THREADS") or recipe.threads)
-    return TierContext(source_path=src["path"], source_sha256=src["sha256"], device=device,
+    return TierContext(source_path=src.path, source_sha256=src.sha256, device=device,
                        dtype=recipe.model.dtype, threads=threads, calibration=calib,
                        calibration_fields=calibration_fields(recipe), log=_progress,
                        trust_remote_code=recipe.model.trust_remote_code)
@@ -192,8 +188,9 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     ctx = tier_context(recipe, run_dir, device)
-    prep = json.loads(stage_path(run_dir, tier, "prepare").read_text())
-    artifact = Path(prep["artifact"]) if prep.get("artifact") else None
+    layout = RunLayout(run_dir)
+    prep = read_stage(layout, tier, "prepare")
+    artifact = Path(prep.artifact) if prep.artifact else None
     runtime = method.prepare_runtime(spec, ctx, artifact)  # e.g. gptqmodel's CUDA kernels built: not load time
     peak, mem_notes = _peak_counters(method.engine, device, baseline)
     peak.reset()
@@ -211,11 +208,9 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     text = recipe.resolve_path("datasets/depth_text.txt")
     prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
-    env = json.loads(stage_path(run_dir, "_run", "env").read_text())
-    bw = env.get("bandwidth_bytes_per_s")
+    bw = read_stage(layout, RUN_SCOPE, "env").bandwidth_bytes_per_s
     n_decode = decode_tokens_for(spec, engine, recipe.speed.decode_tokens)
-    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
-    maxctx = src.get("max_context")
+    maxctx = read_stage(layout, RUN_SCOPE, "source").max_context
     if n_decode != recipe.speed.decode_tokens and maxctx and max(prompts) + n_decode > maxctx:
         n_decode = recipe.speed.decode_tokens  # the deepest depth leaves no room for a whole period
         engine.decode_note = (f"decode over {n_decode} tokens, fewer than the int8 KV cache's re-quantization "
@@ -257,14 +252,14 @@ def load_fingerprint(recipe_dict: dict) -> str:
     return hashlib.sha256(json.dumps(recipe_dict.get("load"), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def kv_budget_bytes(recipe, env: dict, device: str, held_bytes: int | None) -> tuple[float, str]:
+def kv_budget_bytes(recipe, env, device: str, held_bytes: int | None) -> tuple[float, str]:
     """Bytes the KV cache may take under load: the memory budget (``load.memory_budget_gib``,
     else the GPU's memory from the env stage, else this machine's physical memory) less what
     the loaded engine already holds (``held_bytes``). Returns ``(bytes, where the budget came from)``."""
     if recipe.load.memory_budget_gib:
         budget, src = recipe.load.memory_budget_gib * 2**30, "load.memory_budget_gib"
-    elif device == "cuda" and env.get("gpu_memory_bytes"):
-        budget, src = float(env["gpu_memory_bytes"]), "the GPU's memory"
+    elif device == "cuda" and env.gpu_memory_bytes:
+        budget, src = float(env.gpu_memory_bytes), "the GPU's memory"
     else:
         import psutil
         budget, src = float(psutil.virtual_memory().total), "this machine's physical memory"
@@ -290,9 +285,10 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     ctx = tier_context(recipe, run_dir, device)
-    prep = json.loads(stage_path(run_dir, tier, "prepare").read_text())
-    meas = json.loads(stage_path(run_dir, tier, "measure").read_text())
-    artifact = Path(prep["artifact"]) if prep.get("artifact") else None
+    layout = RunLayout(run_dir)
+    prep = read_stage(layout, tier, "prepare")
+    meas = read_stage(layout, tier, "measure")
+    artifact = Path(prep.artifact) if prep.artifact else None
     _progress(f"loading {tier} for the load sweep")
     engine = method.load(spec, ctx, artifact)
     if serve_function(engine) is None:
@@ -302,9 +298,9 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     kind = engine_device if engine.name == "hf" else ("nvml" if engine_device == "cuda" else "cpu")
     peak = PeakMemory(kind, baseline)
     held = peak.read()
-    env = json.loads(stage_path(run_dir, "_run", "env").read_text())
+    env = read_stage(layout, RUN_SCOPE, "env")
     budget, budget_src = kv_budget_bytes(recipe, env, engine_device, held)
-    src = json.loads(stage_path(run_dir, "_run", "source").read_text())
+    src = read_stage(layout, RUN_SCOPE, "source")
     ld = recipe.load
     depth = recipe.load_depth
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
@@ -312,8 +308,8 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     out = load_sweep(engine, distinct_prompts(base, depth), concurrency=ld.concurrency, depth=depth,
                      output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
                      prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
-                     kv_bytes_per_token=(meas.get("memory") or {}).get("kv_bytes_per_token"),
-                     kv_budget_bytes=budget, max_context=src.get("max_context"), progress=_progress)
+                     kv_bytes_per_token=meas.memory.kv_bytes_per_token,
+                     kv_budget_bytes=budget, max_context=src.max_context, progress=_progress)
     out.update({"engine": engine.name, "backend": engine.backend, "device": engine_device, "threads": recipe.threads,
                 "memory_kind": peak.kind, "held_bytes": held, "kv_budget_source": budget_src})
     engine.close()
@@ -349,33 +345,32 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``STAGE RUN_DIR [TIER]``; exit 0 ok, 1 exception (recorded), 2 bad input (recorded)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     stage, run_dir = argv[0], Path(argv[1])
-    tier = argv[2] if len(argv) > 2 else "_run"
+    tier = argv[2] if len(argv) > 2 else RUN_SCOPE
+    layout = RunLayout(run_dir)
     recipe, _ = load_recipe_from_run(run_dir)
     # test-only crash hook (issue 7): QEVAL_TEST_CRASH="tier:stage" aborts hard there
     if os.environ.get("QEVAL_TEST_CRASH") == f"{tier}:{stage}":
         os.abort()
     try:
         t0 = time.time()
-        out = STAGES[stage](recipe, run_dir, None if tier == "_run" else tier)
+        out = STAGES[stage](recipe, run_dir, None if tier == RUN_SCOPE else tier)
         out["stage_seconds"] = time.time() - t0
         out["host"] = platform.node()
         out["fingerprint"] = os.environ.get("QEVAL_FINGERPRINT") or None
-        atomic_write_json(stage_path(run_dir, tier, stage), out)
+        write_stage(layout, tier, stage, out)
         return 0
     except TierUnavailable as e:  # cannot run here as asked: one line, what to install
-        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
-                          {"error": str(e), "type": "unavailable", "traceback": traceback.format_exc()})
+        write_stage_error(layout, tier, stage, StageError(error=str(e), type="unavailable",
+                                                          traceback=traceback.format_exc()))
         print(f"error: {e}", file=sys.stderr)
         return 1
     except QevalInputError as e:
-        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
-                          {"error": str(e), "type": "input", "traceback": traceback.format_exc()})
+        write_stage_error(layout, tier, stage, StageError(error=str(e), type="input", traceback=traceback.format_exc()))
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a tier failing alone: recorded, reported, others go on
-        atomic_write_json(stage_path(run_dir, tier, stage, error=True),
-                          {"error": f"{e.__class__.__name__}: {e}", "type": "exception",
-                           "traceback": traceback.format_exc()})
+        write_stage_error(layout, tier, stage, StageError(error=f"{e.__class__.__name__}: {e}", type="exception",
+                                                          traceback=traceback.format_exc()))
         traceback.print_exc()
         return 1
 

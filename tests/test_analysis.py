@@ -14,16 +14,21 @@ from qeval.analysis import (analyse_run, compare_markdown, compare_runs,
 from qeval.analysis.gate import RULES
 from qeval.analysis.plan import PlanTier, build_plan
 from qeval.errors import QevalInputError
-from qeval.results import load_run
+from qeval.results import TierResult, load_run
 from qeval.weight_formats import Dense, FlatBits, kv_format
 
 GIB = 2 ** 30
 D = 1024
-FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"
+FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"  # a real tiny run: tests/make_run_fixture.py
+
+
+def typed(tiers: dict[str, dict]) -> dict[str, TierResult]:
+    """``{name: tier dict}`` as the :class:`TierResult` models analysis reads."""
+    return {n: TierResult.model_validate({"tier": n, "method": "bf16", **t}) for n, t in tiers.items()}
 
 
 def tier(mem_gib=None, dec=None, kld=None, status="ok", **kw):
-    """A minimal tier result with figures at depth ``D``; ``kw`` sets other figures."""
+    """A minimal tier result (dict form) with figures at depth ``D``; ``kw`` sets other figures."""
     t: dict = {"status": status, "memory": {"peak_bytes": {}}, "speed": {},
                "quality": {"fidelity": {}, "behaviour": {}}}
     if mem_gib is not None:
@@ -52,7 +57,7 @@ def test_front_dominated_names_a_front_dominator():
         "worse": tier(2.6, 11.0, 0.06),       # dominated by bad, int8, q4: must name a front member
         "q4": tier(1.0, 20.0, 0.03),
     }
-    res = pareto_front(tiers, D, "kld_mean", reference="bf16")
+    res = pareto_front(typed(tiers), D, "kld_mean", reference="bf16")
     assert res.front == ["bf16", "int8", "q4"]
     assert res.dominated == {"bad": "int8", "worse": "int8"}
     assert res.entry("bf16").quality == 0.0
@@ -61,20 +66,20 @@ def test_front_dominated_names_a_front_dominator():
 
 def test_ties_are_all_on_the_front():
     tiers = {"a": tier(2.0, 10.0, 0.01), "b": tier(2.0, 10.0, 0.01), "c": tier(3.0, 9.0, 0.02)}
-    res = pareto_front(tiers, D, "kld_mean")
+    res = pareto_front(typed(tiers), D, "kld_mean")
     assert res.front == ["a", "b"]
     assert res.dominated == {"c": "a"}
 
 
 def test_one_strictly_better_objective_is_enough():
     tiers = {"a": tier(2.0, 10.0, 0.01), "b": tier(2.0, 10.0, 0.011)}
-    assert pareto_front(tiers, D).dominated == {"b": "a"}
+    assert pareto_front(typed(tiers), D).dominated == {"b": "a"}
 
 
 def test_not_compared_failed_missing_and_no_default_kld_for_non_reference():
     tiers = {"ref": tier(4.0, 10.0, None), "fail": tier(status="failed"), "nb": tier(status="not_built"),
              "nokld": tier(1.0, 30.0, None), "nomem": tier(None, 30.0, 0.01)}
-    res = pareto_front(tiers, D, reference="ref")
+    res = pareto_front(typed(tiers), D, reference="ref")
     assert res.front == ["ref"]
     nc = res.not_compared
     assert nc["fail"] == "status failed" and nc["nb"] == "status not_built"
@@ -84,13 +89,13 @@ def test_not_compared_failed_missing_and_no_default_kld_for_non_reference():
 
 def test_pass_rate_is_maximised():
     tiers = {"a": tier(2.0, 10.0, pass_rate=0.9), "b": tier(2.0, 10.0, pass_rate=0.8)}
-    res = pareto_front(tiers, D, "pass_rate")
+    res = pareto_front(typed(tiers), D, "pass_rate")
     assert res.front == ["a"] and res.dominated == {"b": "a"}
 
 
 def test_unknown_quality_metric():
     with pytest.raises(QevalInputError):
-        pareto_front({"a": tier(1, 1, 0.1)}, D, "bleu")
+        pareto_front(typed({"a": tier(1, 1, 0.1)}), D, "bleu")
 
 
 # ---- gate -----------------------------------------------------------------------------------
@@ -117,7 +122,7 @@ RULE_CASES = {
 
 def _gate(rules, tiers=None, **kw):
     tiers = tiers if tiers is not None else {"bf16": REF, "cand": CAND}
-    return evaluate_gate(None, tiers, {"reference": "bf16", "rules": rules, **kw}, D)
+    return evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": rules, **kw}, D)
 
 
 def test_rule_cases_cover_every_gate_rule():
@@ -213,8 +218,8 @@ def test_exit_code_and_dict_form():
 
 
 def test_default_candidates_follow_recipe_order_without_reference():
-    run = {"recipe": {"tiers": [{"name": "bf16"}, {"name": "z"}, {"name": "a"}]}}
-    rep = evaluate_gate(run, {"a": CAND, "z": CAND, "bf16": REF}, {"reference": "bf16"}, D)
+    recipe = {"tiers": [{"name": "bf16"}, {"name": "z"}, {"name": "a"}]}
+    rep = evaluate_gate(recipe, typed({"a": CAND, "z": CAND, "bf16": REF}), {"reference": "bf16"}, D)
     assert [c.tier for c in rep.candidates] == ["z", "a"]
 
 
@@ -229,7 +234,7 @@ def test_ladder_order_savings_and_quality_lost():
     tiers = {"bf16": tier(4.0, 10.0, None), "int8": tier(2.0, 15.0, 0.004),
              "q4": tier(1.0, 20.0, 0.03), "bad": tier(0.5, 30.0, 0.2), "f": tier(status="failed")}
     rep = _gate({"max_kld_mean": 0.05}, tiers)
-    lad = fallback_ladder(tiers, rep, "kld_mean")
+    lad = fallback_ladder(typed(tiers), rep, "kld_mean")
     assert lad.order == ["bf16", "int8", "q4"]
     s = lad.steps
     assert s[0].saved_vs_prev_bytes == 0 and s[0].quality_lost_vs_first == 0
@@ -244,7 +249,7 @@ def test_ladder_pass_rate_loss_is_positive_when_worse_and_unplaced():
     tiers = {"bf16": tier(4.0, 10.0, pass_rate=0.8), "a": tier(2.0, 10.0, pass_rate=0.7),
              "nomem": tier(None, 10.0, pass_rate=0.7)}
     rep = _gate({}, tiers)
-    lad = fallback_ladder(tiers, rep, "pass_rate")
+    lad = fallback_ladder(typed(tiers), rep, "pass_rate")
     assert lad.order == ["bf16", "a"]
     assert lad.steps[1].quality_lost_vs_prev == pytest.approx(0.1)
     assert "nomem" in lad.unplaced
@@ -363,8 +368,8 @@ def test_param_count_tied_and_llama_biases():
 
 
 def test_capacity_from_run_and_formula_helpers():
-    tiers = {"a": {"status": "ok", "memory": {"weight_bytes": 2 * GIB, "kv_bytes_per_token": 1024}},
-             "f": {"status": "failed"}, "nokv": {"status": "ok", "memory": {"weight_bytes": GIB}}}
+    tiers = typed({"a": {"status": "ok", "memory": {"weight_bytes": 2 * GIB, "kv_bytes_per_token": 1024}},
+                   "f": {"status": "failed"}, "nokv": {"status": "ok", "memory": {"weight_bytes": GIB}}})
     rows = build_plan(results=tiers, memory_bytes=8 * GIB, usable=1.0, overhead_bytes=GIB, context=4096,
                       users=4).rows
     a = rows[0]
@@ -379,36 +384,40 @@ def test_capacity_from_run_and_formula_helpers():
         build_plan(results=tiers, memory_bytes=8 * GIB, context=0, users=4)
 
 
-# ---- the synthetic run and compare -------------------------------------------------------------
+# ---- the recorded run and compare -------------------------------------------------------------
 
-def test_synthetic_run_decisions():
+def test_recorded_run_decisions():
     run, tiers = load_run(FIXTURE)
     a = analyse_run(run, tiers)
-    assert a.depth == 1024 and a.reference == "bf16"
-    assert a.pareto.front == ["bf16", "int8", "q4_k_m", "q4_k_m-kv8"]
-    assert a.pareto.dominated == {"gptq": "q4_k_m"}
-    assert set(a.pareto.not_compared) == {"awq", "q2_k"}
-    assert a.gate.passing == ["int8", "q4_k_m"] and a.gate.exit_code() == 1
-    assert a.ladder.order == ["bf16", "int8", "q4_k_m"]
+    assert a.depth == 48 and a.reference == "bf16" and a.depths == [16, 48]
+    assert a.pareto.not_compared == {"awq": "status failed"}  # the tier that failed when recorded
+    assert "bf16" in a.pareto.front
+    for loser, winner in a.pareto.dominated.items():  # each dominated tier names a front member
+        assert winner in a.pareto.front and loser not in a.pareto.front
+    assert "awq" not in a.gate.passing and a.gate.exit_code() == 1
+    peaks = [tiers[n].memory.peak_bytes["48"] for n in a.ladder.order]
+    assert peaks == sorted(peaks, reverse=True) and set(a.ladder.order) <= {"bf16", *a.gate.passing}
 
 
 def test_compare_runs(tmp_path):
+    from qeval.results import RunLayout, read_tier_result, write_tier_result
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(FIXTURE, a)
     shutil.copytree(FIXTURE, b)
-    p = b / "tiers" / "int8.json"
-    t = json.loads(p.read_text())
-    t["speed"]["1024"]["decode_tokens_per_s"] = 20.0
-    p.write_text(json.dumps(t))
+    t = read_tier_result(RunLayout(b), "int8")
+    before = t.speed["48"].decode_tokens_per_s
+    t.speed["48"].decode_tokens_per_s = before + 4.0
+    write_tier_result(RunLayout(b), t)
     (b / "tiers" / "gptq.json").unlink()
     rows = compare_runs(a, b)
     by = {r.tier: r for r in rows}
     m = by["int8"].metrics["decode_tokens_per_s"]
-    assert (m.a, m.b, m.delta) == (16.0, 20.0, 4.0) and m.rel == pytest.approx(0.25)
+    assert (m.a, m.b) == (before, before + 4.0)
+    assert m.delta == pytest.approx(4.0) and m.rel == pytest.approx(4.0 / before)
     assert by["int8"].metrics["weights_bytes"].delta == 0
     assert by["gptq"].in_b is False and by["gptq"].metrics["kld_mean"].delta is None
     assert by["bf16"].metrics["kld_mean"].a == 0.0
     md = compare_markdown(rows)
-    assert "| int8 |" in md and "+4.00 (+25.0%)" in md and "ok → absent" in md
+    assert "| int8 |" in md and "+4.00 (" in md and "ok → absent" in md
     md = compare_markdown(rows, str(a), str(b))
     assert md.count(str(a)) == 1 and md.count(str(b)) == 1  # named once, above the table

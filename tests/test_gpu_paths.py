@@ -182,7 +182,8 @@ def test_measure_stage_counts_gguf_weights_and_kv_from_before_the_load(nvml, tin
     recipe._path = REPO / "recipes" / "x.yaml"  # datasets/depth_text.txt resolves from the repository
     run = tmp_path / "run"
     (run / "stages").mkdir(parents=True)
-    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64}))
+    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64,
+                                                                 "origin": str(tiny_llama)}))
     (run / "stages" / "_run.env.json").write_text(json.dumps({"bandwidth_bytes_per_s": 1e12}))
     (run / "stages" / "g.prepare.json").write_text(json.dumps({"artifact": None}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -292,7 +293,8 @@ def test_worker_records_the_one_line_and_the_tier_fails_alone(monkeypatch, tiny_
     runner = Runner(r, run)
     runner.write_run_json()
     (run / "stages").mkdir(parents=True, exist_ok=True)
-    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64}))
+    (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64,
+                                                                 "origin": str(tiny_llama)}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "a CUDA machine" with a CPU llama.cpp
     assert worker.main(["prepare", str(run), "g"]) == 1
     err = json.loads((run / "stages" / "g.prepare.error.json").read_text())
@@ -300,7 +302,7 @@ def test_worker_records_the_one_line_and_the_tier_fails_alone(monkeypatch, tiny_
     assert err["error"].startswith("device cuda: this llama-cpp-python build has no GPU offload")
     assert capsys.readouterr().err.strip().count("\n") == 0  # one line on stderr, no traceback
     res = runner._finish("g", "failed", error=err["error"])
-    assert res["error"] == err["error"]
+    assert res.error == err["error"]
 
 
 def test_gptq_on_cuda_stops_when_marlin_cannot_be_built(monkeypatch):
@@ -446,10 +448,10 @@ def test_disk_check_names_the_reference_and_hub_download(tmp_path, monkeypatch):
     # 50 answers x 1000 tokens x 152064 x 2 bytes = 15.2 GB of reference log-probabilities
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 10 * GB))
     with pytest.raises(QevalInputError) as e:
-        runner.check_disk({"path": str(src)})
+        runner.check_disk(src)
     assert "reference log-probabilities 14.2" in str(e.value)
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 20 * GB))
-    runner.check_disk({"path": str(src)})  # fits
+    runner.check_disk(src)  # fits
     import qeval.source
     monkeypatch.setattr(qeval.source, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
     with pytest.raises(QevalInputError, match="downloading .* needs 27.9 GiB"):

@@ -16,7 +16,7 @@ from qeval.analysis.gpus import find_gpu, known_gpus
 from qeval.analysis.plan import build_plan, plan_markdown
 from qeval.errors import QevalInputError
 from qeval.model_config import model_shape
-from qeval.results import load_run
+from qeval.results import RunLayout, load_run, read_tier_result, write_tier_result
 from qeval.weight_formats import (Dense, FlatBits, GgufMix, GroupWise, gguf_tensor_types, kv_format)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,22 +242,30 @@ def test_recipe_tiers(monkeypatch, capsys):
 
 def test_run_figures_replace_estimates_row_by_row(tmp_path, monkeypatch, capsys):
     d = tmp_path / "run"
-    shutil.copytree(FIXTURE_RUN, d)
-    tier = json.loads((d / "tiers" / "q4_k_m.json").read_text())
-    tier["load"] = {"users_at_slo": 6, "depth": 1024}  # what the load stage will record
-    (d / "tiers" / "q4_k_m.json").write_text(json.dumps(tier))
+    shutil.copytree(FIXTURE_RUN, d)  # a recorded run of the tiny model (tests/make_run_fixture.py)
+    layout = RunLayout(d)
+    q4 = read_tier_result(layout, "q4_k_m")
+    q4.load = {"users_at_slo": 6, "depth": 48}  # what the load stage will record
+    write_tier_result(layout, q4)
+    run, tiers = load_run(d)
     plan = _plan(monkeypatch, capsys, str(d), "--model", str(QWEN25_14B), "--gpu", "rtx4090", "--context", "1024",
                  "--users", "4")
     rows = _rows(plan)
-    g = rows["gptq"]
-    assert g["weights_bytes"] == {"value": 1127219200, "source": "measured", "formula": "run: memory.weight_bytes",
-                                  "estimate": pytest.approx(9.99e9, rel=0.01)}
-    assert g["kv_bytes_per_token"]["source"] == "measured" and g["kv_bytes_per_token"]["value"] == 28672
-    assert g["efficiency"]["source"] == "measured" and g["efficiency"]["value"] == [0.218, 0.261]
+    g, gt = rows["gptq"], tiers["gptq"]
+    # the estimate is the run's gptq spec (W4, group 32) applied to the 14B config
+    fmt = GroupWise(method="gptq", bits=4, group_size=gt.spec["group_size"], g_idx=True, dtype="bfloat16")
+    est = fmt.estimate(model_shape(json.loads(QWEN25_14B.read_text()))).bytes
+    assert g["weights_bytes"] == {"value": gt.memory.weight_bytes, "source": "measured",
+                                  "formula": "run: memory.weight_bytes", "estimate": est}
+    assert g["kv_bytes_per_token"]["source"] == "measured"
+    assert g["kv_bytes_per_token"]["value"] == gt.memory.kv_bytes_per_token
+    shares = [p.roofline_share for p in gt.speed.values()]
+    assert g["efficiency"]["source"] == "measured" and g["efficiency"]["value"] == [min(shares), max(shares)]
     assert g["decode_expected"]["source"] == "measured"
-    assert g["decode_expected"]["value"][0] == pytest.approx(0.218 * g["decode_bound"]["value"])
-    assert g["prefill_tokens_per_s"] == {"value": 115.1, "source": "measured", "estimate": None,
-                                         "formula": "run: prefill at depth 1024 on cpu (compute bound: does not "
+    assert g["decode_expected"]["value"][0] == pytest.approx(min(shares) * g["decode_bound"]["value"])
+    assert g["prefill_tokens_per_s"] == {"value": gt.speed["48"].prefill_tokens_per_s, "source": "measured",
+                                         "estimate": None,
+                                         "formula": "run: prefill at depth 48 on cpu (compute bound: does not "
                                                     "carry over to another GPU)"}
     assert rows["q4_k_m"]["users_at_slo"]["value"] == 6 and rows["q4_k_m"]["users_at_slo"]["source"] == "measured"
     assert g["users_at_slo"]["value"] is None
@@ -268,7 +276,7 @@ def test_run_figures_replace_estimates_row_by_row(tmp_path, monkeypatch, capsys)
     # the table says which is which, cell by cell
     rc, out, _ = _qeval(monkeypatch, capsys, "plan", str(d), "--gpu", "rtx4090", "--context", "1024")
     line = next(x for x in out.splitlines() if x.startswith("| q4_k_m "))
-    assert rc == 0 and "0.99 GB meas" in line and "6 meas" in line and " est" not in line
+    assert rc == 0 and f"{q4.memory.weight_bytes / 1e9:.2f} GB meas" in line and "6 meas" in line and " est" not in line
 
 
 def test_report_capacity_section_is_the_plan_table(tmp_path):
@@ -277,11 +285,12 @@ def test_report_capacity_section_is_the_plan_table(tmp_path):
     shutil.copytree(FIXTURE_RUN, d)
     html = write_report(d).read_text()
     cap = html[html.index("<h2>Capacity</h2>"):html.index("<h2>Plots</h2>")]
-    assert "decode bound tok/s (ctx 0 -&gt; c)" in cap and "KV budget" in cap and "1.13 GB meas" in cap
-    assert "memory 24.00 GiB (default 24 GiB (no GPU memory recorded in run.json))" in cap
     run, tiers = load_run(d)
+    gptq = f"{tiers['gptq'].memory.weight_bytes / 1e9:.2f} GB meas"
+    assert "decode bound tok/s (ctx 0 -&gt; c)" in cap and "KV budget" in cap and gptq in cap
+    assert "memory 24.00 GiB (default 24 GiB (no GPU memory recorded in run.json))" in cap
     md = plan_markdown(build_plan(results=tiers, run=run, context=4096, users=8))
-    assert "| gptq | 1.13 GB meas |" in md
+    assert f"| gptq | {gptq} |" in md
 
 
 # ---- bad flags: one line, exit 2 ----------------------------------------------------------------

@@ -51,14 +51,14 @@ def test_ray_failed_stage_or_lost_task_fails_only_its_tier(local_ray, tiny_llama
     monkeypatch.setenv("QEVAL_TEST_CRASH", "bf16-kv8:prepare")
     r = load_recipe(write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False))
     res = Runner(r, new_run_dir(r, tmp_path / "results"), executor="ray").run()
-    assert res["bf16"]["status"] == "ok"
-    assert res["bf16-kv8"]["status"] == "failed" and "SIGABRT" in res["bf16-kv8"]["error"]
+    assert res["bf16"].status == "ok"
+    assert res["bf16-kv8"].status == "failed" and "SIGABRT" in res["bf16-kv8"].error
     # the Ray worker process itself dies: the task is lost, only its tier fails
     monkeypatch.delenv("QEVAL_TEST_CRASH")
     monkeypatch.setenv("QEVAL_TEST_RAY_TASK_CRASH", "bf16")
     res = Runner(r, new_run_dir(r, tmp_path / "results"), executor="ray").run()
-    assert res["bf16"]["status"] == "failed" and "ray task failed or was lost" in res["bf16"]["error"]
-    assert res["bf16-kv8"]["status"] == "ok"
+    assert res["bf16"].status == "failed" and "ray task failed or was lost" in res["bf16"].error
+    assert res["bf16-kv8"].status == "ok"
 
 
 def test_ray_retries_a_lost_task(local_ray, tiny_llama, tmp_path, monkeypatch):
@@ -73,8 +73,8 @@ def test_ray_retries_a_lost_task(local_ray, tiny_llama, tmp_path, monkeypatch):
                                  extra="retries: 1"))
     res = Runner(r, new_run_dir(r, tmp_path / "results"), executor="ray").run()
     assert marker.exists()  # the first attempt did die
-    assert res["bf16"]["status"] == "ok", res["bf16"].get("error")
-    assert res["bf16-kv8"]["status"] == "ok"
+    assert res["bf16"].status == "ok", res["bf16"].error
+    assert res["bf16-kv8"].status == "ok"
 
 
 def test_ray_executor_through_a_storage_url(local_ray, node_cache, reference_run, s3, tmp_path, monkeypatch):
@@ -92,7 +92,7 @@ def test_ray_executor_through_a_storage_url(local_ray, node_cache, reference_run
     st = s3_store(s3, "ray")
     rel = f"results/tiny/{run_dir.name}"
     for tier in ("bf16", "bf16-kv8"):
-        assert res[tier]["status"] == "ok", res[tier].get("error")
+        assert res[tier].status == "ok", res[tier].error
         got = st.read_json(f"{rel}/tiers/{tier}.json")
         want = json.loads((local_dir / "tiers" / f"{tier}.json").read_text())
         assert stable_fields(got) == stable_fields(want), tier

@@ -114,9 +114,9 @@ def test_disk_check_refuses_when_artifacts_do_not_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
     runner = run_mod.Runner(r, tmp_path / "run")
     with pytest.raises(QevalInputError, match="GiB of disk"):
-        runner.check_disk({"path": str(tmp_path / "src")})
+        runner.check_disk(tmp_path / "src")
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
-    runner.check_disk({"path": str(tmp_path / "src")})  # plenty: no error
+    runner.check_disk(tmp_path / "src")  # plenty: no error
 
 
 def test_validate_reads_suite_rows(tmp_path):

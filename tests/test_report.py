@@ -1,4 +1,5 @@
-"""Tables, gate.json, report.html and JUnit XML rebuilt from the synthetic run folder."""
+"""Tables, gate.json, report.html and JUnit XML rebuilt from a recorded run of the tiny model
+(tests/fixtures/run_synthetic, made by tests/make_run_fixture.py)."""
 from __future__ import annotations
 
 import csv
@@ -8,18 +9,20 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from html import escape
 from pathlib import Path
 
 import pytest
 
-from qeval.analysis import evaluate_gate
+from qeval.analysis import analyse_run, evaluate_gate
 from qeval.report import (default_budget_bytes, junit_xml, rebuild_outputs, slow_path_flags,
                           write_junit, write_report, write_tables)
 from qeval.report import plots
-from qeval.results import load_run
+from qeval.results import RunInfo, RunLayout, TierResult, load_run, read_tier_result, write_tier_result
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"
-TIERS = ["bf16", "int8", "gptq", "awq", "q4_k_m", "q4_k_m-kv8", "q2_k"]
+FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"  # a real tiny run: tests/make_run_fixture.py
+TIERS = ["bf16", "bf16-kv8", "int8", "gptq", "awq", "q4_k_m", "q4_k_m-kv8"]
+FAILED = "awq"  # made to fail at its prepare stage when the fixture was recorded
 GIB = 2 ** 30
 
 
@@ -31,81 +34,138 @@ def built(tmp_path_factory):
     return d, out
 
 
+@pytest.fixture(scope="module")
+def analysis():
+    run, tiers = load_run(FIXTURE)
+    return run, analyse_run(run, tiers)
+
+
+def _edit_tier(run_dir: Path, name: str, edit) -> None:
+    """Change one stored tier result through its model (``edit(TierResult)``) and write it back."""
+    layout = RunLayout(run_dir)
+    t = read_tier_result(layout, name)
+    edit(t)
+    write_tier_result(layout, t)
+
+
+def test_fixture_is_a_real_run():
+    run, tiers = load_run(FIXTURE)
+    assert list(tiers) == TIERS
+    assert run.versions.get("torch") and run.cpu and run.bandwidth_bytes_per_s and run.started_at
+    assert tiers[FAILED].status == "failed" and "SIGABRT" in tiers[FAILED].error
+    assert all(t.status == "ok" for n, t in tiers.items() if n != FAILED)
+    assert tiers["q4_k_m"].engine == "llamacpp" and tiers["gptq"].backend.startswith("gptqmodel")
+
+
 def test_outputs_written(built):
     d, out = built
     for p in (out.table_md, out.table_csv, out.gate_json, out.report_html, out.junit_xml):
         assert p.is_file() and p.parent == d
-    assert out.exit_code() == 1
+    assert out.exit_code() == 1  # the failed candidate fails the gate
 
 
-def test_report_html_content(built):
+def test_report_html_content(built, analysis):
     d, out = built
+    run, a = analysis
     html = out.report_html.read_text()
     for name in TIERS:
         assert name in html
     assert html.count("data:image/png;base64,") == 3
-    assert "slow path at long context" in html
-    assert "q4_k_m-kv8: slow path at long context" in html
-    assert "int8: slow path" not in html and "gptq: slow path" not in html
-    assert "dominated by q4_k_m" in html
-    assert "RuntimeError: AWQ GEMM kernel is not available on device cpu" in html  # failed tier's error
-    assert "not_built" in html and "cannot quantize to Q2_K" in html
-    assert "max_budget_exhaustion" in html and "max_flip_rate" in html     # failing rules named
+    assert "prepare process killed by SIGABRT" in html  # the failed tier's error
+    for rule in a.gate.rules:
+        assert rule in html
+    for e in a.pareto.entries:
+        assert escape(e.mark) in html
     assert "Fallback ladder" in html and "Capacity" in html
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
 
 
-def test_slow_path_flag_threshold():
-    _, tiers = load_run(FIXTURE)
-    flags = slow_path_flags(tiers, "bf16", 4096, 0.5)     # 4.1 < 0.5 * 8.9 = 4.45
-    assert list(flags) == ["q4_k_m-kv8"]
-    assert flags["q4_k_m-kv8"].reference_tokens_per_s == 8.9
-    assert slow_path_flags(tiers, "bf16", 4096, 0.4) == {}  # 4.1 >= 3.56
-    assert slow_path_flags(tiers, "missing", 4096) == {}
-
-
-def test_tables(built):
+def test_report_shows_cpu_gpu_and_versions(built, analysis):
     d, out = built
+    run, _ = analysis
+    html = out.report_html.read_text()
+    assert f"CPU {escape(run.cpu)}" in html
+    assert f"GPU {escape(run.gpu or 'none')}" in html
+    assert f"torch {run.versions['torch']}" in html and f"transformers {run.versions['transformers']}" in html
+
+
+def test_slow_path_flags(tmp_path, analysis):
+    d = tmp_path / "run_synthetic"
+    shutil.copytree(FIXTURE, d)
+    run, a = analysis
+    deep = str(max(a.depths))
+    ref = a.tiers["bf16"].speed[deep].decode_tokens_per_s
+
+    def slow(t):
+        t.speed[deep].decode_tokens_per_s = 0.4 * ref
+
+    def fast(t):
+        t.speed[deep].decode_tokens_per_s = ref
+
+    _edit_tier(d, "q4_k_m-kv8", slow)
+    for name in TIERS:
+        if name not in ("bf16", "q4_k_m-kv8", FAILED):
+            _edit_tier(d, name, fast)
+    _, tiers = load_run(d)
+    flags = slow_path_flags(tiers, "bf16", int(deep), 0.5)   # 0.4 x ref < 0.5 x ref
+    assert list(flags) == ["q4_k_m-kv8"]
+    assert flags["q4_k_m-kv8"].reference_tokens_per_s == ref
+    assert slow_path_flags(tiers, "bf16", int(deep), 0.4) == {}  # 0.4 x ref is not below 0.4 x ref
+    assert slow_path_flags(tiers, "missing", int(deep)) == {}
+    html = rebuild_outputs(d).report_html.read_text()
+    assert "q4_k_m-kv8: slow path at long context" in html
+    assert "int8: slow path" not in html and "gptq: slow path" not in html
+
+
+def test_tables(built, analysis):
+    d, out = built
+    run, a = analysis
     md = out.table_md.read_text()
-    assert "| tier | status | weights GiB |" in md and "peak GiB @1024" in md
+    assert "| tier | status | weights GiB |" in md and f"peak GiB @{a.depth}" in md
     for name in TIERS:
         assert f"| {name} |" in md
-    assert "dominated by q4_k_m" in md and "awq`: failed" in md
+    assert f"{FAILED}`: failed" in md
     rows = list(csv.DictReader(out.table_csv.open()))
     assert [r["tier"] for r in rows] == TIERS
     by = {r["tier"]: r for r in rows}
-    assert float(by["int8"]["decode_tokens_per_s_1024"]) == 16.0
-    assert float(by["q4_k_m"]["peak_gib_1024"]) == pytest.approx(1.15, abs=1e-3)
-    assert by["awq"]["status"] == "failed" and by["awq"]["peak_gib_1024"] == ""
-    assert by["q4_k_m-kv8"]["slow_path"] == "True" and by["gptq"]["pareto"] == "dominated by q4_k_m"
+    for name in ("int8", "q4_k_m"):
+        t = a.tiers[name]
+        assert float(by[name][f"decode_tokens_per_s_{a.depth}"]) == t.speed[str(a.depth)].decode_tokens_per_s
+        assert float(by[name][f"peak_gib_{a.depth}"]) == pytest.approx(
+            t.memory.peak_bytes[str(a.depth)] / GIB, abs=1e-4)
+        assert by[name]["pareto"] == a.pareto.entry(name).mark
+    assert by[FAILED]["status"] == "failed" and by[FAILED][f"peak_gib_{a.depth}"] == ""
 
 
-def test_gate_json(built):
+def test_gate_json(built, analysis):
     d, out = built
+    run, a = analysis
     g = json.loads(out.gate_json.read_text())
-    assert g["passed"] is False and g["exit_code"] == 1 and g["depth"] == 1024
+    assert g["passed"] is False and g["exit_code"] == 1 and g["depth"] == a.depth == 48
     verdicts = {c["tier"]: c["verdict"] for c in g["candidates"]}
-    assert verdicts == {"int8": "pass", "gptq": "fail", "awq": "fail", "q4_k_m": "pass",
-                        "q4_k_m-kv8": "fail", "q2_k": "fail"}
-    assert g["pareto"]["front"] == ["bf16", "int8", "q4_k_m", "q4_k_m-kv8"]
-    assert [s["tier"] for s in g["ladder"]["steps"]] == ["bf16", "int8", "q4_k_m"]
+    assert list(verdicts) == [n for n in TIERS if n != "bf16"] and verdicts[FAILED] == "fail"
+    assert verdicts == {c.tier: c.verdict for c in a.gate.candidates}
+    assert g["pareto"]["front"] == a.pareto.front and "bf16" in a.pareto.front
+    steps = [s["tier"] for s in g["ladder"]["steps"]]
+    assert steps == a.ladder.order and steps[0] == max(steps, key=lambda n: a.tiers[n].memory.peak_bytes["48"])
 
 
-def test_junit_from_run(built):
+def test_junit_from_run(built, analysis):
     d, out = built
+    run, a = analysis
     root = ET.parse(out.junit_xml).getroot()
     cases = root.findall(".//testcase")
     assert len(cases) == 6 * (1 + 10)          # 6 candidates x (status + 10 set rules)
     failures = root.findall(".//testcase/failure")
-    assert len(failures) == int(root.get("failures")) == 2 + 1 + 11 + 11
+    assert len(failures) == int(root.get("failures")) == sum(len(c.failed_rules) for c in a.gate.candidates)
     names = {(c.get("classname"), c.get("name")) for c in cases if c.find("failure") is not None}
-    assert ("qeval.gate.gptq", "max_flip_rate") in names
-    assert ("qeval.gate.q4_k_m-kv8", "max_budget_exhaustion") in names
+    assert {("qeval.gate.awq", r) for r in ("status", "max_flip_rate", "max_budget_exhaustion")} <= names
 
 
 def test_write_junit_small(tmp_path):
-    tiers = {"bf16": {"status": "ok"}, "a": {"status": "ok", "quality": {"fidelity": {"kld_mean": 0.2}}},
-             "b": {"status": "failed", "error": "x"}}
+    tiers = {n: TierResult.model_validate({"tier": n, "method": "bf16", **t}) for n, t in {
+        "bf16": {"status": "ok"}, "a": {"status": "ok", "quality": {"fidelity": {"kld_mean": 0.2}}},
+        "b": {"status": "failed", "error": "x"}}.items()}
     rep = evaluate_gate(None, tiers, {"rules": {"max_kld_mean": 0.1, "max_flip_rate": 0.1}}, 256)
     p = write_junit(rep, tmp_path / "j.xml")
     root = ET.parse(p).getroot()
@@ -118,9 +178,10 @@ def test_write_junit_small(tmp_path):
 def test_recipe_override_changes_verdict(tmp_path):
     d = tmp_path / "r"
     shutil.copytree(FIXTURE, d)
-    run, _ = load_run(d)
-    recipe = json.loads(json.dumps(run["recipe"]))
-    recipe["gate"]["candidates"] = ["int8", "q4_k_m"]
+    run, tiers = load_run(d)
+    recipe = json.loads(json.dumps(run.recipe))
+    recipe["gate"]["candidates"] = [n for n, t in tiers.items() if t.ok and n != "bf16"]
+    recipe["gate"]["rules"] = {}
     out = rebuild_outputs(d, recipe)
     assert out.exit_code() == 0 and out.junit_xml is None
     assert json.loads(out.gate_json.read_text())["passed"] is True
@@ -132,19 +193,20 @@ def test_write_tables_and_report_alone(tmp_path):
     md, csv_path = write_tables(d)
     assert md.name == "table.md" and csv_path.name == "table.csv"
     html = write_report(d, budget_bytes=8 * GIB, users=2).read_text()
-    assert "memory 8.00 GiB (given)" in html and "2 users x 4096 tokens" in html and "KV budget" in html
+    assert "memory 8.00 GiB (given)" in html and "2 users x 48 tokens" in html and "KV budget" in html
 
 
 def test_default_budget():
-    assert default_budget_bytes({}) == (24 * GIB, "default 24 GiB (no GPU memory recorded in run.json)")
-    assert default_budget_bytes({"gpu": {"total_memory_bytes": 80 * GIB}})[0] == 80 * GIB
+    assert default_budget_bytes(RunInfo(recipe={})) == (24 * GIB, "default 24 GiB (no GPU memory recorded in run.json)")
+    assert default_budget_bytes(RunInfo(recipe={}, gpu_memory_bytes=80 * GIB))[0] == 80 * GIB
 
 
 def test_plots_without_data():
     from qeval.analysis import pareto_front
-    assert plots.quality_vs_memory_png(pareto_front({"a": {"status": "failed"}}, 256)) is None
-    assert plots.decode_vs_depth_png({"a": {"status": "failed"}}, [256]) is None
-    assert plots.kld_by_bucket_png({"a": {"status": "ok"}}) is None
+    failed = {"a": TierResult(tier="a", method="bf16", status="failed")}
+    assert plots.quality_vs_memory_png(pareto_front(failed, 256)) is None
+    assert plots.decode_vs_depth_png(failed, [256]) is None
+    assert plots.kld_by_bucket_png({"a": TierResult(tier="a", method="bf16", status="ok")}) is None
 
 
 def test_report_needs_no_torch(tmp_path):
@@ -175,13 +237,14 @@ def test_terminal_gate_lines_name_a_failed_tier_once(tmp_path):
     shutil.copytree(FIXTURE, d)
     code, text = build_outputs(d)
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("FAIL awq"))
-    assert "AWQ GEMM kernel is not available" in line
+    assert "prepare process killed by SIGABRT" in line
     assert line.count("not judged") == 1 and re.search(r"\d+ rules? not judged", line), line
     assert code == 1
 
 
 def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
-    """A "Q4_K_M" file whose tensors mostly fell back to Q5_0 says so in the notes."""
+    """A "Q4_K_M" file whose tensors mostly fell back to Q5_0 says so in the notes; one
+    without fallbacks says nothing."""
     d = tmp_path / "run_synthetic"
     shutil.copytree(FIXTURE, d)
     p = d / "tiers" / "q4_k_m.json"
@@ -189,6 +252,7 @@ def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
     t["quant"].update(fallback_tensors=180, fallbacks={"q4_K->q5_0": 166, "q6_K->q8_0": 14},
                       tensor_types={"F32": 61, "Q4_K": 16, "Q5_0": 166, "Q6_K": 14, "Q8_0": 15})
     p.write_text(json.dumps(t))
+    _edit_tier(d, "q4_k_m-kv8", lambda t: setattr(t.quant, "fallback_tensors", 0))  # a file without fallbacks
     md = rebuild_outputs(d).table_md.read_text()
     row = next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m |"))
     assert "180 of 211 quantized tensors fell back from the nominal type (q4_K->q5_0 ×166, q6_K->q8_0 ×14)" in row

@@ -72,6 +72,21 @@ def test_run_writes_every_output(reference_run):
     assert "gate: PASS" in out
 
 
+def test_report_of_a_real_run_shows_cpu_gpu_and_versions(reference_run):
+    """run.json as a run writes it reaches the report: the CPU model, the GPU (none on a
+    CPU machine) and the package versions, read through the typed run format."""
+    from html import escape
+    from qeval.results import load_run
+    _, run_dir, _ = reference_run
+    run, tiers = load_run(run_dir)  # every file of the run fits its model
+    assert run.cpu and run.versions["torch"] and run.device == "cpu" and set(tiers) == {"bf16", "bf16-kv8"}
+    html = (run_dir / "report.html").read_text()
+    assert f"CPU {escape(run.cpu)} ({run.cpu_count} cores)" in html
+    assert f"GPU {escape(run.gpu or 'none')}" in html
+    for pkg in ("torch", "transformers", "numpy"):
+        assert f"<code>{pkg} {run.versions[pkg]}</code>" in html
+
+
 def test_gate_exit_code_follows_the_recipe(reference_run, tmp_path):
     recipe, run_dir, _ = reference_run
     assert subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(run_dir)],

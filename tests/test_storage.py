@@ -101,7 +101,8 @@ def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monk
     publish_source(st, tiny_llama, sha)
     rel = "results/tiny/20261130T000000Z"
     st.write_json(f"{rel}/run.json", {"recipe": {}})
-    st.write_json(f"{rel}/stages/_run.source.json", {"path": "/nonexistent/driver/tiny", "sha256": sha})
+    st.write_json(f"{rel}/stages/_run.source.json", {"path": "/nonexistent/driver/tiny", "sha256": sha,
+                                                     "origin": str(tiny_llama)})
     st.write_json(f"{rel}/stages/bf16.prepare.json", {"artifact": None})
     st.write_json(f"{rel}/stages/other.prepare.json", {"artifact": None})
     monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "node"))

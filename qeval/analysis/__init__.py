@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import ParetoSpec, SpeedSpec
+from ..results import RunInfo, TierResult
 from .capacity import (DEFAULT_OVERHEAD_BYTES, decode_bound, kv_bytes_per_token_from_config, max_context,
                        max_sequences, param_count_from_config, parse_bandwidth, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
@@ -37,7 +38,7 @@ class RunAnalysis:
         depth: analysis depth in tokens (``gate.depth`` or ``speed.main_depth``).
         depths: the recipe's speed depths, ascending (tokens).
         reference: reference tier name; quality_metric: the gate's quality metric.
-        tiers: ``{tier name: result}`` in recipe order.
+        tiers: ``{tier name: TierResult}`` in recipe order.
         pareto, gate, ladder: the three decisions.
     """
     recipe: dict
@@ -45,33 +46,33 @@ class RunAnalysis:
     depths: list[int]
     reference: str
     quality_metric: str
-    tiers: dict[str, dict]
+    tiers: dict[str, TierResult]
     pareto: ParetoResult
     gate: GateReport
     ladder: Ladder
 
 
-def analyse_run(run: dict, tiers: dict[str, dict], recipe: dict | None = None) -> RunAnalysis:
+def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict | None = None) -> RunAnalysis:
     """Pareto front, gate and ladder for a loaded run (see :func:`qeval.results.load_run`).
 
     Args:
-        run: ``run.json`` content.
+        run: ``run.json`` (None: only ``recipe``).
         tiers: ``{tier name: tier result}``.
         recipe: a recipe dict (``Recipe.model_dump()``) to judge with instead of the one
-            stored in ``run["recipe"]`` (e.g. a stricter gate on an old run).
+            stored in ``run.recipe`` (e.g. a stricter gate on an old run).
 
     Raises:
         QevalInputError: the recipe's ``speed`` or ``gate`` section does not validate.
     """
-    recipe = dict(recipe if recipe is not None else (run or {}).get("recipe") or {})
+    recipe = dict(recipe if recipe is not None else (run.recipe if run is not None else {}))
     speed = validate_section(SpeedSpec, recipe.get("speed"), "speed")
     gate = as_gate_spec(recipe.get("gate"))
     depth = int(gate.depth or speed.main_depth)
-    run_for_order = {"recipe": recipe} if recipe.get("tiers") else run
-    ordered = {n: tiers[n] for n in tier_order(run_for_order, tiers) if n in tiers}
+    order_from = recipe if recipe.get("tiers") or run is None else run.recipe
+    ordered = {n: tiers[n] for n in tier_order(order_from, tiers) if n in tiers}
     pspec = validate_section(ParetoSpec, recipe.get("pareto"), "pareto")
     pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed)
-    verdict = evaluate_gate(run_for_order, ordered, gate, depth)
+    verdict = evaluate_gate(order_from, ordered, gate, depth)
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
                        quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,

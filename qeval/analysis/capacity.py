@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import QevalInputError
 from ..model_config import model_shape
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, TierResult, get_path
 from .pareto import GIB, finite
 
 #: Flat overhead allowance in bytes (1 GiB): CUDA context, allocator slack, activations.
@@ -220,7 +220,7 @@ class LoadCheck:
         return asdict(self)
 
 
-def load_vs_formula(tiers: dict[str, dict], overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+def load_vs_formula(tiers: dict[str, TierResult], overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
                     bandwidth_bytes_per_s: float | None = None) -> list[LoadCheck]:
     """The formulas' memory and decode bound for every admitted load point, beside what the
     sweep measured there.
@@ -237,10 +237,10 @@ def load_vs_formula(tiers: dict[str, dict], overhead_bytes: int = DEFAULT_OVERHE
     """
     out: list[LoadCheck] = []
     for name, t in tiers.items():
-        load = (t or {}).get("load") or {}
+        load = (t.load if t is not None else None) or {}
         w = finite(get_path(t, "memory", "weight_bytes"))
         kv = finite(get_path(t, "memory", "kv_bytes_per_token"))
-        if (t or {}).get("status") != STATUS_OK or not load.get("points") or not w or not kv:
+        if t is None or t.status != STATUS_OK or not load.get("points") or not w or not kv:
             continue
         ctx = int(load.get("depth") or 0) + int(load.get("output_tokens") or 0)
         users = load.get("users_at_slo")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..results import get_path, load_run
+from ..results import TierResult, get_path, load_run
 from .gate import analysis_depth, tier_order
 from .pareto import GIB, decode_at, finite, peak_bytes_at, quality_value
 
@@ -63,7 +63,7 @@ class CompareRow:
                             for k, m in self.metrics.items()}}
 
 
-def _figures(t: dict | None, depth: int, is_ref: bool) -> dict[str, float | None]:
+def _figures(t: TierResult | None, depth: int, is_ref: bool) -> dict[str, float | None]:
     return {"weights_bytes": finite(get_path(t, "memory", "weight_bytes")),
             "peak_bytes": peak_bytes_at(t, depth),
             "decode_tokens_per_s": decode_at(t, depth),
@@ -88,11 +88,11 @@ def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
     run_a, tiers_a = load_run(run_a_dir)
     run_b, tiers_b = load_run(run_b_dir)
     if depth is None:
-        depth = analysis_depth(run_a.get("recipe"))
-    ref_a = get_path(run_a, "recipe", "gate", "reference") or "bf16"
-    ref_b = get_path(run_b, "recipe", "gate", "reference") or "bf16"
-    names = tier_order(run_a, tiers_a)
-    names += [n for n in tier_order(run_b, tiers_b) if n not in names]
+        depth = analysis_depth(run_a.recipe)
+    ref_a = get_path(run_a.recipe, "gate", "reference") or "bf16"
+    ref_b = get_path(run_b.recipe, "gate", "reference") or "bf16"
+    names = tier_order(run_a.recipe, tiers_a)
+    names += [n for n in tier_order(run_b.recipe, tiers_b) if n not in names]
     rows = []
     for n in names:
         ta, tb = tiers_a.get(n), tiers_b.get(n)
@@ -100,8 +100,8 @@ def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
             continue
         fa, fb = _figures(ta, depth, n == ref_a), _figures(tb, depth, n == ref_b)
         rows.append(CompareRow(tier=n, in_a=ta is not None, in_b=tb is not None,
-                               status_a=ta.get("status") if ta else None,
-                               status_b=tb.get("status") if tb else None,
+                               status_a=ta.status if ta else None,
+                               status_b=tb.status if tb else None,
                                metrics={k: MetricDelta(fa[k], fb[k]) for k, _, _ in COMPARE_METRICS}))
     return rows
 

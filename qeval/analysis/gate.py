@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from ..errors import EXIT_GATE_FAILED, EXIT_OK, QevalInputError
 from ..recipe import GateRules, GateSpec, SpeedSpec
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, TierResult, get_path
 from .pareto import GIB, decode_at, finite, peak_bytes_at, users_at_slo_of
 
 #: Rule names in the order they are checked and reported (GateRules field order).
@@ -167,9 +167,9 @@ def analysis_depth(recipe: dict | None) -> int:
     return int(gate.depth or speed.main_depth)
 
 
-def tier_order(run: dict | None, tiers: dict[str, dict]) -> list[str]:
-    """Tier names in recipe order (``run["recipe"]["tiers"]``), then any other result."""
-    order = [t.get("name") for t in get_path(run, "recipe", "tiers") or [] if isinstance(t, dict)]
+def tier_order(recipe: dict | None, tiers: dict[str, TierResult]) -> list[str]:
+    """Tier names in recipe order (a recipe dict's ``tiers``), then any other result."""
+    order = [t.get("name") for t in get_path(recipe, "tiers") or [] if isinstance(t, dict)]
     order = [n for n in order if n]
     return order + [n for n in tiers if n not in order]
 
@@ -194,15 +194,15 @@ def _cmp(rule: str, value: float | None, threshold: float | None, kind: str, wha
                       if ok else f"{what} {_fmt(value)} is not {op} {_fmt(threshold)}")
 
 
-def _check_rule(rule: str, t: float, cand: dict, ref: dict | None, ref_name: str,
+def _check_rule(rule: str, t: float, cand: TierResult, ref: TierResult | None, ref_name: str,
                 depth: int) -> RuleResult:
-    ref_ok = ref is not None and ref.get("status") == STATUS_OK
+    ref_ok = ref is not None and ref.status == STATUS_OK
 
     def ref_missing(what: str) -> str | None:
         if ref is None:
             return f"reference tier {ref_name!r} has no result, so {what} has no reference value"
         if not ref_ok:
-            return f"reference tier {ref_name!r} has status {ref.get('status')}, so {what} has no reference value"
+            return f"reference tier {ref_name!r} has status {ref.status}, so {what} has no reference value"
         return None
 
     if rule == "max_kld_mean":
@@ -274,14 +274,14 @@ def _check_rule(rule: str, t: float, cand: dict, ref: dict | None, ref_name: str
     raise QevalInputError(f"unknown gate rule {rule!r}", field="gate.rules")  # pragma: no cover
 
 
-def evaluate_gate(run: dict | None, tiers: dict[str, dict], gate: GateSpec | dict | None,
+def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateSpec | dict | None,
                   depth: int) -> GateReport:
     """Judge every candidate tier against the gate's rules.
 
     Args:
-        run: ``run.json`` content; only ``run["recipe"]["tiers"]`` is used, for the order
-            of the default candidates (every tier except the reference). May be None.
-        tiers: ``{tier name: tier result dict}``.
+        recipe: a recipe dict; only its ``tiers`` are used, for the order of the default
+            candidates (every tier except the reference). May be None.
+        tiers: ``{tier name: tier result}``.
         gate: the recipe's ``gate`` section (:class:`GateSpec` or its dict form).
         depth: depth in tokens for the memory and speed rules.
 
@@ -299,16 +299,16 @@ def evaluate_gate(run: dict | None, tiers: dict[str, dict], gate: GateSpec | dic
     if spec.candidates is not None:
         names = list(spec.candidates)
     else:
-        names = [n for n in tier_order(run, tiers) if n != ref_name]
+        names = [n for n in tier_order(recipe, tiers) if n != ref_name]
     report = GateReport(reference=ref_name, depth=int(depth), rules=set_rules)
     for name in names:
         cand = tiers.get(name)
-        status = cand.get("status") if cand else None
+        status = cand.status if cand else None
         verdict = CandidateVerdict(tier=name, status=status)
         if cand is None:
             why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"
         elif status != STATUS_OK:
-            err = cand.get("error")
+            err = cand.error
             why = f"tier {name!r} has status {status}" + (f": {err}" if err else "")
             short = f"status {status}"
         else:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, TierResult, get_path
 from .gate import GateReport
 from .pareto import finite, peak_bytes_at, quality_direction, quality_value, users_at_slo_of
 
@@ -90,12 +90,12 @@ def _saved(a: float | None, b: float | None) -> tuple[float | None, float | None
     return a - b, (100.0 * (a - b) / a if a else 0.0)
 
 
-def fallback_ladder(tiers: dict[str, dict], gate_report: GateReport,
+def fallback_ladder(tiers: dict[str, TierResult], gate_report: GateReport,
                     quality_metric: str = "kld_mean") -> Ladder:
     """Build the overload ladder from a gate verdict (see the module docstring).
 
     Args:
-        tiers: ``{tier name: tier result dict}``.
+        tiers: ``{tier name: tier result}``.
         gate_report: from :func:`qeval.analysis.gate.evaluate_gate`; its ``depth`` and
             ``reference`` are used.
         quality_metric: ``kld_mean`` | ``ppl_ratio`` | ``pass_rate``.
@@ -110,7 +110,7 @@ def fallback_ladder(tiers: dict[str, dict], gate_report: GateReport,
     depth = gate_report.depth
     ref = gate_report.reference
     members: list[str] = []
-    if ref in tiers and tiers[ref].get("status") == STATUS_OK:
+    if ref in tiers and tiers[ref].status == STATUS_OK:
         members.append(ref)
     members += [n for n in gate_report.passing if n not in members]
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..errors import QevalInputError
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, TierResult, get_path
 
 QUALITY_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
     # metric name -> (path inside the tier result, direction)
@@ -52,23 +52,23 @@ def finite(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def peak_bytes_at(tier: dict | None, depth: int) -> float | None:
+def peak_bytes_at(tier: TierResult | None, depth: int) -> float | None:
     """Peak memory (bytes) measured at context ``depth`` (tokens), or None."""
     return finite(get_path(tier, "memory", "peak_bytes", str(depth)))
 
 
-def decode_at(tier: dict | None, depth: int) -> float | None:
+def decode_at(tier: TierResult | None, depth: int) -> float | None:
     """Decode speed (tokens/s) after ``depth`` context tokens, or None."""
     return finite(get_path(tier, "speed", str(depth), "decode_tokens_per_s"))
 
 
-def users_at_slo_of(tier: dict | None) -> float | None:
+def users_at_slo_of(tier: TierResult | None) -> float | None:
     """Users at SLO measured by the tier's load sweep (``load.users_at_slo``: the largest
     concurrency meeting both SLO percentiles with nothing refused; qeval.measure.load), or None."""
     return finite(get_path(tier, "load", "users_at_slo"))
 
 
-def quality_value(tier: dict | None, metric: str, *, is_reference: bool = False) -> float | None:
+def quality_value(tier: TierResult | None, metric: str, *, is_reference: bool = False) -> float | None:
     """The quality figure ``metric`` (``kld_mean``, ``ppl_ratio`` or ``pass_rate``) of a tier.
 
     For the reference tier a missing ``kld_mean`` is 0 and a missing ``ppl_ratio`` is 1
@@ -179,12 +179,12 @@ def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
     return no_worse and strictly
 
 
-def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_mean",
+def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str = "kld_mean",
                  reference: str | None = None, speed: str = "decode") -> ParetoResult:
     """Split tiers into the Pareto front, dominated tiers and tiers not compared.
 
     Args:
-        tiers: ``{tier name: tier result dict}`` (as from :func:`qeval.results.load_run`).
+        tiers: ``{tier name: tier result}`` (as from :func:`qeval.results.load_run`).
         depth: context depth in tokens for memory and decode speed.
         quality_metric: ``kld_mean`` | ``ppl_ratio`` | ``pass_rate``.
         reference: name of the reference tier (gets KLD 0 / PPL ratio 1 when missing).
@@ -205,7 +205,7 @@ def pareto_front(tiers: dict[str, dict], depth: int, quality_metric: str = "kld_
     result = ParetoResult(depth=int(depth), quality_metric=quality_metric, speed=speed)
     points: dict[str, tuple[float, float, float]] = {}
     for name, t in tiers.items():
-        status = (t or {}).get("status")
+        status = t.status if t is not None else None
         mem = peak_bytes_at(t, depth)
         dec = decode_at(t, depth)
         users = users_at_slo_of(t)

@@ -35,7 +35,7 @@ from pydantic import TypeAdapter, ValidationError
 from ..errors import QevalInputError
 from ..model_config import ModelShape, model_shape
 from ..recipe import AwqTier, Bf16Tier, GgufTier, GptqTier, Int8Tier, Tier
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, RunInfo, TierResult, get_path
 from ..tiers import get_method
 from ..weight_formats import (FP8_WEIGHT_ONLY, FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format)
 from .capacity import DEFAULT_OVERHEAD_BYTES, LoadCheck, decode_bound, load_vs_formula, max_context, max_sequences
@@ -209,7 +209,7 @@ def default_tiers(shape: ModelShape | None, dtype: str) -> list[PlanTier]:
     return tiers[:4] + fp8 + tiers[4:] + [flat]
 
 
-def measured_users_at_slo(result: dict | None) -> tuple[Any, str] | None:
+def measured_users_at_slo(result: TierResult | None) -> tuple[Any, str] | None:
     """The load stage's users at SLO of a tier result, with what it was measured at:
     ``(users, formula)``, or None when the run has no load figures. This is where the
     measured load point replaces the plan's "not measured" cell."""
@@ -223,19 +223,17 @@ def measured_users_at_slo(result: dict | None) -> tuple[Any, str] | None:
 
 # ---- the plan -----------------------------------------------------------------------------------
 
-def _speed_figures(result: dict) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def _speed_figures(result: TierResult) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     shares, prefill = [], []
-    for d, s in (result.get("speed") or {}).items():
-        if not isinstance(s, dict):
-            continue
+    for d, s in (result.speed or {}).items():
         try:
             depth = int(d)
         except (TypeError, ValueError):
             continue
-        sh = finite(s.get("roofline_share"))
+        sh = finite(s.roofline_share)
         if sh is not None and sh > 0:
             shares.append((depth, sh))
-        pf = finite(s.get("prefill_tokens_per_s"))
+        pf = finite(s.prefill_tokens_per_s)
         if pf is not None and pf > 0:
             prefill.append((depth, pf))
     return sorted(shares), sorted(prefill)
@@ -245,7 +243,7 @@ def _src(*cells: Cell) -> str:
     return MEAS if cells and all(c.source == MEAS for c in cells) else EST
 
 
-def _row(pt: PlanTier, shape: ModelShape | None, result: dict | None, *, budget: int, overhead: int,
+def _row(pt: PlanTier, shape: ModelShape | None, result: TierResult | None, *, budget: int, overhead: int,
          bandwidth: float | None, context: int, users: int, efficiency: tuple[float, float],
          run_device: str) -> PlanRow:
     row = PlanRow(pt.name, pt.method,
@@ -265,9 +263,9 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: dict | None, *, budget:
         row.kv_bytes_per_token = Cell(pt.kv.bytes_per_token(shape), EST,
                                       f"2 x {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} "
                                       f"x {pt.kv.bits:g} bits / 8 ({pt.kv.label})")
-    ok = result is not None and result.get("status") == STATUS_OK
+    ok = result is not None and result.status == STATUS_OK
     if result is not None and not ok:
-        row.notes.append(f"run: status {result.get('status')}" + ("; estimates only" if est else ""))
+        row.notes.append(f"run: status {result.status}" + ("; estimates only" if est else ""))
     if ok:
         w = finite(get_path(result, "memory", "weight_bytes"))
         if w and w > 0:
@@ -332,7 +330,8 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: dict | None, *, budget:
 
 
 def build_plan(*, config: dict | None = None, config_path: str | None = None, tiers: list[PlanTier] | None = None,
-               results: dict[str, dict] | None = None, run_dir: str | None = None, run: dict | None = None,
+               results: dict[str, TierResult] | None = None, run_dir: str | None = None,
+               run: RunInfo | None = None,
                gpu: GpuSpec | None = None, memory_bytes: int | None = None, bandwidth_bytes_per_s: float | None = None,
                usable: float | None = None, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, context: int = 32768,
                users: int = 8, dtype: str | None = None) -> Plan:
@@ -366,8 +365,7 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
     except QevalInputError as e:
         raise QevalInputError(e.message, file=config_path or e.file, field=e.field) from None
     dtype = dtype or (shape.dtype if shape else "bfloat16")
-    run = run or {}
-    run_device = str(run.get("device") or get_path(run, "recipe", "device") or "the run's machine")
+    run_device = str((run.device if run else None) or get_path(run, "recipe", "device") or "the run's machine")
     if memory_bytes is not None:
         mem, mem_src = int(memory_bytes), "--gpu-mem"
     elif gpu is not None:
@@ -391,7 +389,7 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
     elif gpu is not None:
         bw, bw_src = gpu.bandwidth_bytes_per_s, f"--gpu {gpu.key}: {gpu.source}"
     else:
-        rb = finite(run.get("bandwidth_bytes_per_s") or run.get("memory_bandwidth_bytes_per_s"))
+        rb = finite(run.bandwidth_bytes_per_s) if run else None
         if rb and rb > 0:
             bw, bw_src = rb, f"measured on {run_device} by the run (STREAM copy)"
         else:
@@ -401,8 +399,7 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
             specs = _run_tier_specs(run, results)
             tiers = tiers_from_specs(specs, shape, dtype) if specs else []
             named = {t.name for t in tiers}
-            tiers += [PlanTier(n, str(r.get("method") or "-"), str(r.get("engine") or "hf"),
-                               str(r.get("kv_cache") or "model"),
+            tiers += [PlanTier(n, r.method or "-", r.engine or "hf", r.kv_cache or "model",
                                note="tier spec not in run.json: no estimate" if shape is not None else "")
                       for n, r in results.items() if n not in named]
         else:
@@ -419,11 +416,10 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                 overhead_bytes=int(overhead_bytes), bandwidth_bytes_per_s=bw, bandwidth_source=bw_src,
                 context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes,
                 load_checks=load_vs_formula(results or {}, overhead_bytes,  # the run's machine, not the target
-                                            finite(run.get("bandwidth_bytes_per_s")
-                                                   or run.get("memory_bandwidth_bytes_per_s"))))
+                                            finite(run.bandwidth_bytes_per_s) if run else None))
 
 
-def _run_tier_specs(run: dict, results: dict[str, dict]) -> list[Any]:
+def _run_tier_specs(run: RunInfo | None, results: dict[str, TierResult]) -> list[Any]:
     """The recipe tier specs stored in ``run.json`` (validated with the recipe's schema),
     for the tiers that have results, in recipe order; unreadable specs are skipped."""
     adapter = TypeAdapter(Tier)
@@ -438,15 +434,10 @@ def _run_tier_specs(run: dict, results: dict[str, dict]) -> list[Any]:
     return out
 
 
-def run_memory_bytes(run: dict | None) -> int | None:
-    """GPU memory recorded in a ``run.json`` (bytes): ``gpu_memory_bytes``, or
-    ``gpu.total_memory_bytes`` / ``gpu.memory_bytes`` (also under ``host``); None when absent."""
-    for path in (("gpu_memory_bytes",), ("gpu", "total_memory_bytes"), ("gpu", "memory_bytes"),
-                 ("host", "gpu", "total_memory_bytes"), ("host", "gpu", "memory_bytes")):
-        v = finite(get_path(run, *path))
-        if v and v > 0:
-            return int(v)
-    return None
+def run_memory_bytes(run: RunInfo | None) -> int | None:
+    """GPU memory recorded in a ``run.json`` (``gpu_memory_bytes``, bytes); None when absent."""
+    v = finite(run.gpu_memory_bytes) if run is not None else None
+    return int(v) if v and v > 0 else None
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -603,7 +594,7 @@ def read_config(path: str | Path, field_name: str = "--model") -> tuple[dict, Pa
     return cfg, cfg_path
 
 
-def find_config(recipe: Any, run: dict | None) -> Path | None:
+def find_config(recipe: Any, run: RunInfo | None) -> Path | None:
     """A local ``config.json`` for the recipe's (a :class:`qeval.recipe.Recipe`, or None)
     or the run's model: a local model folder, the run's source checkpoint, or the file in
     the Hugging Face cache (never fetched); None when there is none on this machine."""

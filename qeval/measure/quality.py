@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..results import atomic_write_json
+from ..results import RUN_SCOPE, RunLayout, atomic_write_json, read_stage, stage_done
 from .behaviour import summarise_behaviour
 from .fidelity import ROUND, FidelityAccumulator
 from .suites import load_suite, run_checks
@@ -249,11 +249,11 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
     folder, manifest, reused = get_or_build("reference", reference_fields(recipe, ctx),
                                             lambda out: build_reference(recipe, run_dir, ctx, out, progress),
                                             log=progress, remote=storage_for(recipe))
-    out_dir = run_dir / "reference"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("segments.json", "logprobs.npy"):
-        dst = out_dir / name
-        tmp = out_dir / f".{name}.tmp"
+    layout = RunLayout(run_dir)
+    layout.reference_dir.mkdir(parents=True, exist_ok=True)
+    for dst in (layout.reference_segments, layout.reference_logprobs):
+        name = dst.name
+        tmp = dst.with_name(f".{name}.tmp")
         tmp.unlink(missing_ok=True)
         try:
             os.link(folder / name, tmp)  # same file system: no copy of the log-probabilities
@@ -301,9 +301,10 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
 
 
 def _artifact(run_dir: Path, tier: str) -> Path | None:
-    p = run_dir / "stages" / f"{tier}.prepare.json"
-    if p.exists():
-        a = json.loads(p.read_text()).get("artifact")
+    """The tier's prepared artifact folder (None: not prepared, or served from the source)."""
+    layout = RunLayout(run_dir)
+    if stage_done(layout, tier, "prepare"):
+        a = read_stage(layout, tier, "prepare").artifact
         return Path(a) if a else None
     return None
 
@@ -344,10 +345,10 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     method = get_method(spec.method)
     artifact = _artifact(run_dir, tier)
     measured = None
-    mp = run_dir / "stages" / f"{tier}.measure.json"
-    if mp.exists():
-        sp = json.loads(mp.read_text()).get("speed") or {}
-        measured = (sp.get(str(recipe.speed.main_depth)) or {}).get("decode_tokens_per_s")
+    layout = RunLayout(run_dir)
+    if stage_done(layout, tier, "measure"):
+        point = read_stage(layout, tier, "measure").speed.get(str(recipe.speed.main_depth))
+        measured = point.decode_tokens_per_s if point is not None else None
     from ..tiers.base import TierMethod
     has_deq = type(method).load_dequantized is not TierMethod.load_dequantized
     which = choose_quality_engine(recipe, spec, measured, has_deq)
@@ -360,9 +361,8 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
         engine = method.load(spec, ctx, artifact)
     progress(f"quality on the {which} engine ({engine.backend})")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    ref_dir = run_dir / "reference"
-    segments = json.loads((ref_dir / "segments.json").read_text())
-    ref_lp = np.load(ref_dir / "logprobs.npy", mmap_mode="r")
+    segments = json.loads(layout.reference_segments.read_text())
+    ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
     t0 = time.time()
     fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress)
     fid_s = time.time() - t0
@@ -377,8 +377,7 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
             limited.update(ids[: spec_s.limit] if spec_s.limit else ids)
         mine = [s for s in segments if s["item"] in limited]
     else:
-        stop = json.loads((run_dir / "stages" / "_run.reference.json").read_text()).get("stop_ids") or \
-            stop_token_ids(tok, ctx.source_path)
+        stop = read_stage(layout, RUN_SCOPE, "reference").stop_ids or stop_token_ids(tok, ctx.source_path)
         mine = answer_all(engine, tok, stop, load_suites(recipe), recipe.quality.batch_size, progress,
                           limit_items=True)
     beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
@@ -388,9 +387,8 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
         from .lmeval import run_lm_eval
         progress("lm-eval tasks")
         lm_eval = run_lm_eval(engine, tok, [recipe.resolve_path(p) for p in recipe.quality.lm_eval_tasks],
-                              run_dir / "lm_eval_tasks" / tier, recipe.quality.lm_eval_limit)
-    answers_path = run_dir / "answers" / f"{tier}.json"
-    atomic_write_json(answers_path, [{k: s[k] for k in ("item", "turn", "text", "finished", "checks",
+                              layout.lm_eval_tasks(tier), recipe.quality.lm_eval_limit)
+    atomic_write_json(layout.answers(tier), [{k: s[k] for k in ("item", "turn", "text", "finished", "checks",
                                                           "check_details")} for s in mine])
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval}}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.gate import GateReport
-from ..results import atomic_write_json, atomic_write_text
+from ..results import RunLayout, atomic_write_json, atomic_write_text
 from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, SlowPath, TierTable, _analyse, _tables_text,
                    default_budget_bytes, markdown_table, render_report, slow_path_flags, tier_table,
                    write_report, write_tables)
@@ -54,21 +54,21 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
         QevalInputError: not a run folder, malformed JSON, or a recipe section that does
             not validate.
     """
-    d = Path(run_dir)
-    run, a, spec = _analyse(d, recipe_dict)
+    layout = RunLayout(run_dir)
+    run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
     md, csv_text = _tables_text(a, slow)
-    atomic_write_text(d / "table.md", md)
-    atomic_write_text(d / "table.csv", csv_text)
+    atomic_write_text(layout.table_md, md)
+    atomic_write_text(layout.table_csv, csv_text)
     gate_doc = a.gate.to_dict()
     gate_doc["quality_metric"] = a.quality_metric
     gate_doc["pareto"] = a.pareto.to_dict()
     gate_doc["ladder"] = a.ladder.to_dict()
     gate_doc["slow_path"] = {n: s.text for n, s in slow.items()}
-    atomic_write_json(d / "gate.json", gate_doc)
-    atomic_write_text(d / "report.html", render_report(run, a, spec))
+    atomic_write_json(layout.gate_json, gate_doc)
+    atomic_write_text(layout.report_html, render_report(run, a, spec))
     jpath = None
     if junit:
-        jpath = d / "junit.xml" if junit is True else Path(junit)
+        jpath = layout.junit_xml if junit is True else Path(junit)
         write_junit(a.gate, jpath)
-    return Outputs(d / "table.md", d / "table.csv", d / "gate.json", d / "report.html", jpath, a.gate)
+    return Outputs(layout.table_md, layout.table_csv, layout.gate_json, layout.report_html, jpath, a.gate)

@@ -33,7 +33,8 @@ from ..analysis.pareto import GIB, decode_at, finite, peak_bytes_at
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
 from ..errors import QevalInputError
 from ..recipe import ReportSpec
-from ..results import STATUS_OK, atomic_write_text, get_path, load_run
+from ..results import (STATUS_OK, Behaviour, Fidelity, RunInfo, RunLayout, TierResult, atomic_write_text, get_path,
+                       load_run)
 from . import plots
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
@@ -53,7 +54,7 @@ def _gib(v: Any, digits: int = 2) -> str:
     return "-" if x is None else f"{x / GIB:.{digits}f}"
 
 
-def default_budget_bytes(run: dict | None) -> tuple[int, str]:
+def default_budget_bytes(run: RunInfo | None) -> tuple[int, str]:
     """GPU memory for the report's capacity section: ``(bytes, where it came from)``: what
     ``run.json`` records (:func:`qeval.analysis.plan.run_memory_bytes`), else 24 GiB."""
     v = run_memory_bytes(run)
@@ -77,7 +78,7 @@ class SlowPath:
                 f"< {self.fraction:g} x reference {self.reference_tokens_per_s:.3g}")
 
 
-def slow_path_flags(tiers: dict[str, dict], reference: str, depth: int,
+def slow_path_flags(tiers: dict[str, TierResult], reference: str, depth: int,
                     fraction: float = 0.5) -> dict[str, SlowPath]:
     """Tiers whose decode tokens/s at ``depth`` (tokens) is below ``fraction`` x the
     reference's at the same depth. Needs both figures; the reference is never flagged."""
@@ -86,7 +87,7 @@ def slow_path_flags(tiers: dict[str, dict], reference: str, depth: int,
     if ref is None:
         return out
     for name, t in tiers.items():
-        if name == reference or t.get("status") != STATUS_OK:
+        if name == reference or t.status != STATUS_OK:
             continue
         v = decode_at(t, depth)
         if v is not None and v < fraction * ref:
@@ -134,17 +135,17 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
                            f"load_admitted_c{c}"]
     dtype = get_path(a.recipe, "model", "dtype") or "bfloat16"
     for name, t in a.tiers.items():
-        status = t.get("status") or "?"
+        status = t.status
         is_ref = name == a.reference
-        fid = get_path(t, "quality", "fidelity") or {}
-        beh = get_path(t, "quality", "behaviour") or {}
+        fid = get_path(t, "quality", "fidelity") or Fidelity()
+        beh = get_path(t, "quality", "behaviour") or Behaviour()
         bpw = finite(get_path(t, "quant", "bits_per_weight"))
-        if bpw is None and t.get("method") == "bf16" and status == STATUS_OK:
+        if bpw is None and t.method == "bf16" and status == STATUS_OK:
             bpw = _DTYPE_BITS.get(dtype)
-        kld = finite(fid.get("kld_mean"))
-        kld_se = finite(fid.get("kld_se"))
-        ppl = finite(fid.get("ppl_ratio"))
-        top = finite(fid.get("same_top_rate"))
+        kld = finite(fid.kld_mean)
+        kld_se = finite(fid.kld_se)
+        ppl = finite(fid.ppl_ratio)
+        top = finite(fid.same_top_rate)
         if is_ref and status == STATUS_OK:
             kld = 0.0 if kld is None else kld
             ppl = 1.0 if ppl is None else ppl
@@ -155,15 +156,15 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             mark = "-"
         sp = slow.get(name)
         raw: dict[str, Any] = {
-            "tier": name, "status": status, "error": t.get("error"),
+            "tier": name, "status": status, "error": t.error,
             "weights_gib": _r(finite(get_path(t, "memory", "weight_bytes")), GIB),
-            "bits_per_weight": bpw, "backend": t.get("backend"), "kv_cache": t.get("kv_cache"),
+            "bits_per_weight": bpw, "backend": t.backend, "kv_cache": t.kv_cache,
             "kv_bytes_per_token": _whole(finite(get_path(t, "memory", "kv_bytes_per_token"))),
         }
         cells = [name, status, _gib(get_path(t, "memory", "weight_bytes")), _f(bpw, ".2f"),
-                 str(t.get("backend") or "-"), _f(get_path(t, "memory", "kv_bytes_per_token"), ",.0f")]
+                 str(t.backend or "-"), _f(get_path(t, "memory", "kv_bytes_per_token"), ",.0f")]
         eager_gpu = eager_gpu_decode(t)
-        raw["decode_mode"] = t.get("decode_mode")
+        raw["decode_mode"] = t.decode_mode
         for d in depths:
             peak = peak_bytes_at(t, d)
             ttft = finite(get_path(t, "speed", str(d), "ttft_s"))
@@ -173,16 +174,16 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
                         f"decode_tokens_per_s_{d}": dec, f"roofline_share_{d}": roof})
             dec_cell = _f(dec, ".3g") + (" eager" if eager_gpu and dec is not None else "")
             cells += [_gib(peak), _f(ttft, ".3g"), dec_cell, _f(roof, ".0f", 100)]
-        pr, lo, hi = (finite(beh.get(k)) for k in ("pass_rate", "pass_ci_low", "pass_ci_high"))
-        flip = finite(beh.get("flip_rate"))
-        p2f, f2p = beh.get("flips_pass_to_fail"), beh.get("flips_fail_to_pass")
-        budget = finite(beh.get("budget_exhausted_rate"))
+        pr, lo, hi = finite(beh.pass_rate), finite(beh.pass_ci_low), finite(beh.pass_ci_high)
+        flip = finite(beh.flip_rate)
+        p2f, f2p = beh.flips_pass_to_fail, beh.flips_fail_to_pass
+        budget = finite(beh.budget_exhausted_rate)
         raw.update({"kld_mean": kld, "kld_se": kld_se, "same_top_rate": top, "ppl_ratio": ppl,
                     "pass_rate": pr, "pass_ci_low": lo, "pass_ci_high": hi, "flip_rate": flip,
                     "flips_pass_to_fail": p2f, "flips_fail_to_pass": f2p, "budget_exhausted_rate": budget,
                     "pareto": mark, "slow_path": bool(sp)})
         kld_cell = "-" if kld is None else (f"{kld:.4f}" + (f" ± {kld_se:.4f}" if kld_se is not None else ""))
-        if is_ref and status == STATUS_OK and fid.get("kld_mean") is None:
+        if is_ref and status == STATUS_OK and fid.kld_mean is None:
             kld_cell = "0 (reference)"
         pass_cell = "-" if pr is None else (f"{100 * pr:.1f}" + (
             f" [{100 * lo:.1f}, {100 * hi:.1f}]" if lo is not None and hi is not None else ""))
@@ -197,18 +198,18 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             mine, theirs = (finite(get_path(x, "speed", str(d), "ttft_s")) for x in (t, a.tiers[base]))
             if mine and theirs:
                 notes.append(f"int8 KV adds {100 * (mine / theirs - 1):+.0f}% prefill time vs {base} @{d}")
-            fa, fa_base = t.get("flash_attn"), a.tiers[base].get("flash_attn")
+            fa, fa_base = t.flash_attn, a.tiers[base].flash_attn
             if fa is not None and fa_base is not None and bool(fa) != bool(fa_base):
                 notes.append(f"flash attention {'on' if fa else 'off'} here, {'on' if fa_base else 'off'} in {base}: "
                              "the comparison with it mixes two changes")
-            dm, dm_base = t.get("decode_mode"), a.tiers[base].get("decode_mode")
+            dm, dm_base = t.decode_mode, a.tiers[base].decode_mode
             if dm and dm_base and dm != dm_base:  # int8 KV cannot be compiled: eager beside a static twin
                 notes.append(f"decode {dm} here, {dm_base} in {base}: the comparison with it mixes two changes")
         if eager_gpu:
             notes.append("eager decode on the GPU (dynamic cache, no torch.compile): bound by kernel launches, "
                          "not bandwidth")
-        if t.get("decode_note"):
-            notes.append(str(t["decode_note"]))
+        if t.decode_note:
+            notes.append(str(t.decode_note))
         fb = get_path(t, "quant", "fallback_tensors")
         if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
             types = get_path(t, "quant", "tensor_types") or {}
@@ -216,14 +217,14 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
             kinds = ", ".join(f"{k} ×{v}" for k, v in (get_path(t, "quant", "fallbacks") or {}).items())
             notes.append(f"{fb}{f' of {n_q}' if n_q else ''} quantized tensors fell back from the nominal type"
                          + (f" ({kinds})" if kinds else ""))
-        if status != STATUS_OK and t.get("error"):
-            notes.append(str(t["error"]))
+        if status != STATUS_OK and t.error:
+            notes.append(str(t.error))
         q_engine = get_path(t, "quality", "engine")
         lm = get_path(t, "quality", "lm_eval") or {}
         lm_cell = "; ".join(f"{task} {k} {v:.3f}" for task, ms in lm.items() if isinstance(ms, dict)
                             for k, v in ms.items()) or ("skipped" if "skipped" in lm else "-")
         raw.update({"quality_engine": q_engine, "lm_eval": lm_cell if lm else None})
-        load = t.get("load") or {}
+        load = t.load or {}
         users = finite(load.get("users_at_slo"))
         raw.update({"load_depth": load.get("depth"), "load_scheduling": ",".join(load.get("scheduling") or []) or None,
                     "users_at_slo": _whole(users), "load_max_decode_tokens_per_s": finite(load.get("max_decode_tokens_per_s")),
@@ -249,13 +250,13 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
     return tab
 
 
-def eager_gpu_decode(t: dict) -> bool:
+def eager_gpu_decode(t: TierResult) -> bool:
     """True for a transformers tier whose decode figures were measured eagerly on CUDA
     (launch-bound there: the table marks them "eager")."""
-    return t.get("device") == "cuda" and t.get("engine") == "hf" and t.get("decode_mode") == "eager"
+    return t.device == "cuda" and t.engine == "hf" and t.decode_mode == "eager"
 
 
-def load_concurrencies(tiers: dict[str, dict]) -> list[int]:
+def load_concurrencies(tiers: dict[str, TierResult]) -> list[int]:
     """Every concurrency any tier's load sweep recorded, ascending."""
     return sorted({int(p["concurrency"]) for t in tiers.values() for p in get_path(t, "load", "points") or []})
 
@@ -264,7 +265,7 @@ LOAD_HEADERS = ["tier", "scheduling", "streams", "decode tok/s", "gain", "req/s"
                 "ITL p50/p95/p99 s", "e2e p50/p95 s", "goodput tok/s", "peak GiB", "KV GiB at peak", "SLO"]
 
 
-def load_table(tiers: dict[str, dict]) -> list[list[str]]:
+def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
     """Rows of the load table: one per tier and concurrency (``LOAD_HEADERS``); a point not
     admitted shows the reason; a failed sweep one row with its error."""
     def trio(d: Any, keys: tuple[str, ...]) -> str:
@@ -272,7 +273,7 @@ def load_table(tiers: dict[str, dict]) -> list[list[str]]:
 
     rows = []
     for name, t in tiers.items():
-        load = t.get("load") or {}
+        load = t.load or {}
         if load.get("error"):
             rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {load['error']}"])
             continue
@@ -292,9 +293,9 @@ def load_table(tiers: dict[str, dict]) -> list[list[str]]:
     return rows
 
 
-def load_caption(tiers: dict[str, dict]) -> str | None:
+def load_caption(tiers: dict[str, TierResult]) -> str | None:
     """One line saying what the load table measured (depth, tokens, SLO), from the first sweep."""
-    load = next((t.get("load") for t in tiers.values() if (t.get("load") or {}).get("points")), None)
+    load = next((t.load for t in tiers.values() if (t.load or {}).get("points")), None)
     if not load:
         return None
     slo = load.get("slo") or {}
@@ -305,15 +306,14 @@ def load_caption(tiers: dict[str, dict]) -> str | None:
             "tokens of requests within the SLO / run time (qeval.measure.load).")
 
 
-def _kv_base_tier(tiers: dict[str, dict], name: str) -> str | None:
+def _kv_base_tier(tiers: dict[str, TierResult], name: str) -> str | None:
     """For an int8-KV tier, the tier with the same spec and the model's KV cache (or None)."""
-    t = tiers[name]
-    spec = dict(t.get("spec") or {})
+    spec = dict(tiers[name].spec)
     if spec.get("kv_cache") != "int8":
         return None
     want = {k: v for k, v in spec.items() if k not in ("name", "kv_cache", "flash_attn")}
     for other, o in tiers.items():
-        os_ = dict(o.get("spec") or {})
+        os_ = dict(o.spec)
         if other != name and os_.get("kv_cache", "model") == "model" and \
                 {k: v for k, v in os_.items() if k not in ("name", "kv_cache", "flash_attn")} == want:
             return other
@@ -337,7 +337,7 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[dict, RunAnalysis, ReportSpec]:
+def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, RunAnalysis, ReportSpec]:
     run, tiers = load_run(run_dir)
     a = analyse_run(run, tiers, recipe_dict)
     spec = validate_section(ReportSpec, a.recipe.get("report"), "report")
@@ -355,10 +355,10 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     if lrows:
         md += ["## Load: users at SLO", "", load_caption(a.tiers) or "", "",
                markdown_table(LOAD_HEADERS, lrows)]
-    unfinished = [(n, t) for n, t in a.tiers.items() if t.get("status") != STATUS_OK]
+    unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
-        md += [f"- `{n}`: {t.get('status')}: {t.get('error') or 'no error recorded'}" for n, t in unfinished]
+        md += [f"- `{n}`: {t.status}: {t.error or 'no error recorded'}" for n, t in unfinished]
         md.append("")
     md.append(f"Gate: {'PASS' if a.gate.passed else 'FAIL'} "
               f"({', '.join(f'{c.tier} {c.verdict}' for c in a.gate.candidates) or 'no candidates'}).")
@@ -384,13 +384,13 @@ def write_tables(run_dir: str | Path, recipe_dict: dict | None = None) -> tuple[
         QevalInputError: not a run folder, malformed JSON, or a recipe section that does
             not validate.
     """
-    d = Path(run_dir)
-    run, a, spec = _analyse(d, recipe_dict)
+    layout = RunLayout(run_dir)
+    run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
     md, csv_text = _tables_text(a, slow)
-    atomic_write_text(d / "table.md", md)
-    atomic_write_text(d / "table.csv", csv_text)
-    return d / "table.md", d / "table.csv"
+    atomic_write_text(layout.table_md, md)
+    atomic_write_text(layout.table_csv, csv_text)
+    return layout.table_md, layout.table_csv
 
 
 # ---- HTML ---------------------------------------------------------------------------------
@@ -424,6 +424,8 @@ figcaption{font-size:12px;color:#5a6270}
 </style></head><body><main>
 <h1>qeval report: {{ name }}</h1>
 <p class="meta">model <code>{{ model }}</code> · {{ created }} · device {{ device }} · threads {{ threads }}<br>
+CPU {{ cpu }} ({{ cpu_count }} cores) · GPU {{ gpu }}{% if bandwidth %} · memory bandwidth {{ '%.1f'|format(bandwidth / 1e9) }} GB/s{% endif %}{% if commit %} · qeval commit <code>{{ commit[:12] }}</code>{% endif %}<br>
+versions {% for k, v in versions %}<code>{{ k }} {{ v }}</code>{% if not loop.last %}, {% endif %}{% endfor %}<br>
 decisions at depth <b>{{ depth }}</b> tokens · quality metric <code>{{ quality_metric }}</code> ·
 reference <code>{{ reference }}</code> · gate
 <span class="badge {{ 'pass' if gate_passed else 'fail' }}">{{ 'PASS' if gate_passed else 'FAIL' }}</span>
@@ -525,7 +527,7 @@ def _data_uri(png: bytes | None) -> str | None:
     return None if png is None else "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
+def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
                   budget_bytes: int | None = None, users: int = DEFAULT_USERS,
                   overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> str:
     """The HTML text of the report for an analysed run (see :func:`write_report`)."""
@@ -588,29 +590,31 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
     tab = tier_table(a, slow)
     row_cls = []
     for name, t in a.tiers.items():
-        if t.get("status") != STATUS_OK:
+        if t.status != STATUS_OK:
             row_cls.append("notok")
         else:
             row_cls.append("front" if name in a.pareto.front else "")
     n_speed = 6 + 4 * len(a.depths)
     rows = []
     for (name, t), r, c in zip(a.tiers.items(), tab.rows, row_cls):
-        build = r[:5] + [str(t.get("kv_cache") or "-"), r[5],
-                         "" if t.get("status") == STATUS_OK else str(t.get("error") or "")]
+        build = r[:5] + [str(t.kv_cache or "-"), r[5], "" if t.status == STATUS_OK else str(t.error or "")]
         quality = r[:1] + r[n_speed:-1] + [slow[name].text if name in slow else ""]
         rows.append({"build": build, "speed": r[:1] + r[6:n_speed], "quality": quality, "cls": c})
-    unfinished = [{"name": n, "status": t.get("status"), "error": t.get("error") or "no error recorded",
-                   "log_tail": t.get("log_tail")} for n, t in a.tiers.items() if t.get("status") != STATUS_OK]
-    host = run.get("host") if isinstance(run.get("host"), dict) else {}
-    device = a.recipe.get("device") or "?"
-    if host.get("cpu"):
-        device += f" ({host['cpu']}" + (f", GPU {host['gpu']}" if host.get("gpu") else "") + ")"
+    unfinished = [{"name": n, "status": t.status, "error": t.error or "no error recorded",
+                   "log_tail": t.log_tail} for n, t in a.tiers.items() if t.status != STATUS_OK]
+    device = run.device or a.recipe.get("device") or "?"
+    gpu = run.gpu or "none"
+    if run.gpu_memory_bytes:
+        gpu += f" ({run.gpu_memory_bytes / GIB:.1f} GiB)"
+    versions = [(k, v) for k, v in run.versions.items() if v]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(_TEMPLATE).render(
         name=a.recipe.get("name", "run"),
         model=get_path(a.recipe, "model", "source") or get_path(a.recipe, "model", "gguf_package") or "?",
-        created=run.get("started_at") or run.get("created_utc") or "time not recorded",
-        device=device, threads=a.recipe.get("threads", "?"), depth=a.depth,
+        created=run.started_at or "time not recorded",
+        device=device, cpu=run.cpu or "not recorded", cpu_count=run.cpu_count or "?", gpu=gpu,
+        versions=versions, commit=run.qeval_commit, bandwidth=run.bandwidth_bytes_per_s,
+        threads=a.recipe.get("threads", "?"), depth=a.depth,
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
         pareto_speed=a.pareto.speed,
         reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
@@ -626,7 +630,7 @@ def render_report(run: dict, a: RunAnalysis, spec: ReportSpec | None = None,
     )
 
 
-def _capacity_plan(run: dict, a: RunAnalysis, memory_bytes: int, memory_src: str, context: int, users: int,
+def _capacity_plan(run: RunInfo, a: RunAnalysis, memory_bytes: int, memory_src: str, context: int, users: int,
                    overhead_bytes: int):
     """The ``qeval plan`` of the run's tiers for the report (see the module doc)."""
     cfg = cfg_path = None
@@ -673,11 +677,11 @@ def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,
         QevalInputError: not a run folder, malformed JSON, or a recipe section that does
             not validate.
     """
-    d = Path(run_dir)
-    run, a, spec = _analyse(d, recipe_dict)
+    layout = RunLayout(run_dir)
+    run, a, spec = _analyse(layout.root, recipe_dict)
     text = render_report(run, a, spec, budget_bytes=budget_bytes, users=users, overhead_bytes=overhead_bytes)
-    atomic_write_text(d / "report.html", text)
-    return d / "report.html"
+    atomic_write_text(layout.report_html, text)
+    return layout.report_html
 
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "SlowPath", "TierTable", "default_budget_bytes",

@@ -73,7 +73,7 @@ def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str | None, cont
     over = parse_size(overhead, field="--overhead")
     bw = parse_bandwidth(bandwidth, field="--bandwidth") if bandwidth is not None else None
     g = find_gpu(gpu) if gpu is not None else None
-    run, results = ({}, None)
+    run, results = (None, None)
     if run_dir is not None:
         run, results = load_run(run_dir)
     rec = None

@@ -9,7 +9,7 @@ import io
 import re
 
 from ..analysis.pareto import GIB, ParetoResult, decode_at
-from ..results import STATUS_OK, get_path
+from ..results import STATUS_OK, TierResult, get_path
 
 _DPI = 100
 _SIZE = (8.0, 4.6)  # inches
@@ -74,12 +74,12 @@ def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
     return _png(fig)
 
 
-def decode_vs_depth_png(tiers: dict[str, dict], depths: list[int]) -> bytes | None:
+def decode_vs_depth_png(tiers: dict[str, TierResult], depths: list[int]) -> bytes | None:
     """Decode tokens/s (y) against context depth (x, tokens, log scale) per ok tier."""
     series = {}
     color_of = {n: _color(i) for i, n in enumerate(tiers)}
     for name, t in tiers.items():
-        if t.get("status") != STATUS_OK:
+        if t.status != STATUS_OK:
             continue
         pts = [(d, decode_at(t, d)) for d in depths]
         pts = [(d, v) for d, v in pts if v is not None]
@@ -108,14 +108,14 @@ def _bucket_start(label: str) -> float:
     return float(m.group(1)) if m else float("inf")
 
 
-def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
+def kld_by_bucket_png(tiers: dict[str, TierResult]) -> bytes | None:
     """KLD mean (nats) per position bucket inside long outputs
     (``quality.fidelity.kld_by_bucket``), one line per ok tier; buckets ordered by start."""
     series: dict[str, dict[str, float]] = {}
     color_of = {n: _color(i) for i, n in enumerate(tiers)}
     for name, t in tiers.items():
         b = get_path(t, "quality", "fidelity", "kld_by_bucket")
-        if t.get("status") == STATUS_OK and isinstance(b, dict):
+        if t.status == STATUS_OK and isinstance(b, dict):
             vals = {k: float(v) for k, v in b.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if vals:
                 series[name] = vals
@@ -138,7 +138,7 @@ def kld_by_bucket_png(tiers: dict[str, dict]) -> bytes | None:
     return _png(fig)
 
 
-def _load_series(tiers: dict[str, dict], key: tuple[str, ...]) -> tuple[dict, dict, dict]:
+def _load_series(tiers: dict[str, TierResult], key: tuple[str, ...]) -> tuple[dict, dict, dict]:
     """Per ok tier with a load sweep: ``{tier: [(concurrency, value)]}`` of admitted points,
     ``{tier: [concurrency not admitted]}`` and ``{tier: colour}``."""
     color_of = {n: _color(i) for i, n in enumerate(tiers)}
@@ -146,7 +146,7 @@ def _load_series(tiers: dict[str, dict], key: tuple[str, ...]) -> tuple[dict, di
     refused: dict[str, list] = {}
     for name, t in tiers.items():
         pts = get_path(t, "load", "points") or []
-        if t.get("status") != STATUS_OK or not pts:
+        if t.status != STATUS_OK or not pts:
             continue
         ok = [(int(p["concurrency"]), get_path(p, *key)) for p in pts if p.get("admitted")]
         ok = [(c, float(v)) for c, v in ok if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -167,7 +167,7 @@ def _concurrency_axis(ax, series: dict, refused: dict) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def load_throughput_png(tiers: dict[str, dict]) -> bytes | None:
+def load_throughput_png(tiers: dict[str, TierResult]) -> bytes | None:
     """Aggregate decode tokens/s (y) against concurrency (x, log2), one line per tier with
     a load sweep; a point not admitted is an ``x`` on the x axis."""
     series, refused, color_of = _load_series(tiers, ("decode_tokens_per_s",))
@@ -188,7 +188,7 @@ def load_throughput_png(tiers: dict[str, dict]) -> bytes | None:
     return _png(fig)
 
 
-def load_latency_png(tiers: dict[str, dict], slo: dict | None) -> bytes | None:
+def load_latency_png(tiers: dict[str, TierResult], slo: dict | None) -> bytes | None:
     """TTFT p95 (left) and ITL p95 (right) in seconds against concurrency (log2), one line
     per tier with a load sweep; the recipe's SLO drawn as a dashed line on each."""
     ttft, refused, color_of = _load_series(tiers, ("ttft_s", "p95"))
