@@ -18,7 +18,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
                       field_validator, model_validator)
 
+from .engines import engine_names
 from .errors import QevalInputError
+from .tiers import get_method
 
 TIER_METHODS = ("bf16", "int8", "gptq", "awq", "gguf")
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -53,6 +55,8 @@ class _TierBase(_Strict):
     kv_cache: Literal["model", "int8"] = Field(
         "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
     quality_engine: Literal["auto", "real", "dequantized"] | None = None
+    engine: str | None = Field(None, description="the engine that serves the tier (hf: transformers, "
+                               "llamacpp: llama.cpp); default: the method's own")
 
     @field_validator("name")
     @classmethod
@@ -498,8 +502,8 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
         loc = _clean_loc(tuple(err["loc"]), data)
         if err.get("type") == "union_tag_not_found":  # no 'method': a misspelled key is the likelier cause
             tier = _get(data, loc)
-            known = {"name", "method", "kv_cache", "quality_engine", "backend", "bits", "group_size", "sym",
-                     "desc_act", "type", "flash_attn", "decode"}
+            known = {"name", "method", "kv_cache", "quality_engine", "engine", "backend", "bits", "group_size",
+                     "sym", "desc_act", "type", "flash_attn", "decode"}
             unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []
             if unknown:
                 loc = loc + (unknown[0],)
@@ -521,6 +525,9 @@ def _cross_checks(recipe: Recipe) -> None:
     for i, n in enumerate(names):
         if n in names[:i]:
             raise recipe.error(("tiers", i, "name"), f"duplicate tier name {n!r}")
+    for i, t in enumerate(recipe.tiers):
+        if t.engine is not None:
+            _check_engine(recipe, i, t)
     snames = [s.name for s in recipe.suites]
     for i, n in enumerate(snames):
         if n in snames[:i]:
@@ -557,6 +564,29 @@ def check_context(recipe: Recipe, max_context: int | None) -> None:
         where = ("load", "depth") if ld.depth is not None else ("speed", "main_depth")
         raise recipe.error(where, f"load depth {recipe.load_depth} + output_tokens {ld.output_tokens} exceeds the "
                                   f"model's maximum context of {max_context} tokens")
+
+
+def _check_engine(recipe: Recipe, i: int, spec: Any) -> None:
+    """The tier's ``engine:`` is a registered engine that can serve its method."""
+    if spec.engine not in engine_names():
+        raise recipe.error(("tiers", i, "engine"), f"unknown engine {spec.engine!r} (known: {', '.join(engine_names())})")
+    method = get_method(spec.method)
+    if method is not None and spec.engine not in method.engines():
+        raise recipe.error(("tiers", i, "engine"), f"engine {spec.engine!r} cannot serve method {spec.method} "
+                                                   f"(engines for {spec.method}: {', '.join(method.engines())})")
+
+
+#: Tier fields added after fingerprints and reference keys existed: left out of them while
+#: at their default, so a recipe that does not set them keeps its fingerprints and keys.
+LATER_TIER_FIELDS = ("engine",)
+
+
+def stable_tier_dict(spec: dict | None) -> dict | None:
+    """A tier spec's dict (``model_dump(mode="json")``) as fingerprints and the reference
+    key hash it: :data:`LATER_TIER_FIELDS` dropped while None."""
+    if spec is None:
+        return None
+    return {k: v for k, v in spec.items() if not (k in LATER_TIER_FIELDS and v is None)}
 
 
 def load_recipe(path: str | Path) -> Recipe:

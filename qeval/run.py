@@ -24,8 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .errors import EXIT_BAD_INPUT, QevalInputError
-from .recipe import Recipe, TIER_METHODS, check_context
+from .errors import QevalInputError
+from .recipe import Recipe, check_context, stable_tier_dict
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
                       RunInfo, RunLayout, TierResult, read_run_info, read_stage, read_stage_error, stage_done,
                       write_run_info, write_tier_result)
@@ -63,9 +63,9 @@ def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
     spec = next((t for t in recipe_dict["tiers"] if t["name"] == tier), None)
     keep = {k: recipe_dict.get(k) for k in ("model", "device", "threads", "speed", "calibration", "suites",
                                             "quality")}
-    keep["tier"] = spec
-    keep["reference"] = next((t for t in recipe_dict["tiers"]
-                              if t["name"] == recipe_dict["gate"]["reference"]), None)
+    keep["tier"] = stable_tier_dict(spec)
+    keep["reference"] = stable_tier_dict(next((t for t in recipe_dict["tiers"]
+                                               if t["name"] == recipe_dict["gate"]["reference"]), None))
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -577,7 +577,7 @@ _BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6}
 _TRANSIENT_DTYPE_COPIES = {"gptq": 1.0, "awq": 1.0, "gguf": 1.0}
 # Spec fields that are engine settings, not part of the artifact (two tiers differing only in
 # them share one artifact, e.g. a GGUF file with and without the int8 KV cache).
-_ENGINE_ONLY_FIELDS = ("name", "kv_cache", "flash_attn", "quality_engine", "decode")
+_ENGINE_ONLY_FIELDS = ("name", "kv_cache", "flash_attn", "quality_engine", "decode", "engine")
 LOGPROB_BYTES = 2  # reference/logprobs.npy is float16 (measure/fidelity.py ROUND)
 
 

@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .engines import get_engine
 from .errors import QevalInputError, TierUnavailable
 from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
 
@@ -139,21 +140,23 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
             "info": manifest.get("info", {})}
 
 
-def _peak_counters(engine_kind: str, device: str, baseline: int | None):
+def _peak_counters(memory_counter: str, device: str, baseline: int | None):
     """The peak-memory counter of a tier, created *before* its model loads (so no baseline
     holds weights): ``(counter, notes)``.
 
-    CPU: VmHWM less ``baseline``. CUDA, transformers: ``torch.cuda.max_memory_allocated``
-    with NVML's per-process figure beside it when NVML is there (``notes["nvml"]`` says why
-    not otherwise). CUDA, llama.cpp (outside torch): NVML only; without it the tier stops
-    (:class:`~qeval.errors.TierUnavailable`, saying what to install).
+    ``memory_counter`` is the engine's :attr:`~qeval.engines.base.Capabilities.memory_counter`.
+    CPU: VmHWM less ``baseline``. CUDA, an engine in torch (transformers):
+    ``torch.cuda.max_memory_allocated`` with NVML's per-process figure beside it when NVML is
+    there (``notes["nvml"]`` says why not otherwise). CUDA, an engine outside torch
+    (llama.cpp): NVML only; without it the tier stops (:class:`~qeval.errors.TierUnavailable`,
+    saying what to install).
     """
     from .errors import TierUnavailable
     from .measure.memory import PeakMemory
     from .measure.nvml import NvmlMemory, PairedPeak
     if device != "cuda":
         return PeakMemory(device, baseline), {}
-    if engine_kind != "hf":
+    if memory_counter != "torch":
         return PeakMemory("nvml"), {}
     try:
         return PairedPeak(PeakMemory("cuda"), NvmlMemory()), {}
@@ -166,7 +169,7 @@ def decode_tokens_for(spec, engine, decode_tokens: int) -> int:
     quantized KV cache that re-quantizes every ``residual_length`` tokens (transformers'
     ``QuantizedCache``, HQQ) to whole periods plus one (``k * residual_length + 1``), so the
     decode figure carries its periodic re-quantization at its real rate."""
-    period = getattr(engine, "kv_requant_period", None)
+    period = engine.kv_requant_period
     if not period:
         return decode_tokens
     k = max(1, -(-(decode_tokens - 1) // period))
@@ -192,16 +195,18 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     prep = read_stage(layout, tier, "prepare")
     artifact = Path(prep.artifact) if prep.artifact else None
     runtime = method.prepare_runtime(spec, ctx, artifact)  # e.g. gptqmodel's CUDA kernels built: not load time
-    peak, mem_notes = _peak_counters(method.engine, device, baseline)
+    counter = get_engine(method.engine_name(spec)).capabilities.memory_counter  # before the model loads
+    peak, mem_notes = _peak_counters(counter, device, baseline)
     peak.reset()
     _progress(f"loading {tier}")
     t0 = time.time()
     engine = method.load(spec, ctx, artifact)
     load_s = time.time() - t0
-    engine_device = getattr(engine, "device", device)
-    if engine_device != device:  # never measure one device and label it another
+    if engine.device != device:  # never measure one device and label it another
         raise TierUnavailable(f"tier {tier} asked for {device} but its engine ({engine.backend}) runs on "
-                              f"{engine_device}")
+                              f"{engine.device}")
+    if not engine.capabilities.generate:
+        raise RuntimeError(f"the {engine.name} engine cannot generate: the speed sweep needs timed decoding")
     after_load = peak.read()
     quant = method.quant_info(spec, ctx, artifact, engine)
     weight_bytes = quant.get("stored_bytes")
@@ -233,9 +238,8 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
             c.close()
     return {
         "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
-        "kv_cache": spec.kv_cache, "flash_attn": getattr(engine, "flash_attn", None),
-        "decode_mode": getattr(engine, "decode_mode", None), "decode_note": getattr(engine, "decode_note", None),
-        "sampling": getattr(engine, "sampling", None),
+        "kv_cache": spec.kv_cache, "flash_attn": engine.flash_attn,
+        "decode_mode": engine.decode_mode, "decode_note": engine.decode_note, "sampling": engine.sampling,
         "decode_tokens": n_decode,
         "load_seconds": load_s, "runtime": runtime,
         "quant": quant,

@@ -46,7 +46,7 @@ def _spec(**kw) -> GgufTier:
 def test_check_accepts_llama_cpp_types_case_insensitively():
     from qeval.tiers import get_method
     m = get_method("gguf")
-    assert m.engine == "llamacpp"
+    assert m.default_engine == "llamacpp" and m.artifact_format == "gguf"
     assert m.check(_spec(type="q4_k_m"), _ctx()) == {"type": "Q4_K_M", "ftype": 15}
     for t in ("Q8_0", "Q5_K_S", "Q6_K", "F16", "IQ4_XS"):
         assert m.check(_spec(type=t), _ctx())["type"] == t

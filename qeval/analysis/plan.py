@@ -176,7 +176,7 @@ def tiers_from_specs(specs: list[Any], shape: ModelShape | None, dtype: str) -> 
     for spec in specs:
         m = get_method(spec.method)
         kv_kind = getattr(spec, "kv_cache", "model") or "model"
-        pt = PlanTier(spec.name, spec.method, getattr(m, "engine", "hf") if m else "hf", kv_kind)
+        pt = PlanTier(spec.name, spec.method, m.engine_name(spec) if m else "hf", kv_kind)
         if m is None:
             pt.note = f"no tier module for method {spec.method!r}"
         elif shape is not None:

@@ -1,15 +1,18 @@
 """The Engine interface: score, generate, memory (kept as small as lm-evaluation-harness's
 model interface). Implementations: :mod:`qeval.engines.hf` (transformers) and
-:mod:`qeval.engines.llamacpp` (llama-cpp-python).
+:mod:`qeval.engines.llamacpp` (llama-cpp-python), found by :mod:`qeval.engines`.
 
 Every engine takes and returns token ids from the source model's Hugging Face tokenizer,
-so every tier scores the very same tokens.
+so every tier scores the very same tokens. An engine says what it can do in
+:class:`Capabilities` and which artifact formats it opens (``formats``, :meth:`Engine.open`);
+callers read those instead of probing engine names or attributes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 import time
-from typing import Callable, Iterator, Protocol, Sequence
+from pathlib import Path
+from typing import Callable, ClassVar, Iterator, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -56,17 +59,94 @@ class MemoryInfo:
     details: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do.
+
+    Attributes:
+        score: :meth:`Engine.iter_logprobs` (teacher-forced log-probabilities): fidelity needs it.
+        generate: :meth:`Engine.generate` with per-token timings: the speed sweep needs it.
+        batch: ``generate_batch(prompts, max_new_tokens, stop_ids=, pad_id=)``, several
+            answers at once without timings: free-running answers use it when present.
+        memory_counter: where the engine's memory shows: ``"torch"`` (torch's allocator:
+            ``torch.cuda.max_memory_allocated`` on CUDA, the process's VmHWM on CPU) or
+            ``"process"`` (outside torch: VmHWM on CPU, NVML device memory on CUDA).
+        kv_bytes: after :meth:`Engine.generate`, ``last_cache_bytes`` holds the bytes of the
+            KV cache it filled (the sweep's KV bytes per token come from it).
+        lm_eval: ``engine.model`` is a transformers model lm-evaluation-harness's HFLM wraps.
+    """
+    score: bool = True
+    generate: bool = True
+    batch: bool = False
+    memory_counter: Literal["torch", "process"] = "torch"
+    kv_bytes: bool = True
+    lm_eval: bool = False
+
+
+@dataclass
+class EngineOptions:
+    """How a tier asks an engine to open its artifact.
+
+    Attributes:
+        device: "cpu" or "cuda" (resolved).
+        dtype: source dtype name ("bfloat16").
+        threads: CPU threads for engines that take a count (llama.cpp).
+        kv_cache: "model" (the engine's default) or "int8".
+        flash_attn: True/False, or None for the engine's default.
+        trust_remote_code: from the recipe.
+        backend: a label for the kernel that runs the weights (None: the engine's own).
+        decode: the transformers engine's timed decode loop (``auto``, ``eager``, ``static``;
+            :func:`qeval.engines.hf.resolve_decode_mode`); other engines have one loop.
+    """
+    device: str
+    dtype: str = "bfloat16"
+    threads: int = 1
+    kv_cache: str = "model"
+    flash_attn: bool | None = None
+    trust_remote_code: bool = False
+    backend: str | None = None
+    decode: str = "auto"
+
+
 class Engine(Protocol):
     """A loaded model that qeval measures.
 
     Attributes:
-        name: "hf" or "llamacpp".
+        name: the registry name (``hf``, ``llamacpp``); the recipe's ``engine:``.
+        formats: artifact formats :meth:`open` takes (``hf``: a transformers checkpoint
+            folder; ``gguf``: a folder holding one GGUF file, or the file).
+        capabilities: what the engine can do (:class:`Capabilities`).
         backend: the kernel/backend that runs the weights (e.g. ``torch-bf16``, ``torchao-int8``).
+        device: where the weights run ("cpu" or "cuda"; may differ from the one asked for).
+        flash_attn: whether flash attention is on (None: the engine has no such switch).
         vocab_size: width of the distributions :meth:`iter_logprobs` yields.
+        decode_mode: the timed decode loop as run (``eager``/``static``; None: one loop only).
+        decode_note: why a decode is slow or fell back (None: nothing to say).
+        sampling: ``{"decode": "argmax", "ignored_file_defaults": {...}}``: the model's
+            sampling defaults qeval set aside.
+        kv_requant_period: tokens between re-quantizations of a quantized KV cache (None:
+            never re-quantized), so the speed sweep times whole periods.
     """
-    name: str
+    name: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]]
+    capabilities: ClassVar[Capabilities]
     backend: str
+    device: str
+    flash_attn: bool | None
     vocab_size: int
+    decode_mode: str | None
+    decode_note: str | None
+    sampling: dict | None
+    kv_requant_period: int | None
+
+    @classmethod
+    def open(cls, fmt: str, path: Path, options: EngineOptions) -> "Engine":
+        """Load the artifact at ``path`` (format ``fmt``, one of :attr:`formats`).
+
+        Raises:
+            ValueError: a format this engine does not open.
+        """
+        ...
 
     def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
                       first: int = 0) -> Iterator[tuple[int, np.ndarray]]:

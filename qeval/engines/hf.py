@@ -30,11 +30,12 @@ would otherwise apply); :attr:`HFEngine.sampling` lists what was set aside.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .base import Generation, MemoryInfo, greedy_loop
+from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
 
 
 def cache_kwarg(model: Any) -> str:
@@ -254,6 +255,24 @@ class HFEngine:
     """
 
     name = "hf"
+    formats = ("hf",)
+    capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="torch", kv_bytes=True,
+                                lm_eval=True)
+    flash_attn = None  # transformers picks its attention kernel; qeval does not switch it
+
+    @classmethod
+    def open(cls, fmt: str, path: Path, options: EngineOptions) -> "HFEngine":
+        """A transformers checkpoint folder (``fmt`` ``hf``; torchao and bitsandbytes
+        checkpoints load the same way) on ``options.device``.
+
+        Raises:
+            ValueError: another format.
+        """
+        if fmt not in cls.formats:
+            raise ValueError(f"the {cls.name} engine opens {', '.join(cls.formats)} artifacts, not {fmt!r}")
+        model = load_hf_model(str(path), options.device, options.dtype, trust_remote_code=options.trust_remote_code)
+        return cls(model, options.device, kv_cache=options.kv_cache, backend=options.backend or f"torch-{options.dtype}",
+                   decode=options.decode)
 
     def __init__(self, model: Any, device: str, *, kv_cache: str = "model", backend: str = "torch",
                  decode: str = "eager", compile_backend: str = "inductor") -> None:
@@ -498,3 +517,6 @@ def load_hf_model(path: str, device: str, dtype: str = "bfloat16", *, trust_remo
         model = model.to("cuda")
     model.eval()
     return model
+
+
+ENGINE = HFEngine

@@ -48,7 +48,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import TierUnavailable
-from .base import Generation, MemoryInfo, greedy_loop
+from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
 
 # llama.cpp quantize types that refuse to run without an importance matrix
 # (tools/quantize/quantize.cpp: "Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or
@@ -221,6 +221,21 @@ def gguf_tensor_stats(path: str | Path) -> dict:
             "file_bytes": Path(path).stat().st_size, "file_type": file_type}
 
 
+def gguf_file(path: str | Path) -> Path:
+    """``path`` when it is a file, else the single ``*.gguf`` file in the folder ``path``.
+
+    Raises:
+        RuntimeError: the folder does not hold exactly one GGUF file.
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    files = sorted(p.glob("*.gguf"))
+    if len(files) != 1:
+        raise RuntimeError(f"artifact {p} holds {len(files)} .gguf files, expected 1")
+    return files[0]
+
+
 def kv_type_bytes(ggml_type: int) -> float:
     """Bytes per element of a ggml type (``Q8_0``: 34/32) from the gguf package's table."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -280,6 +295,26 @@ class LlamaCppEngine:
     """
 
     name = "llamacpp"
+    formats = ("gguf",)
+    decode_mode = None  # one decode loop: no modes (transformers' eager/static)
+    decode_note = None
+    kv_requant_period = None  # the q8_0 cache is quantized per token, never re-quantized
+    capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="process", kv_bytes=True,
+                                lm_eval=False)
+
+    @classmethod
+    def open(cls, fmt: str, path: Path, options: EngineOptions) -> "LlamaCppEngine":
+        """A GGUF file, or a folder holding exactly one (``fmt`` ``gguf``), with the
+        options' threads, KV cache, flash attention and device.
+
+        Raises:
+            ValueError: another format.
+            RuntimeError: not exactly one GGUF file in the folder, or llama.cpp cannot load it.
+        """
+        if fmt not in cls.formats:
+            raise ValueError(f"the {cls.name} engine opens {', '.join(cls.formats)} artifacts, not {fmt!r}")
+        return cls(gguf_file(path), threads=options.threads, kv_cache=options.kv_cache,
+                   flash_attn=options.flash_attn, device=options.device)
 
     def __init__(self, path: str | Path, *, threads: int = 1, kv_cache: str = "model",
                  flash_attn: bool | None = None, device: str = "cpu", n_ctx: int = 512,
@@ -517,3 +552,6 @@ class LlamaCppEngine:
             self.close()
         except Exception:
             pass
+
+
+ENGINE = LlamaCppEngine

@@ -4,8 +4,8 @@ A recipe lists local task YAMLs (``quality.lm_eval_tasks``); each may point at l
 through ``dataset_kwargs.data_files`` (relative to the YAML). qeval writes resolved copies
 (absolute data paths) into the run folder and runs them offline through
 ``lm_eval.simple_evaluate`` with the tier's already loaded transformers model (``HFLM``
-wraps it; nothing is loaded twice). Engines outside transformers (llama.cpp) are reported
-as skipped.
+wraps it; nothing is loaded twice). Engines without a transformers model
+(``capabilities.lm_eval`` false: llama.cpp) are reported as skipped.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def run_lm_eval(engine: Any, tokenizer: Any, task_paths: list[Path], out_dir: Pa
     """
     if not task_paths:
         return {}
-    if getattr(engine, "name", "") != "hf":
+    if not engine.capabilities.lm_eval:
         return {"skipped": f"lm-eval runs on the transformers engine; this tier runs on {engine.name}"}
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..recipe import stable_tier_dict
 from ..results import RUN_SCOPE, RunLayout, atomic_write_json, read_stage, stage_done
 from .behaviour import summarise_behaviour
 from .fidelity import ROUND, FidelityAccumulator
@@ -139,7 +140,7 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
                 prompts = [_next_prompt(tokenizer, it, t, histories[it.id], last.get(it.id), stop) for it in batch]
                 budgets = [_budget(spec, it, i, short_budget) for it, i in zip(batch, b_index)]
                 budget = max(budgets)
-                if hasattr(engine, "generate_batch"):
+                if engine.capabilities.batch:
                     outs = engine.generate_batch(prompts, budget, stop_ids=stop, pad_id=pad)
                 else:
                     outs = []
@@ -234,7 +235,7 @@ def reference_fields(recipe, ctx) -> dict:
               for s in recipe.suites]
     q = recipe.quality
     return {"kind": "reference", "source_sha256": ctx.source_sha256,
-            "tier": recipe.tier(recipe.gate.reference).model_dump(mode="json"), "suites": suites,
+            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")), "suites": suites,
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
             "versions": {p: version(p) for p in ("torch", "transformers")}}
@@ -359,6 +360,9 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
             which = "real"
     if engine is None:
         engine = method.load(spec, ctx, artifact)
+    if not engine.capabilities.score:
+        raise RuntimeError(f"the {engine.name} engine cannot score tokens: fidelity needs teacher-forced "
+                           "log-probabilities")
     progress(f"quality on the {which} engine ({engine.backend})")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     segments = json.loads(layout.reference_segments.read_text())

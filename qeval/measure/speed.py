@@ -70,7 +70,7 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
             if g.decode_tokens_per_s:
                 decs.append(g.decode_tokens_per_s)
         peaks[str(depth)] = peak.read()
-        kv[str(depth)] = int(getattr(engine, "last_cache_bytes", 0) or 0)
+        kv[str(depth)] = int(engine.last_cache_bytes or 0) if engine.capabilities.kv_bytes else 0
         ttft = statistics.median(ttfts)
         dec = statistics.median(decs) if decs else None
         speed[str(depth)] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..engines.hf import HFEngine, load_hf_model, model_weight_bytes
+from ..engines.hf import model_weight_bytes
 from .base import TierContext, TierMethod
 
 
@@ -20,13 +20,13 @@ def count_parameters(model: Any) -> int:
 
 
 class Bf16Method(TierMethod):
-    """Unquantized weights in the source dtype on the transformers engine."""
+    """Unquantized weights in the source dtype: the source checkpoint folder, opened by any
+    engine that takes a transformers checkpoint (default: transformers)."""
     method = "bf16"
     needs_artifact = False
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
-        model = load_hf_model(ctx.source_path, ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
-        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=f"torch-{ctx.dtype}", decode=spec.decode)
+    def backend_label(self, spec: Any, ctx: TierContext) -> str:
+        return f"torch-{ctx.dtype}"
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         stored = model_weight_bytes(engine.model)

@@ -44,17 +44,12 @@ def _ftypes() -> dict[str, int]:
                               "(pip install 'qeval[gguf]'; `make` builds it for this CPU)") from None
 
 
-def _gguf_file(artifact: Path) -> Path:
-    files = sorted(p for p in Path(artifact).glob("*.gguf"))
-    if len(files) != 1:
-        raise RuntimeError(f"artifact {artifact} holds {len(files)} .gguf files, expected 1")
-    return files[0]
-
-
 class GgufMethod(TierMethod):
-    """A llama.cpp GGUF file of ``spec.type`` on the llama.cpp engine."""
+    """A llama.cpp GGUF file of ``spec.type``, served by any engine that opens GGUF files
+    (default: llama.cpp)."""
     method = "gguf"
-    engine = "llamacpp"
+    artifact_format = "gguf"
+    default_engine = "llamacpp"
 
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
         from ..engines.gguf_convert import llama_cpp_version
@@ -128,22 +123,13 @@ class GgufMethod(TierMethod):
         """The llama.cpp file type ``spec.type`` (each tensor at the type llama.cpp picks)."""
         return GgufMix(str(spec.type).strip().upper())
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
-        from ..engines.llamacpp import LlamaCppEngine
-        if artifact is None:
-            raise RuntimeError("gguf tier loaded without an artifact")
-        return LlamaCppEngine(_gguf_file(artifact), threads=ctx.threads, kv_cache=spec.kv_cache,
-                              flash_attn=spec.flash_attn, device=ctx.device)
-
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         """Effective storage of the GGUF file: ``stored_bytes`` (tensor data), ``parameters``,
         ``bits_per_weight`` (all tensors), ``bits_per_weight_quantized`` (2-D weights),
         ``fallback_tensors`` (tensors llama.cpp moved off the intended K-quant type),
         ``fallbacks`` (``"q4_K->q5_0": n``), ``tensor_types`` histogram."""
-        st = engine.stats() if hasattr(engine, "stats") else None
-        if st is None:
-            from ..engines.llamacpp import gguf_tensor_stats
-            st = gguf_tensor_stats(_gguf_file(artifact))
+        from ..engines.llamacpp import gguf_file, gguf_tensor_stats
+        st = gguf_tensor_stats(gguf_file(artifact))
         out = {k: st[k] for k in ("stored_bytes", "parameters", "bits_per_weight", "bits_per_weight_quantized",
                                   "tensor_types", "non_kquant_matrices", "file_bytes")}
         side = Path(artifact) / _SIDECAR if artifact else None

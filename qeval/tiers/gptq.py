@@ -118,8 +118,14 @@ def _quant_layers(model: Any) -> list[Any]:
 
 
 class _GptqModelMethod(TierMethod):
-    """Shared by GPTQ and AWQ: both go through gptqmodel's quantize/save/load."""
+    """Shared by GPTQ and AWQ: both go through gptqmodel's quantize/save/load. The
+    artifact is a gptqmodel checkpoint, which only gptqmodel's loader opens (into a
+    transformers model on the ``hf`` engine)."""
     quant_method = "gptq"
+    artifact_format = "gptqmodel"
+
+    def loaders(self) -> dict:
+        return {"hf": self._load_hf}
 
     # -- what identifies the artifact ---------------------------------------------------
     def _format(self) -> str:
@@ -231,7 +237,8 @@ class _GptqModelMethod(TierMethod):
         gm.model.eval()
         return gm
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+    def _load_hf(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
+        """gptqmodel's loader (the fastest kernel for the device) into the transformers engine."""
         if artifact is None:
             raise ValueError(f"{self.method} needs its artifact")
         gm = self._load_qmodel(ctx, artifact, ctx.device)

@@ -121,7 +121,7 @@ class Int8Method(TierMethod):
     """INT8 weight-only through torchao (default) or bitsandbytes."""
     method = "int8"
 
-    def _backend_label(self, spec: Any) -> str:
+    def backend_label(self, spec: Any, ctx: TierContext | None = None) -> str:
         return "torchao-int8-weight-only" if spec.backend == "torchao" else "bitsandbytes-llm.int8"
 
     def _libs(self, spec: Any) -> dict:
@@ -167,7 +167,7 @@ class Int8Method(TierMethod):
         quant_s = time.time() - t0
         model.save_pretrained(out_dir)  # safetensors (torchao tensors flattened, JSON metadata)
         check_no_pickle(out_dir)
-        return {"quant_seconds": quant_s, "group_size": None, "backend": self._backend_label(spec),
+        return {"quant_seconds": quant_s, "group_size": None, "backend": self.backend_label(spec),
                 "quantized_layers": n_q, "library": self._libs(spec)}
 
     def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> PerRow:
@@ -177,12 +177,10 @@ class Int8Method(TierMethod):
             return PerRow(label="int8-bnb", row_bytes=4, dtype=dtype, detail="bitsandbytes LLM.int8(): fp32 SCB per row")
         return PerRow(label="int8", row_bytes=5, dtype=dtype)
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
-        if artifact is None:
-            raise ValueError("int8 needs its artifact")
-        model = load_hf_model(str(artifact), ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
-        engine = HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=self._backend_label(spec),
-                          decode=spec.decode)
+    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+        """The artifact on the tier's engine (:meth:`TierMethod.load`); eager torchao int8 on
+        CUDA says why it is slow (``decode_note``)."""
+        engine = super().load(spec, ctx, artifact)
         if ctx.device == "cuda" and engine.decode_mode == "eager" and spec.backend == "torchao":
             engine.decode_note = EAGER_INT8_NOTE
         return engine
@@ -214,7 +212,7 @@ class Int8Method(TierMethod):
         if ctx.device == "cuda":
             model = model.to("cuda")
         return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
-                        backend=f"torch-{ctx.dtype} (dequantized {self._backend_label(spec)})")
+                        backend=f"torch-{ctx.dtype} (dequantized {self.backend_label(spec)})")
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         model = engine.model
