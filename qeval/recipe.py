@@ -1,7 +1,9 @@
 """Recipe: the YAML file that says what a qeval run measures.
 
 A recipe is declarative (as in llm-compressor): code never branches on a recipe's
-file name. It is validated with pydantic; every error becomes one
+file name. Each tier method owns the schema of its tiers (``qeval/tiers/<method>.py``, a
+:class:`~qeval.tiers.base.TierSpec` subclass, as llm-compressor's modifiers own theirs);
+``Tier`` is the union of them. It is validated with pydantic; every error becomes one
 :class:`~qeval.errors.QevalInputError` line naming the file, the line and the field,
 e.g. ``recipes/x.yaml:14: tiers[1].method: unknown method 'gtpq' (expected one of ...)``.
 
@@ -20,9 +22,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .engines import engine_names
 from .errors import QevalInputError
-from .tiers import get_method
+from .tiers import get_method, method_names, tier_specs
 
-TIER_METHODS = ("bf16", "int8", "gptq", "awq", "gguf")
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -50,82 +51,10 @@ class ModelSpec(_Strict):
         return self
 
 
-class _TierBase(_Strict):
-    name: str
-    kv_cache: Literal["model", "int8"] = Field(
-        "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
-    quality_engine: Literal["auto", "real", "dequantized"] | None = None
-    engine: str | None = Field(None, description="the engine that serves the tier (hf: transformers, "
-                               "llamacpp: llama.cpp); default: the method's own")
-
-    @field_validator("name")
-    @classmethod
-    def _safe_name(cls, v: str) -> str:
-        if ".." in v or "/" in v or "\\" in v or not _TIER_NAME.match(v):
-            raise ValueError(f"tier name {v!r} must be letters, digits, '-', '_', '.', '+' "
-                             "(no path separators, no '..')")
-        return v
-
-
-class _HfTier(_TierBase):
-    """A tier served by the transformers engine: ``decode`` picks the timed decode loop
-    (``qeval.engines.hf``): ``eager`` (dynamic cache), ``static`` (StaticCache + torch.compile,
-    CUDA graphs on CUDA) or ``auto`` (static on CUDA with the model's KV cache, else eager)."""
-    decode: Literal["auto", "eager", "static"] = Field(
-        "auto", description="timed decode loop: eager | static (StaticCache + torch.compile) | auto")
-
-    @model_validator(mode="after")
-    def _static_needs_model_cache(self) -> "_HfTier":
-        if self.decode == "static" and self.kv_cache != "model":
-            raise ValueError("decode: static needs kv_cache: model (the int8 QuantizedCache cannot be compiled); "
-                             "use decode: eager or auto")
-        return self
-
-
-class Bf16Tier(_HfTier):
-    """The unquantized reference tier (dtype from ``model.dtype``)."""
-    method: Literal["bf16"]
-
-
-class Int8Tier(_HfTier):
-    """INT8 weight-only (W8A16). ``backend``: torchao ``Int8WeightOnlyConfig`` or bitsandbytes."""
-    method: Literal["int8"]
-    backend: Literal["torchao", "bitsandbytes"] = "torchao"
-
-
-class _W4Tier(_HfTier):
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: int | Literal["auto"] = 128
-    sym: bool = True
-    desc_act: bool = False
-
-    @field_validator("group_size")
-    @classmethod
-    def _pos_group(cls, v: Any) -> Any:
-        if isinstance(v, int) and v <= 0 and v != -1:
-            raise ValueError("group_size must be a positive integer, -1 (per-channel) or 'auto'")
-        return v
-
-
-class GptqTier(_W4Tier):
-    """GPTQ W4A16 through gptqmodel (Frantar et al. 2022, arXiv:2210.17323)."""
-    method: Literal["gptq"]
-
-
-class AwqTier(_W4Tier):
-    """AWQ W4A16 through gptqmodel (Lin et al. 2023, arXiv:2306.00978)."""
-    method: Literal["awq"]
-
-
-class GgufTier(_TierBase):
-    """A llama.cpp GGUF file quantized to ``type`` (any llama.cpp ftype name, e.g. Q4_K_M)."""
-    method: Literal["gguf"]
-    type: str = "Q4_K_M"
-    flash_attn: bool | None = Field(None, description="None: on for every GGUF tier on CUDA; on the CPU on only "
-                                    "when kv_cache is int8 (llama.cpp needs it there)")
-
-
-Tier = Annotated[Union[Bf16Tier, Int8Tier, GptqTier, AwqTier, GgufTier], Field(discriminator="method")]
+# Each tier method defines its own schema (qeval/tiers/<method>.py, a TierSpec subclass
+# with ``method: Literal[...]``); the union of them, told apart by ``method``, is a tier.
+TIER_METHODS = method_names()
+Tier = Annotated[Union[tier_specs()], Field(discriminator="method")]
 
 
 class SpeedSpec(_Strict):
@@ -502,8 +431,7 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
         loc = _clean_loc(tuple(err["loc"]), data)
         if err.get("type") == "union_tag_not_found":  # no 'method': a misspelled key is the likelier cause
             tier = _get(data, loc)
-            known = {"name", "method", "kv_cache", "quality_engine", "engine", "backend", "bits", "group_size",
-                     "sym", "desc_act", "type", "flash_attn", "decode"}
+            known = {f for spec in tier_specs() for f in spec.model_fields}
             unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []
             if unknown:
                 loc = loc + (unknown[0],)

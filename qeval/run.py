@@ -26,6 +26,7 @@ from typing import Callable
 
 from .errors import QevalInputError
 from .recipe import Recipe, check_context, stable_tier_dict
+from .tiers import get_method
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
                       RunInfo, RunLayout, TierResult, read_run_info, read_stage, read_stage_error, stage_done,
                       write_run_info, write_tier_result)
@@ -569,38 +570,19 @@ def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
                                             "device visible to torch (use device: auto or cpu)")
 
 
-# Bytes per source parameter an artifact keeps in the cache (gguf: by its type, below).
-_BYTES_PER_PARAM = {"bf16": 0.0, "int8": 1.1, "gptq": 0.6, "awq": 0.6}
-# Written only while the artifact is built, then deleted, in source-dtype bytes per parameter:
-# gptqmodel's offload folder (finished layers, about the whole model) and GGUF's 16-bit
-# intermediate file (the converter's output before llama_model_quantize).
-_TRANSIENT_DTYPE_COPIES = {"gptq": 1.0, "awq": 1.0, "gguf": 1.0}
-# Spec fields that are engine settings, not part of the artifact (two tiers differing only in
-# them share one artifact, e.g. a GGUF file with and without the int8 KV cache).
-_ENGINE_ONLY_FIELDS = ("name", "kv_cache", "flash_attn", "quality_engine", "decode", "engine")
 LOGPROB_BYTES = 2  # reference/logprobs.npy is float16 (measure/fidelity.py ROUND)
-
-
-def _gguf_bytes_per_param(gguf_type: str) -> float:
-    """Approximate bytes per parameter of a llama.cpp file type: F32 4, F16/BF16 2, else the
-    type's bit count plus one bit of scales (Q4_K_M ~0.63, Q8_0 ~1.13)."""
-    t = str(gguf_type).upper()
-    if t == "F32":
-        return 4.0
-    if t in ("F16", "BF16"):
-        return 2.0
-    digits = [c for c in t if c.isdigit()]
-    return (int(digits[0]) + 1) / 8 if digits else 1.0
 
 
 def artifact_groups(recipe: Recipe, tiers: list[str]) -> list[str]:
     """``tiers`` less those whose artifact another listed tier already builds (same method
-    and spec apart from engine settings such as ``kv_cache`` and ``flash_attn``)."""
+    and spec apart from engine settings, each spec's ``engine_fields``: ``kv_cache``,
+    ``flash_attn``, ``decode`` ...)."""
     seen: set[str] = set()
     out = []
     for t in tiers:
-        spec = recipe.tier(t).model_dump(mode="json")
-        key = json.dumps({k: v for k, v in spec.items() if k not in _ENGINE_ONLY_FIELDS}, sort_keys=True)
+        spec = recipe.tier(t)
+        key = json.dumps({k: v for k, v in spec.model_dump(mode="json").items() if k not in spec.engine_fields},
+                         sort_keys=True)
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -609,21 +591,22 @@ def artifact_groups(recipe: Recipe, tiers: list[str]) -> list[str]:
 
 def disk_needs(recipe: Recipe, tiers: list[str], params: int | None, *, vocab: int | None = None,
                answer_tokens: int | None = None) -> dict[str, int]:
-    """Bytes the run will write, by part: ``artifacts`` (kept: parameter count x bytes per
-    parameter per method, one artifact per :func:`artifact_groups` entry), ``while
-    quantizing`` (the largest transient folder of one build: gptqmodel's offload folder,
-    GGUF's 16-bit intermediate; builds run one at a time per machine) and ``reference
-    log-probabilities`` (float16, answer tokens x vocabulary). Unknown parameter count: 0
-    for the tier parts (no check)."""
+    """Bytes the run will write, by part: ``artifacts`` (kept: parameter count x each
+    method's :meth:`~qeval.tiers.base.TierMethod.artifact_bytes_per_parameter`, one artifact
+    per :func:`artifact_groups` entry), ``while quantizing`` (the largest transient folder of
+    one build, the method's ``transient_dtype_copies`` of the source: gptqmodel's offload
+    folder, GGUF's 16-bit intermediate; builds run one at a time per machine) and
+    ``reference log-probabilities`` (float16, answer tokens x vocabulary). Unknown parameter
+    count: 0 for the tier parts (no check)."""
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     parts = {"artifacts": 0, "while quantizing": 0, "reference log-probabilities": 0}
     if params:
         for t in artifact_groups(recipe, tiers):
             spec = recipe.tier(t)
-            per = _gguf_bytes_per_param(spec.type) if spec.method == "gguf" else _BYTES_PER_PARAM.get(spec.method, 2.0)
-            parts["artifacts"] += int(params * per)
+            method = get_method(spec.method)
+            parts["artifacts"] += int(params * method.artifact_bytes_per_parameter(spec))
             parts["while quantizing"] = max(parts["while quantizing"],
-                                            int(params * dtype_bytes * _TRANSIENT_DTYPE_COPIES.get(spec.method, 0)))
+                                            int(params * dtype_bytes * method.transient_dtype_copies))
     if vocab and answer_tokens:
         parts["reference log-probabilities"] = int(answer_tokens) * int(vocab) * LOGPROB_BYTES
     return parts

@@ -286,7 +286,8 @@ def static_checks(recipe) -> None:
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         if not recipe.resolve_path(t).is_file():
             raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
-    if any(t.method in ("gptq", "awq") for t in recipe.tiers):
+    from .tiers import get_method
+    if any(get_method(t.method).needs_calibration for t in recipe.tiers):
         if not recipe.resolve_path(recipe.calibration.path).is_file():
             raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
 
@@ -304,11 +305,12 @@ def _local_checkpoint(model) -> Path | None:
 
 
 def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
-    """Run at validate time the tier checks a method can do before any model load: the
-    GGUF type name (any machine), and for GPTQ/AWQ the group size against every Linear's
-    input features (needs the checkpoint's config on this machine; otherwise the check runs
-    at the start of the tier). Each method's own ``check`` does the work, so validate and
-    run say the same thing.
+    """Run at validate time the tier checks a method can do before any model load
+    (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`: the GGUF type name on any
+    machine with llama.cpp; for GPTQ/AWQ the group size against every Linear's input
+    features, when the checkpoint's config is on this machine; otherwise the check runs at
+    the start of the tier). Each method's own ``check`` does the work, so validate and run
+    say the same thing.
 
     Raises:
         QevalInputError: naming the recipe file, the tier's line and its field.
@@ -317,15 +319,8 @@ def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
     from .tiers import get_method
     from .tiers.base import TierContext
     for i, spec in enumerate(recipe.tiers):
-        if spec.method == "gguf":
-            try:
-                import llama_cpp  # noqa: F401 - the type names come from the installed llama.cpp
-            except ImportError:
-                continue
-        elif spec.method not in ("gptq", "awq") or checkpoint is None:
-            continue
         method = get_method(spec.method)
-        if method is None:
+        if not method.check_at_validate(checkpoint):
             continue
         ctx = TierContext(source_path=str(checkpoint or ""), source_sha256="", device="cpu",
                           dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)

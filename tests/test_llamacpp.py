@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from qeval.errors import QevalInputError  # noqa: E402
-from qeval.recipe import GgufTier  # noqa: E402
+from qeval.tiers.gguf import GgufTier  # noqa: E402
 from qeval.tiers.base import TierContext  # noqa: E402
 
 SHARED_CONVERTER = Path(os.environ.get("QEVAL_LLAMA_CONVERTER_DIR",

@@ -34,7 +34,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..errors import QevalInputError
 from ..model_config import ModelShape, model_shape
-from ..recipe import AwqTier, Bf16Tier, GgufTier, GptqTier, Int8Tier, Tier
+from ..recipe import Tier
 from ..results import STATUS_OK, RunInfo, TierResult, get_path
 from ..tiers import get_method
 from ..weight_formats import (FP8_WEIGHT_ONLY, FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format)
@@ -193,10 +193,9 @@ def default_tiers(shape: ModelShape | None, dtype: str) -> list[PlanTier]:
     """Every tier kind qeval builds, each with the engine's default KV cache and an int8
     one: bf16, int8 (torchao), fp8 weight-only, gptq and awq W4 g128, gguf Q4_K_M; then the
     flat 4-bit rule of thumb (0.5 bytes per parameter) for comparison."""
-    base = [Bf16Tier(name="bf16", method="bf16"), Int8Tier(name="int8", method="int8"),
-            GptqTier(name="gptq-w4g128", method="gptq", bits=4, group_size=128),
-            AwqTier(name="awq-w4g128", method="awq", bits=4, group_size=128),
-            GgufTier(name="gguf-q4_k_m", method="gguf", type="Q4_K_M")]
+    base = [get_method(m).spec(name=n, method=m, **kw) for n, m, kw in (
+        ("bf16", "bf16", {}), ("int8", "int8", {}), ("gptq-w4g128", "gptq", {"bits": 4, "group_size": 128}),
+        ("awq-w4g128", "awq", {"bits": 4, "group_size": 128}), ("gguf-q4_k_m", "gguf", {"type": "Q4_K_M"}))]
     specs = []
     for s in base:
         specs += [s, s.model_copy(update={"name": f"{s.name}-kv8", "kv_cache": "int8"})]

@@ -350,9 +350,7 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     if stage_done(layout, tier, "measure"):
         point = read_stage(layout, tier, "measure").speed.get(str(recipe.speed.main_depth))
         measured = point.decode_tokens_per_s if point is not None else None
-    from ..tiers.base import TierMethod
-    has_deq = type(method).load_dequantized is not TierMethod.load_dequantized
-    which = choose_quality_engine(recipe, spec, measured, has_deq)
+    which = choose_quality_engine(recipe, spec, measured, method.has_dequantized)
     engine = None
     if which == "dequantized":
         engine = method.load_dequantized(spec, ctx, artifact)

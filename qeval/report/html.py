@@ -39,7 +39,6 @@ from . import plots
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
 DEFAULT_USERS = 8
-_DTYPE_BITS = {"bfloat16": 16.0, "float16": 16.0, "float32": 32.0}
 
 
 # ---- small helpers ------------------------------------------------------------------------
@@ -133,15 +132,12 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
         tab.csv_fields += [f"load_decode_tokens_per_s_c{c}", f"load_batching_gain_c{c}", f"load_ttft_p95_s_c{c}",
                            f"load_itl_p95_s_c{c}", f"load_goodput_tokens_per_s_c{c}", f"load_peak_gib_c{c}",
                            f"load_admitted_c{c}"]
-    dtype = get_path(a.recipe, "model", "dtype") or "bfloat16"
     for name, t in a.tiers.items():
         status = t.status
         is_ref = name == a.reference
         fid = get_path(t, "quality", "fidelity") or Fidelity()
         beh = get_path(t, "quality", "behaviour") or Behaviour()
         bpw = finite(get_path(t, "quant", "bits_per_weight"))
-        if bpw is None and t.method == "bf16" and status == STATUS_OK:
-            bpw = _DTYPE_BITS.get(dtype)
         kld = finite(fid.kld_mean)
         kld_se = finite(fid.kld_se)
         ppl = finite(fid.ppl_ratio)

@@ -1,13 +1,67 @@
-"""What a tier method implements: prepare an artifact, load it on an engine."""
+"""What a tier method implements: its recipe schema (a :class:`TierSpec` subclass), the
+disk its artifact takes, preparing the artifact, loading it on an engine."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
 from ..weight_formats import Dense
+
+
+_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+class TierSpec(BaseModel):
+    """The recipe fields every tier has; a method's spec adds ``method: Literal[...]`` and
+    its own parameters (the recipe's ``Tier`` union is built from them).
+
+    Attributes:
+        name: the tier's name (a file name in the run folder: letters, digits, ``-_.+``).
+        kv_cache: ``model`` (the engine's default KV cache dtype) or ``int8``.
+        quality_engine: per-tier override of ``quality.engine``.
+        engine: the engine that serves the tier (default: the method's).
+    """
+    model_config = ConfigDict(extra="forbid", frozen=False)
+    #: Fields that are engine settings, not part of the artifact: two tiers differing only in
+    #: them share one artifact (a GGUF file with and without the int8 KV cache).
+    engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine")
+    name: str
+    kv_cache: Literal["model", "int8"] = Field(
+        "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
+    quality_engine: Literal["auto", "real", "dequantized"] | None = None
+    engine: str | None = Field(None, description="the engine that serves the tier (hf: transformers, "
+                               "llamacpp: llama.cpp); default: the method's own")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if ".." in v or "/" in v or "\\" in v or not _TIER_NAME.match(v):
+            raise ValueError(f"tier name {v!r} must be letters, digits, '-', '_', '.', '+' "
+                             "(no path separators, no '..')")
+        return v
+
+
+class HfTierSpec(TierSpec):
+    """A tier the transformers engine serves by default: ``decode`` picks its timed decode
+    loop (:mod:`qeval.engines.hf`): ``eager`` (dynamic cache), ``static`` (StaticCache +
+    torch.compile, CUDA graphs on CUDA) or ``auto`` (static on CUDA with the model's KV
+    cache, else eager)."""
+    engine_fields: ClassVar[tuple[str, ...]] = TierSpec.engine_fields + ("decode",)
+    decode: Literal["auto", "eager", "static"] = Field(
+        "auto", description="timed decode loop: eager | static (StaticCache + torch.compile) | auto")
+
+    @model_validator(mode="after")
+    def _static_needs_model_cache(self) -> "HfTierSpec":
+        if self.decode == "static" and self.kv_cache != "model":
+            raise ValueError("decode: static needs kv_cache: model (the int8 QuantizedCache cannot be compiled); "
+                             "use decode: eager or auto")
+        return self
 
 
 @dataclass
@@ -38,7 +92,16 @@ class TierContext:
 
 
 class TierMethod:
-    """Base class of tier methods.
+    """Base class of tier methods (one module each, registered by :mod:`qeval.tiers`).
+
+    A method declares ``spec`` (its :class:`TierSpec` subclass: the recipe schema of its
+    tiers), the disk its artifact takes for the pre-flight disk check
+    (``bytes_per_parameter`` per source parameter, 0 for a tier served from the source, or
+    :meth:`artifact_bytes_per_parameter` when it depends on the spec) and
+    ``transient_dtype_copies`` (source-sized copies written while building, then deleted:
+    gptqmodel's offload folder, GGUF's 16-bit intermediate). ``needs_calibration``:
+    it reads the recipe's calibration text. ``has_dequantized``: :meth:`load_dequantized`
+    gives a dense model for quality on slow kernels.
 
     ``needs_artifact`` False means the tier serves the source checkpoint as it is (bf16).
     ``artifact_format`` is the format of what :meth:`prepare` writes (``hf``: a
@@ -48,9 +111,14 @@ class TierMethod:
     engine whose ``formats`` include ``artifact_format`` can serve it too.
     """
     method: str = ""
+    spec: ClassVar[type[TierSpec]]
+    bytes_per_parameter: ClassVar[float | None] = None
+    transient_dtype_copies: ClassVar[float] = 0.0
     artifact_format: str = "hf"
     default_engine: str = "hf"
     needs_artifact: bool = True
+    needs_calibration: bool = False
+    has_dequantized: bool = False
 
     # -- engines --------------------------------------------------------------------------
     def loaders(self) -> dict[str, Callable[[Any, TierContext, Path | None], Any]]:
@@ -105,6 +173,22 @@ class TierMethod:
         """Validate the spec against the model before any work; returns resolved
         parameters (e.g. the group size ``auto`` picked). Raises QevalInputError."""
         return {}
+
+    def artifact_bytes_per_parameter(self, spec: Any) -> float:
+        """Bytes per source parameter this tier's artifact keeps in the cache (default
+        :attr:`bytes_per_parameter`).
+
+        Raises:
+            NotImplementedError: the method declares neither (no silent default).
+        """
+        if self.bytes_per_parameter is None:
+            raise NotImplementedError(f"tier method {self.method!r} declares no bytes_per_parameter")
+        return float(self.bytes_per_parameter)
+
+    def check_at_validate(self, checkpoint: Path | None) -> bool:
+        """Whether ``qeval validate`` can run :meth:`check` now, before any model load
+        (``checkpoint``: the source's config folder when it is on this machine)."""
+        return False
 
     def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
         """Build the artifact into ``out_dir``; return quantization info

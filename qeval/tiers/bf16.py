@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..engines.hf import model_weight_bytes
-from .base import TierContext, TierMethod
+from .base import HfTierSpec, TierContext, TierMethod
+
+
+class Bf16Tier(HfTierSpec):
+    """The unquantized reference tier (dtype from ``model.dtype``)."""
+    method: Literal["bf16"]
 
 
 def count_parameters(model: Any) -> int:
@@ -23,6 +28,8 @@ class Bf16Method(TierMethod):
     """Unquantized weights in the source dtype: the source checkpoint folder, opened by any
     engine that takes a transformers checkpoint (default: transformers)."""
     method = "bf16"
+    spec = Bf16Tier
+    bytes_per_parameter = 0.0  # served from the source checkpoint: writes nothing
     needs_artifact = False
 
     def backend_label(self, spec: Any, ctx: TierContext) -> str:

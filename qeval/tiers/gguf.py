@@ -25,11 +25,13 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from ..errors import QevalInputError
 from ..weight_formats import GgufMix
-from .base import TierContext, TierMethod
+from .base import TierContext, TierMethod, TierSpec
 
 _INTERMEDIATE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 _SIDECAR = "quantize.json"
@@ -44,12 +46,42 @@ def _ftypes() -> dict[str, int]:
                               "(pip install 'qeval[gguf]'; `make` builds it for this CPU)") from None
 
 
+class GgufTier(TierSpec):
+    """A llama.cpp GGUF file quantized to ``type`` (any llama.cpp ftype name, e.g. Q4_K_M)."""
+    method: Literal["gguf"]
+    type: str = "Q4_K_M"
+    engine_fields: ClassVar[tuple[str, ...]] = TierSpec.engine_fields + ("flash_attn",)
+    flash_attn: bool | None = Field(None, description="None: on for every GGUF tier on CUDA; on the CPU on only "
+                                    "when kv_cache is int8 (llama.cpp needs it there)")
+
+
 class GgufMethod(TierMethod):
     """A llama.cpp GGUF file of ``spec.type``, served by any engine that opens GGUF files
     (default: llama.cpp)."""
     method = "gguf"
+    spec = GgufTier
+    transient_dtype_copies = 1.0  # the 16-bit intermediate GGUF, deleted once quantized
     artifact_format = "gguf"
     default_engine = "llamacpp"
+
+    def artifact_bytes_per_parameter(self, spec: Any) -> float:
+        """Approximate bytes per parameter of the llama.cpp file type: F32 4, F16/BF16 2, else
+        the type's bit count plus one bit of scales (Q4_K_M ~0.63, Q8_0 ~1.13)."""
+        t = str(spec.type).upper()
+        if t == "F32":
+            return 4.0
+        if t in ("F16", "BF16"):
+            return 2.0
+        digits = [c for c in t if c.isdigit()]
+        return (int(digits[0]) + 1) / 8 if digits else 1.0
+
+    def check_at_validate(self, checkpoint: Path | None) -> bool:
+        """The type name is checked against the installed llama.cpp (any machine)."""
+        try:
+            import llama_cpp  # noqa: F401 - optional: the type names come from the installed llama.cpp
+        except ImportError:
+            return False
+        return True
 
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
         from ..engines.gguf_convert import llama_cpp_version

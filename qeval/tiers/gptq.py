@@ -28,12 +28,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import field_validator
 
 from ..engines.hf import HFEngine
 from ..errors import QevalInputError
 from ..weight_formats import GroupWise
-from .base import TierContext, TierMethod
+from .base import HfTierSpec, TierContext, TierMethod
 from .int8 import (check_no_pickle, decoder_linear_in_features, layer_tensors, lib_version, quant_summary,
                    source_parameter_count)
 
@@ -117,12 +119,45 @@ def _quant_layers(model: Any) -> list[Any]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
 
 
+class W4Tier(HfTierSpec):
+    """Fields GPTQ and AWQ tiers share: ``bits``, ``group_size`` (weights per scale; -1 per
+    output channel; ``auto`` picks one the model's layers allow), ``sym``, ``desc_act``."""
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int | Literal["auto"] = 128
+    sym: bool = True
+    desc_act: bool = False
+
+    @field_validator("group_size")
+    @classmethod
+    def _pos_group(cls, v: Any) -> Any:
+        if isinstance(v, int) and v <= 0 and v != -1:
+            raise ValueError("group_size must be a positive integer, -1 (per-channel) or 'auto'")
+        return v
+
+
+class GptqTier(W4Tier):
+    """GPTQ W4A16 through gptqmodel (Frantar et al. 2022, arXiv:2210.17323)."""
+    method: Literal["gptq"]
+
+
+class AwqTier(W4Tier):
+    """AWQ W4A16 through gptqmodel (Lin et al. 2023, arXiv:2306.00978)."""
+    method: Literal["awq"]
+
+
 class _GptqModelMethod(TierMethod):
     """Shared by GPTQ and AWQ: both go through gptqmodel's quantize/save/load. The
     artifact is a gptqmodel checkpoint, which only gptqmodel's loader opens (into a
     transformers model on the ``hf`` engine)."""
     quant_method = "gptq"
     artifact_format = "gptqmodel"
+    bytes_per_parameter = 0.6  # packed 4-bit weights, scales and zeros, source-dtype embeddings
+    transient_dtype_copies = 1.0  # gptqmodel's offload folder (finished layers), deleted after
+    needs_calibration = True
+    has_dequantized = True
+
+    def check_at_validate(self, checkpoint: Path | None) -> bool:
+        return checkpoint is not None  # the group size is checked against the config's layers
 
     def loaders(self) -> dict:
         return {"hf": self._load_hf}
@@ -399,16 +434,18 @@ def dequantize_layer(mod: Any) -> Any:
 class GptqMethod(_GptqModelMethod):
     """GPTQ (Frantar et al. 2022, arXiv:2210.17323) through gptqmodel."""
     method = "gptq"
+    spec = GptqTier
     quant_method = "gptq"
 
 
 class AwqMethod(_GptqModelMethod):
     """AWQ (Lin et al. 2023, arXiv:2306.00978) through gptqmodel."""
     method = "awq"
+    spec = AwqTier
     quant_method = "awq"
 
 
 METHODS = {"gptq": GptqMethod(), "awq": AwqMethod()}
 
-__all__ = ["GptqMethod", "AwqMethod", "METHODS", "resolve_group_size", "working_group_sizes",
+__all__ = ["GptqMethod", "AwqMethod", "GptqTier", "AwqTier", "W4Tier", "METHODS", "resolve_group_size", "working_group_sizes",
            "dequantize_layer"]

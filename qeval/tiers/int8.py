@@ -18,12 +18,12 @@ from __future__ import annotations
 import importlib.metadata
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
 from ..errors import QevalInputError
 from ..weight_formats import PerRow
-from .base import TierContext, TierMethod
+from .base import HfTierSpec, TierContext, TierMethod
 
 # ---- shared helpers (also used by gptq.py) ------------------------------------------------
 
@@ -117,9 +117,18 @@ def _is_packed(t: Any) -> bool:
     return type(data).__name__ not in ("Tensor", "Parameter") or type(t).__name__ == "Int8Params"
 
 
+class Int8Tier(HfTierSpec):
+    """INT8 weight-only (W8A16). ``backend``: torchao ``Int8WeightOnlyConfig`` or bitsandbytes."""
+    method: Literal["int8"]
+    backend: Literal["torchao", "bitsandbytes"] = "torchao"
+
+
 class Int8Method(TierMethod):
     """INT8 weight-only through torchao (default) or bitsandbytes."""
     method = "int8"
+    spec = Int8Tier
+    bytes_per_parameter = 1.1  # one byte per weight plus scales and the source-dtype embeddings
+    has_dequantized = True
 
     def backend_label(self, spec: Any, ctx: TierContext | None = None) -> str:
         return "torchao-int8-weight-only" if spec.backend == "torchao" else "bitsandbytes-llm.int8"
