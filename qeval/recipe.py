@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model,
                       field_validator, model_validator)
 
 from .engines import engine_names
 from .errors import QevalInputError
+from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
 
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -179,27 +180,19 @@ class QualitySpec(_Strict):
 
 
 class ParetoSpec(_Strict):
-    """The Pareto table's speed objective: ``decode`` (single-stream decode tokens/s at the
-    gate depth) or ``users_at_slo`` (capacity: users at SLO from the load sweep)."""
-    speed: Literal["decode", "users_at_slo"] = "decode"
+    """The Pareto table's speed objective (:data:`qeval.metrics.SPEED_OBJECTIVES`): ``decode``
+    (single-stream decode tokens/s at the gate depth) or ``users_at_slo`` (capacity: users at
+    SLO from the load sweep)."""
+    speed: Literal[tuple(SPEED_OBJECTIVES)] = "decode"  # type: ignore[valid-type]
 
 
-class GateRules(_Strict):
-    """Release-gate thresholds. Unset rules are not checked; a metric a set rule needs
-    but the tier lacks fails the rule (fail closed)."""
-    max_kld_mean: float | None = Field(None, ge=0)
-    min_same_top_rate: float | None = Field(None, ge=0, le=1)
-    max_ppl_ratio: float | None = Field(None, gt=0)
-    min_pass_rate_rel: float | None = Field(
-        None, ge=0, description="candidate pass rate's 95% lower bound >= this x reference pass rate")
-    max_flip_rate: float | None = Field(None, ge=0, le=1)
-    max_peak_memory_gib: float | None = Field(None, gt=0)
-    max_peak_memory_rel: float | None = Field(None, gt=0)
-    min_decode_tokens_per_s: float | None = Field(None, ge=0)
-    min_decode_rel: float | None = Field(None, ge=0)
-    max_budget_exhaustion: float | None = Field(None, ge=0, le=1)
-    min_users_at_slo_rel: float | None = Field(
-        None, ge=0, description="candidate users at SLO (load sweep) >= this x the reference's")
+GateRules = create_model(
+    "GateRules", __base__=_Strict,
+    __doc__="Release-gate thresholds, one field per rule of qeval.metrics.GATE_RULES (what each "
+            "bounds, and how). Unset rules are not checked; a metric a set rule needs but the tier "
+            "lacks fails the rule (fail closed).",
+    **{r.name: (float | None, Field(None, ge=r.ge, gt=r.gt, le=r.le, description=r.description))
+       for r in GATE_RULES.values()})
 
 
 class GateSpec(_Strict):
@@ -207,7 +200,7 @@ class GateSpec(_Strict):
     reference: str = "bf16"
     candidates: list[str] | None = None
     depth: int | None = Field(None, description="depth for memory/speed rules; default speed.main_depth")
-    quality_metric: Literal["kld_mean", "ppl_ratio", "pass_rate"] = "kld_mean"
+    quality_metric: Literal[OBJECTIVES] = "kld_mean"  # type: ignore[valid-type]
     rules: GateRules = Field(default_factory=GateRules)
 
 

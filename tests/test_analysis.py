@@ -414,7 +414,7 @@ def test_compare_runs(tmp_path):
     m = by["int8"].metrics["decode_tokens_per_s"]
     assert (m.a, m.b) == (before, before + 4.0)
     assert m.delta == pytest.approx(4.0) and m.rel == pytest.approx(4.0 / before)
-    assert by["int8"].metrics["weights_bytes"].delta == 0
+    assert by["int8"].metrics["weight_bytes"].delta == 0
     assert by["gptq"].in_b is False and by["gptq"].metrics["kld_mean"].delta is None
     assert by["bf16"].metrics["kld_mean"].a == 0.0
     md = compare_markdown(rows)

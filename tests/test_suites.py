@@ -449,3 +449,48 @@ def test_depth_text():
     text = (DATASETS / "depth_text.txt").read_text(encoding="utf-8")
     assert len(text.split()) >= 6000
     assert "\ufffd" not in text
+
+
+# ---- the check-kind registry ------------------------------------------------------------------
+
+def test_check_kinds_come_from_the_registry():
+    from qeval.measure.checks import check_kinds
+    kinds = check_kinds()
+    assert CHECK_KINDS == frozenset(kinds) >= {"contains_all", "regex", "json_keys", "markdown_table",
+                                               "headings", "max_words", "min_words", "not_contains"}
+    for name, k in kinds.items():
+        assert k.name == name and k.params and callable(k.validate) and callable(k.evaluate)
+
+
+NEW_KIND = '''
+from qeval.measure.checks.base import CheckKind, ParamError
+
+def _validate(p):
+    if not isinstance(p.get("word"), str):
+        raise ParamError("word", "must be a string")
+
+def _evaluate(p, text):
+    ok = text.strip().endswith(p["word"])
+    return ok, "ends with it" if ok else "does not end with it"
+
+KINDS = (CheckKind("ends_with", frozenset({"word"}), _validate, _evaluate),)
+'''
+
+
+def test_a_new_check_kind_is_one_module(tmp_path):
+    """A module added to the checks package (here on an extra package path) is a kind that
+    suites load, validate (file:line: field) and evaluate; nothing else is edited."""
+    import subprocess
+    import sys
+    (tmp_path / "ends_with.py").write_text(NEW_KIND)
+    suite = tmp_path / "s.jsonl"
+    suite.write_text('{"id": "a", "category": "c", "turns": [{"user": "hi", "checks": [{"kind": "ends_with", '
+                     '"word": "bye"}]}]}\n{"id": "b", "category": "c", "turns": [{"user": "hi", "checks": '
+                     '[{"kind": "ends_with", "word": 3}]}]}\n')
+    code = (f"import qeval.measure.checks as c; c.__path__.append({str(tmp_path)!r})\n"
+            "from qeval.measure.suites import Check, load_suite, run_check\n"
+            "print(run_check(Check('ends_with', {'word': 'bye'}), 'ok bye').passed)\n"
+            f"load_suite({str(suite)!r}, 's')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.stdout.split() == ["True"], p.stderr[-2000:]
+    assert "s.jsonl:2: turns[0].checks[0].word: must be a string" in p.stderr

@@ -11,18 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..metrics import display_unit, format_value, metric
+from ..metrics import value as metric_value
 from ..results import TierResult, get_path, load_run
 from .gate import analysis_depth, tier_order
-from .pareto import GIB, decode_at, finite, peak_bytes_at, quality_value
 
-#: (key, label, unit) of the compared figures, in column order.
-COMPARE_METRICS: tuple[tuple[str, str, str], ...] = (
-    ("weights_bytes", "weights", "GiB"),
-    ("peak_bytes", "peak memory", "GiB"),
-    ("decode_tokens_per_s", "decode", "tokens/s"),
-    ("kld_mean", "KLD mean", "nats"),
-    ("pass_rate", "pass rate", "%"),
-)
+#: Metric names (qeval.metrics.METRICS) of the compared figures, in column order.
+COMPARE_METRICS: tuple[str, ...] = ("weight_bytes", "peak_bytes", "decode_tokens_per_s", "kld_mean", "pass_rate")
 
 
 @dataclass
@@ -64,11 +59,7 @@ class CompareRow:
 
 
 def _figures(t: TierResult | None, depth: int, is_ref: bool) -> dict[str, float | None]:
-    return {"weights_bytes": finite(get_path(t, "memory", "weight_bytes")),
-            "peak_bytes": peak_bytes_at(t, depth),
-            "decode_tokens_per_s": decode_at(t, depth),
-            "kld_mean": quality_value(t, "kld_mean", is_reference=is_ref) if t else None,
-            "pass_rate": quality_value(t, "pass_rate") if t else None}
+    return {k: metric_value(t, k, depth, is_reference=is_ref) if t else None for k in COMPARE_METRICS}
 
 
 def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
@@ -102,21 +93,8 @@ def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
         rows.append(CompareRow(tier=n, in_a=ta is not None, in_b=tb is not None,
                                status_a=ta.status if ta else None,
                                status_b=tb.status if tb else None,
-                               metrics={k: MetricDelta(fa[k], fb[k]) for k, _, _ in COMPARE_METRICS}))
+                               metrics={k: MetricDelta(fa[k], fb[k]) for k in COMPARE_METRICS}))
     return rows
-
-
-def _fmt(key: str, v: float | None, signed: bool = False) -> str:
-    if v is None:
-        return "-"
-    sign = "+" if signed else ""
-    if key.endswith("_bytes"):
-        return f"{v / GIB:{sign}.2f}"
-    if key == "pass_rate":
-        return f"{100 * v:{sign}.1f}"
-    if key == "kld_mean":
-        return f"{v:{sign}.4f}"
-    return f"{v:{sign}.2f}"
 
 
 def compare_markdown(rows: list[CompareRow], label_a: str = "A", label_b: str = "B") -> str:
@@ -124,8 +102,8 @@ def compare_markdown(rows: list[CompareRow], label_a: str = "A", label_b: str = 
     (B − A; relative change in % after it). Memory in GiB, pass rate in %. ``label_a`` and
     ``label_b`` (e.g. the run folders) are named once above the table, not in every header."""
     head = ["tier", "status"]
-    for _, label, unit in COMPARE_METRICS:
-        head += [f"{label} A ({unit})", f"{label} B", "Δ"]
+    for key in COMPARE_METRICS:
+        head += [f"{metric(key).label} A ({display_unit(key)})", f"{metric(key).label} B", "Δ"]
     lines = []
     if (label_a, label_b) != ("A", "B"):
         lines += [f"A = {label_a}  ", f"B = {label_b}", ""]
@@ -134,11 +112,11 @@ def compare_markdown(rows: list[CompareRow], label_a: str = "A", label_b: str = 
         status = (r.status_a or "absent") if r.status_a == r.status_b else \
             f"{r.status_a or 'absent'} → {r.status_b or 'absent'}"
         cells = [r.tier, status]
-        for key, _, _ in COMPARE_METRICS:
+        for key in COMPARE_METRICS:
             m = r.metrics[key]
-            d = _fmt(key, m.delta, signed=True)
+            d = format_value(key, m.delta, signed=True)
             if m.rel is not None:
                 d += f" ({100 * m.rel:+.1f}%)"
-            cells += [_fmt(key, m.a), _fmt(key, m.b), d]
+            cells += [format_value(key, m.a), format_value(key, m.b), d]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

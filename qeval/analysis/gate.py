@@ -1,7 +1,9 @@
 """Release gate: judge each candidate tier against the recipe's thresholds.
 
-Rules are exactly the fields of :class:`qeval.recipe.GateRules`; a rule left unset
-(None) is not checked. Each candidate also gets a ``status`` check first (the tier's
+Rules are :data:`qeval.metrics.GATE_RULES` (the fields of the recipe's ``gate.rules``),
+each a bound on one metric of the metric table, absolute, relative to the reference's
+value, or against a multiple of a reference figure; a rule left unset (None) is not
+checked. Each candidate also gets a ``status`` check first (the tier's
 result must exist and have status ``ok``), so a tier that failed or was never built
 fails the gate even when no rule is set.
 
@@ -23,12 +25,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import EXIT_GATE_FAILED, EXIT_OK, QevalInputError
-from ..recipe import GateRules, GateSpec, SpeedSpec
+from ..metrics import GATE_RULES, GIB, METRICS, GateRule
+from ..metrics import value as metric_value
+from ..recipe import GateSpec, SpeedSpec
 from ..results import STATUS_OK, TierResult, get_path
-from .pareto import GIB, decode_at, finite, peak_bytes_at, users_at_slo_of
 
-#: Rule names in the order they are checked and reported (GateRules field order).
-RULES: tuple[str, ...] = tuple(GateRules.model_fields)
+#: Rule names in the order they are checked and reported (qeval.metrics.GATE_RULES).
+RULES: tuple[str, ...] = tuple(GATE_RULES)
 STATUS_RULE = "status"
 
 
@@ -194,84 +197,53 @@ def _cmp(rule: str, value: float | None, threshold: float | None, kind: str, wha
                       if ok else f"{what} {_fmt(value)} is not {op} {_fmt(threshold)}")
 
 
-def _check_rule(rule: str, t: float, cand: TierResult, ref: TierResult | None, ref_name: str,
+def _what(rule: GateRule, depth: int, reference: str | None = None) -> str:
+    """How a rule's figure is named in its message: label, depth, path in the tier result."""
+    m = METRICS[rule.metric]
+    at = f" at depth {depth}" if m.per_depth else ""
+    unit = " GiB" if rule.scale == GIB else ""
+    if rule.kind == "ratio":
+        return f"{m.label}{at} relative to reference"
+    return f"{m.label}{unit}{at} ({m.where(depth)})"
+
+
+def _check_rule(rule: GateRule, t: float, cand: TierResult, ref: TierResult | None, ref_name: str,
                 depth: int) -> RuleResult:
+    """Apply one rule (:data:`qeval.metrics.GATE_RULES`) with threshold ``t`` to a candidate."""
     ref_ok = ref is not None and ref.status == STATUS_OK
 
-    def ref_missing(what: str) -> str | None:
+    def ref_missing() -> str | None:
         if ref is None:
-            return f"reference tier {ref_name!r} has no result, so {what} has no reference value"
+            return f"reference tier {ref_name!r} has no result, so {rule.name} has no reference value"
         if not ref_ok:
-            return f"reference tier {ref_name!r} has status {ref.status}, so {what} has no reference value"
+            return f"reference tier {ref_name!r} has status {ref.status}, so {rule.name} has no reference value"
         return None
 
-    if rule == "max_kld_mean":
-        v = finite(get_path(cand, "quality", "fidelity", "kld_mean"))
-        return _cmp(rule, v, t, "max", "KLD mean (quality.fidelity.kld_mean)")
-    if rule == "min_same_top_rate":
-        v = finite(get_path(cand, "quality", "fidelity", "same_top_rate"))
-        return _cmp(rule, v, t, "min", "same-top rate (quality.fidelity.same_top_rate)")
-    if rule == "max_ppl_ratio":
-        v = finite(get_path(cand, "quality", "fidelity", "ppl_ratio"))
-        return _cmp(rule, v, t, "max", "PPL ratio (quality.fidelity.ppl_ratio)")
-    if rule == "min_pass_rate_rel":
-        v = finite(get_path(cand, "quality", "behaviour", "pass_ci_low"))
-        what = "pass rate 95% lower bound (quality.behaviour.pass_ci_low)"
-        miss = ref_missing("min_pass_rate_rel")
-        r = finite(get_path(ref, "quality", "behaviour", "pass_rate")) if miss is None else None
-        if miss is None and r is None:
-            miss = f"reference tier {ref_name!r} lacks quality.behaviour.pass_rate"
-        if miss is None and v is None:
-            miss = f"missing {what}"
-        res = _cmp(rule, v, None if r is None else t * r, "min", what, miss)
-        if miss is None:
-            res.message += f" (= {_fmt(t)} x reference pass rate {_fmt(r)})"
-        return res
-    if rule == "max_flip_rate":
-        v = finite(get_path(cand, "quality", "behaviour", "flip_rate"))
-        return _cmp(rule, v, t, "max", "flip rate (quality.behaviour.flip_rate)")
-    if rule == "max_peak_memory_gib":
-        b = peak_bytes_at(cand, depth)
-        return _cmp(rule, None if b is None else b / GIB, t, "max",
-                    f"peak memory GiB at depth {depth} (memory.peak_bytes.{depth})")
-    if rule == "max_peak_memory_rel":
-        what = f"peak memory at depth {depth} relative to reference"
-        b = peak_bytes_at(cand, depth)
-        miss = None if b is not None else f"missing peak memory at depth {depth} (memory.peak_bytes.{depth})"
-        miss = miss or ref_missing("max_peak_memory_rel")
-        rb = peak_bytes_at(ref, depth) if miss is None else None
-        if miss is None and not rb:
-            miss = f"reference tier {ref_name!r} lacks peak memory at depth {depth}"
-        return _cmp(rule, None if miss else b / rb, t, "max", what, miss)  # type: ignore[operator]
-    if rule == "min_decode_tokens_per_s":
-        v = decode_at(cand, depth)
-        return _cmp(rule, v, t, "min", f"decode tokens/s at depth {depth} (speed.{depth}.decode_tokens_per_s)")
-    if rule == "min_decode_rel":
-        what = f"decode tokens/s at depth {depth} relative to reference"
-        v = decode_at(cand, depth)
-        miss = None if v is not None else (f"missing decode tokens/s at depth {depth} "
-                                           f"(speed.{depth}.decode_tokens_per_s)")
-        miss = miss or ref_missing("min_decode_rel")
-        rv = decode_at(ref, depth) if miss is None else None
+    m = METRICS[rule.metric]
+    what = _what(rule, depth)
+    v = metric_value(cand, rule.metric, depth)
+    if rule.kind == "absolute":
+        return _cmp(rule.name, None if v is None else v / rule.scale, t, rule.bound, what,
+                    None if v is not None or not rule.missing_hint else f"missing {what}: {rule.missing_hint}")
+    if rule.kind == "ratio":
+        miss = None if v is not None else f"missing {m.label} at depth {depth} ({m.where(depth)})"
+        miss = miss or ref_missing()
+        rv = metric_value(ref, rule.metric, depth) if miss is None else None
         if miss is None and not rv:
-            miss = f"reference tier {ref_name!r} lacks decode tokens/s at depth {depth}"
-        return _cmp(rule, None if miss else v / rv, t, "min", what, miss)  # type: ignore[operator]
-    if rule == "min_users_at_slo_rel":
-        what = "users at SLO (load.users_at_slo)"
-        v = users_at_slo_of(cand)
-        miss = None if v is not None else f"missing {what}: no load sweep"
-        miss = miss or ref_missing("min_users_at_slo_rel")
-        r = users_at_slo_of(ref) if miss is None else None
-        if miss is None and r is None:
-            miss = f"reference tier {ref_name!r} lacks load.users_at_slo"
-        res = _cmp(rule, v, None if r is None else t * r, "min", what, miss)
-        if miss is None:
-            res.message += f" (= {_fmt(t)} x reference users at SLO {_fmt(r)})"
-        return res
-    if rule == "max_budget_exhaustion":
-        v = finite(get_path(cand, "quality", "behaviour", "budget_exhausted_rate"))
-        return _cmp(rule, v, t, "max", "budget exhaustion rate (quality.behaviour.budget_exhausted_rate)")
-    raise QevalInputError(f"unknown gate rule {rule!r}", field="gate.rules")  # pragma: no cover
+            miss = f"reference tier {ref_name!r} lacks {m.label} at depth {depth}"
+        return _cmp(rule.name, None if miss else v / rv, t, rule.bound, what, miss)  # type: ignore[operator]
+    # of_reference: the candidate's value against t x the reference's reference_metric
+    rm = METRICS[rule.reference_metric]  # type: ignore[index]
+    miss = ref_missing()
+    r = metric_value(ref, rm.name, depth) if miss is None else None
+    if miss is None and r is None:
+        miss = f"reference tier {ref_name!r} lacks {rm.where(depth)}"
+    if miss is None and v is None:
+        miss = f"missing {what}" + (f": {rule.missing_hint}" if rule.missing_hint else "")
+    res = _cmp(rule.name, v, None if r is None else t * r, rule.bound, what, miss)
+    if miss is None:
+        res.message += f" (= {_fmt(t)} x reference {rm.label} {_fmt(r)})"
+    return res
 
 
 def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateSpec | dict | None,
@@ -322,7 +294,7 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
                 verdict.rules.append(RuleResult(rule, False, None, set_rules[rule],
                                                 f"not judged: tier has {short}"))
             else:
-                verdict.rules.append(_check_rule(rule, float(set_rules[rule]), cand, ref,  # type: ignore[arg-type]
-                                                 ref_name, int(depth)))
+                verdict.rules.append(_check_rule(GATE_RULES[rule], float(set_rules[rule]), cand,  # type: ignore[arg-type]
+                                                 ref, ref_name, int(depth)))
         report.candidates.append(verdict)
     return report

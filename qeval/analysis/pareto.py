@@ -1,7 +1,7 @@
 """Pareto front over memory, decode speed and quality at one context depth.
 
-Objectives (docs/design.md, "Pareto front"), all read from stored tier results
-(format in :mod:`qeval.results`):
+Objectives (docs/design.md, "Pareto front"), all read from stored tier results through
+the metric table (:mod:`qeval.metrics`; format in :mod:`qeval.results`):
 
 * **memory**: peak bytes at the depth, ``memory.peak_bytes["<depth>"]`` (minimise).
   There is deliberately *no* fallback to ``memory.weight_bytes``: weights alone leave out
@@ -25,73 +25,48 @@ tiers never get defaults.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from ..errors import QevalInputError
-from ..results import STATUS_OK, TierResult, get_path
+from ..metrics import GIB, MEMORY_OBJECTIVE, METRICS, SPEED_OBJECTIVE, finite, objective
+from ..metrics import value as metric_value
+from ..results import STATUS_OK, TierResult
 
-QUALITY_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
-    # metric name -> (path inside the tier result, direction)
-    "kld_mean": (("quality", "fidelity", "kld_mean"), "min"),
-    "ppl_ratio": (("quality", "fidelity", "ppl_ratio"), "min"),
-    "pass_rate": (("quality", "behaviour", "pass_rate"), "max"),
-}
-#: Values a metric has for the reference tier by definition, when its result lacks them.
-REFERENCE_DEFAULTS = {"kld_mean": 0.0, "ppl_ratio": 1.0}
-
-GIB = 2 ** 30
-
-
-def finite(x: Any) -> float | None:
-    """``float(x)`` when ``x`` is a finite number (not bool), else None."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
+__all__ = ["GIB", "ParetoEntry", "ParetoResult", "decode_at", "dominates", "finite", "pareto_front",
+           "peak_bytes_at", "quality_direction", "quality_value", "users_at_slo_of"]
 
 
 def peak_bytes_at(tier: TierResult | None, depth: int) -> float | None:
     """Peak memory (bytes) measured at context ``depth`` (tokens), or None."""
-    return finite(get_path(tier, "memory", "peak_bytes", str(depth)))
+    return metric_value(tier, MEMORY_OBJECTIVE, depth)
 
 
 def decode_at(tier: TierResult | None, depth: int) -> float | None:
     """Decode speed (tokens/s) after ``depth`` context tokens, or None."""
-    return finite(get_path(tier, "speed", str(depth), "decode_tokens_per_s"))
+    return metric_value(tier, SPEED_OBJECTIVE, depth)
 
 
 def users_at_slo_of(tier: TierResult | None) -> float | None:
     """Users at SLO measured by the tier's load sweep (``load.users_at_slo``: the largest
     concurrency meeting both SLO percentiles with nothing refused; qeval.measure.load), or None."""
-    return finite(get_path(tier, "load", "users_at_slo"))
+    return metric_value(tier, "users_at_slo")
 
 
 def quality_value(tier: TierResult | None, metric: str, *, is_reference: bool = False) -> float | None:
-    """The quality figure ``metric`` (``kld_mean``, ``ppl_ratio`` or ``pass_rate``) of a tier.
+    """The quality objective ``metric`` (``kld_mean``, ``ppl_ratio`` or ``pass_rate``) of a tier.
 
     For the reference tier a missing ``kld_mean`` is 0 and a missing ``ppl_ratio`` is 1
-    (by definition); nothing else is ever defaulted.
+    (by definition, :attr:`qeval.metrics.Metric.reference_value`); nothing else is defaulted.
 
     Raises:
-        QevalInputError: unknown metric name.
+        QevalInputError: not a quality objective.
     """
-    if metric not in QUALITY_METRICS:
-        raise QevalInputError(f"unknown quality metric {metric!r} "
-                              f"(expected one of: {', '.join(QUALITY_METRICS)})")
-    v = finite(get_path(tier, *QUALITY_METRICS[metric][0]))
-    if v is None and is_reference and metric in REFERENCE_DEFAULTS:
-        return REFERENCE_DEFAULTS[metric]
-    return v
+    return metric_value(tier, objective(metric).name, is_reference=is_reference)
 
 
 def quality_direction(metric: str) -> Literal["min", "max"]:
     """``"min"`` when lower is better for ``metric``, ``"max"`` when higher is better."""
-    if metric not in QUALITY_METRICS:
-        raise QevalInputError(f"unknown quality metric {metric!r} "
-                              f"(expected one of: {', '.join(QUALITY_METRICS)})")
-    return QUALITY_METRICS[metric][1]  # type: ignore[return-value]
+    return objective(metric).direction
 
 
 @dataclass
@@ -171,12 +146,13 @@ class ParetoResult:
 def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
               quality_dir: str = "min") -> bool:
     """True when point ``a`` dominates ``b``. Points are ``(memory_bytes, speed, quality)``
-    (speed: decode tokens/s or users at SLO); memory is minimised, speed maximised, quality
-    per ``quality_dir``."""
-    qa, qb = (a[2], b[2]) if quality_dir == "min" else (-a[2], -b[2])
-    no_worse = a[0] <= b[0] and a[1] >= b[1] and qa <= qb
-    strictly = a[0] < b[0] or a[1] > b[1] or qa < qb
-    return no_worse and strictly
+    (speed: decode tokens/s or users at SLO, :data:`qeval.metrics.SPEED_OBJECTIVES`); memory
+    and speed in their metrics' directions (memory minimised, speed maximised), quality per
+    ``quality_dir``."""
+    dirs = (METRICS[MEMORY_OBJECTIVE].direction, METRICS[SPEED_OBJECTIVE].direction, quality_dir)
+    sa = [x if d == "min" else -x for x, d in zip(a, dirs)]
+    sb = [x if d == "min" else -x for x, d in zip(b, dirs)]
+    return all(p <= q for p, q in zip(sa, sb)) and any(p < q for p, q in zip(sa, sb))
 
 
 def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str = "kld_mean",

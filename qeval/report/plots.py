@@ -9,6 +9,7 @@ import io
 import re
 
 from ..analysis.pareto import GIB, ParetoResult, decode_at
+from ..metrics import objective
 from ..results import STATUS_OK, TierResult, get_path
 
 _DPI = 100
@@ -34,11 +35,6 @@ def _png(fig) -> bytes:
 def _color(i: int) -> str:
     """Colour of the i-th tier in recipe order (the same tier has the same colour in every plot)."""
     return f"C{i % 10}"
-
-
-_QUALITY_LABEL = {"kld_mean": "KLD mean vs reference (nats, lower is better)",
-                  "ppl_ratio": "PPL ratio vs reference (lower is better)",
-                  "pass_rate": "pass rate (higher is better)"}
 
 
 def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
@@ -67,7 +63,7 @@ def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
                               markerfacecolor=c if on else "none", label=label))
     ax.legend(handles=handles, fontsize=8, loc="best", framealpha=0.9)
     ax.set_xlabel(f"peak memory at depth {pareto.depth} (GiB)")
-    ax.set_ylabel(_QUALITY_LABEL.get(pareto.quality_metric, pareto.quality_metric))
+    ax.set_ylabel(objective(pareto.quality_metric).axis_label)
     ax.set_title("Quality vs memory (marker size = decode tokens/s; filled = Pareto front)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.25, y=0.2)

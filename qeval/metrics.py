@@ -1,0 +1,217 @@
+"""The metric table: every figure the decisions and reports read from a tier result, with
+its path, unit and direction, and the release-gate rules built on them.
+
+Read by the gate (:mod:`qeval.analysis.gate`), the Pareto front, the fallback ladder, the
+plots, the tier tables and ``qeval compare``; the recipe's ``gate.quality_metric`` choices
+and ``gate.rules`` fields are made from it (:mod:`qeval.recipe`). Definitions of the
+figures are in docs/design.md and the modules that measure them (``qeval.measure``).
+
+Adding a metric is adding a :class:`Metric` to :data:`METRICS` (and, to gate on it, a
+:class:`GateRule` to :data:`GATE_RULES`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import QevalInputError
+from .results import get_path
+
+GIB = 2 ** 30
+DEPTH = "{depth}"  # placeholder in a path for the context depth (tokens), a string key
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure of a tier result.
+
+    Attributes:
+        name: the metric's name (recipe ``gate.quality_metric``, compare and table keys).
+        path: keys into the tier result (:class:`qeval.results.TierResult`); ``DEPTH``
+            stands for the depth (tokens) of a per-depth figure.
+        unit: ``bytes``, ``bytes/token``, ``s``, ``tokens/s``, ``nats``, ``share`` (0..1),
+            ``ratio`` or ``bits``.
+        direction: ``min`` (lower is better) or ``max``.
+        label: short name for people (tables, plots).
+        objective: can be the quality objective of the Pareto front and the ladder
+            (``gate.quality_metric``).
+        reference_value: the reference tier's value by definition when its result lacks it
+            (KLD 0, PPL ratio 1: the reference is not scored against itself).
+    """
+    name: str
+    path: tuple[str, ...]
+    unit: str
+    direction: Literal["min", "max"]
+    label: str
+    objective: bool = False
+    reference_value: float | None = None
+
+    @property
+    def per_depth(self) -> bool:
+        return DEPTH in self.path
+
+    def where(self, depth: int | None = None) -> str:
+        """The dotted path, with the depth filled in (``speed.1024.decode_tokens_per_s``)."""
+        return ".".join(str(depth) if p == DEPTH else p for p in self.path)
+
+    @property
+    def axis_label(self) -> str:
+        """``KLD mean vs reference (nats, lower is better)`` style label for a plot axis."""
+        unit = "" if self.unit in ("share", "ratio") else f"{self.unit}, "
+        vs = " vs reference" if self.reference_value is not None else ""
+        return f"{self.label}{vs} ({unit}{'lower' if self.direction == 'min' else 'higher'} is better)"
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in (
+    Metric("weight_bytes", ("memory", "weight_bytes"), "bytes", "min", "weights"),
+    Metric("bits_per_weight", ("quant", "bits_per_weight"), "bits", "min", "bits/weight"),
+    Metric("kv_bytes_per_token", ("memory", "kv_bytes_per_token"), "bytes/token", "min", "KV bytes/token"),
+    Metric("peak_bytes", ("memory", "peak_bytes", DEPTH), "bytes", "min", "peak memory"),
+    Metric("ttft_s", ("speed", DEPTH, "ttft_s"), "s", "min", "TTFT"),
+    Metric("decode_tokens_per_s", ("speed", DEPTH, "decode_tokens_per_s"), "tokens/s", "max", "decode"),
+    Metric("roofline_share", ("speed", DEPTH, "roofline_share"), "share", "max", "roofline share"),
+    Metric("kld_mean", ("quality", "fidelity", "kld_mean"), "nats", "min", "KLD mean", objective=True,
+           reference_value=0.0),
+    Metric("kld_se", ("quality", "fidelity", "kld_se"), "nats", "min", "KLD standard error"),
+    Metric("same_top_rate", ("quality", "fidelity", "same_top_rate"), "share", "max", "same-top rate",
+           reference_value=1.0),
+    Metric("ppl_ratio", ("quality", "fidelity", "ppl_ratio"), "ratio", "min", "PPL ratio", objective=True,
+           reference_value=1.0),
+    Metric("pass_rate", ("quality", "behaviour", "pass_rate"), "share", "max", "pass rate", objective=True),
+    Metric("pass_ci_low", ("quality", "behaviour", "pass_ci_low"), "share", "max", "pass rate 95% lower bound"),
+    Metric("pass_ci_high", ("quality", "behaviour", "pass_ci_high"), "share", "max", "pass rate 95% upper bound"),
+    Metric("flip_rate", ("quality", "behaviour", "flip_rate"), "share", "min", "flip rate"),
+    Metric("users_at_slo", ("load", "users_at_slo"), "users", "max", "users at SLO"),
+    Metric("budget_exhausted_rate", ("quality", "behaviour", "budget_exhausted_rate"), "share", "min",
+           "budget exhaustion rate"),
+)}
+
+#: Metrics the Pareto front and the ladder can use as their quality objective.
+OBJECTIVES: tuple[str, ...] = tuple(n for n, m in METRICS.items() if m.objective)
+#: The Pareto front's memory objective (at the analysis depth) and its speed objectives by
+#: the recipe's ``pareto.speed``: single-stream decode at the depth, or the load sweep's
+#: users at SLO (capacity).
+MEMORY_OBJECTIVE = "peak_bytes"
+SPEED_OBJECTIVES: dict[str, str] = {"decode": "decode_tokens_per_s", "users_at_slo": "users_at_slo"}
+SPEED_OBJECTIVE = SPEED_OBJECTIVES["decode"]
+
+
+def finite(x: Any) -> float | None:
+    """``float(x)`` when ``x`` is a finite number (not bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def metric(name: str) -> Metric:
+    """The :class:`Metric` called ``name``.
+
+    Raises:
+        QevalInputError: unknown name (lists the known ones).
+    """
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise QevalInputError(f"unknown metric {name!r} (expected one of: {', '.join(METRICS)})") from None
+
+
+def objective(name: str) -> Metric:
+    """The quality objective ``name`` (``kld_mean``, ``ppl_ratio``, ``pass_rate``).
+
+    Raises:
+        QevalInputError: not an objective metric.
+    """
+    if name not in OBJECTIVES:
+        raise QevalInputError(f"unknown quality metric {name!r} (expected one of: {', '.join(OBJECTIVES)})")
+    return METRICS[name]
+
+
+def value(tier: Any, name: str, depth: int | None = None, *, is_reference: bool = False) -> float | None:
+    """The finite value of metric ``name`` in a tier result (None when missing or not a
+    finite number); per-depth metrics at ``depth`` (tokens). For the reference tier a
+    missing value with a ``reference_value`` (KLD 0, PPL ratio 1) is that value.
+
+    Raises:
+        QevalInputError: unknown metric.
+    """
+    m = metric(name)
+    keys = [str(depth) if p == DEPTH else p for p in m.path]
+    v = finite(get_path(tier, *keys))
+    if v is None and is_reference and m.reference_value is not None:
+        return m.reference_value
+    return v
+
+
+# ---- gate rules ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GateRule:
+    """A release-gate rule on one metric (a field of the recipe's ``gate.rules``).
+
+    Attributes:
+        name: the rule (``max_kld_mean``).
+        metric: the candidate's metric it bounds.
+        bound: ``max`` (value <= threshold) or ``min`` (value >= threshold).
+        kind: ``absolute`` (value against the threshold), ``ratio`` (value / the
+            reference's value of the same metric against the threshold) or ``of_reference``
+            (value against threshold x the reference's ``reference_metric``).
+        reference_metric: for ``of_reference``, the reference's metric.
+        scale: the threshold's unit in the metric's (``max_peak_memory_gib``: GiB = 2**30 bytes).
+        ge, gt, le: bounds of the threshold itself (recipe validation).
+        description: for the recipe schema.
+        missing_hint: said after "missing <figure>" when the candidate lacks it.
+    """
+    name: str
+    metric: str
+    bound: Literal["max", "min"]
+    kind: Literal["absolute", "ratio", "of_reference"] = "absolute"
+    reference_metric: str | None = None
+    scale: float = 1.0
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    description: str | None = None
+    missing_hint: str | None = None
+
+
+#: Every gate rule, in the order they are checked and reported.
+GATE_RULES: dict[str, GateRule] = {r.name: r for r in (
+    GateRule("max_kld_mean", "kld_mean", "max", ge=0),
+    GateRule("min_same_top_rate", "same_top_rate", "min", ge=0, le=1),
+    GateRule("max_ppl_ratio", "ppl_ratio", "max", gt=0),
+    GateRule("min_pass_rate_rel", "pass_ci_low", "min", "of_reference", reference_metric="pass_rate", ge=0,
+             description="candidate pass rate's 95% lower bound >= this x reference pass rate"),
+    GateRule("max_flip_rate", "flip_rate", "max", ge=0, le=1),
+    GateRule("max_peak_memory_gib", "peak_bytes", "max", scale=GIB, gt=0),
+    GateRule("max_peak_memory_rel", "peak_bytes", "max", "ratio", gt=0),
+    GateRule("min_decode_tokens_per_s", "decode_tokens_per_s", "min", ge=0),
+    GateRule("min_decode_rel", "decode_tokens_per_s", "min", "ratio", ge=0),
+    GateRule("max_budget_exhaustion", "budget_exhausted_rate", "max", ge=0, le=1),
+    GateRule("min_users_at_slo_rel", "users_at_slo", "min", "of_reference", reference_metric="users_at_slo", ge=0,
+             description="candidate users at SLO (load sweep) >= this x the reference's",
+             missing_hint="no load sweep"),
+)}
+
+
+# ---- display -----------------------------------------------------------------------------
+
+# unit -> (unit shown, multiplier, format): bytes as GiB (2**30), shares as %.
+_DISPLAY: dict[str, tuple[str, float, str]] = {"bytes": ("GiB", 1 / GIB, ".2f"), "share": ("%", 100.0, ".1f"),
+                                              "nats": ("nats", 1.0, ".4f")}
+
+
+def display_unit(name: str) -> str:
+    """The unit a metric is shown in (``GiB`` for bytes, ``%`` for shares, else its own)."""
+    m = metric(name)
+    return _DISPLAY.get(m.unit, (m.unit, 1.0, ".2f"))[0]
+
+
+def format_value(name: str, v: float | None, signed: bool = False) -> str:
+    """A metric's value in its display unit (``-`` for None); ``signed`` for deltas."""
+    if v is None:
+        return "-"
+    m = metric(name)
+    _, mult, fmt = _DISPLAY.get(m.unit, (m.unit, 1.0, ".2f"))
+    return f"{v * mult:{'+' if signed else ''}{fmt}}"
