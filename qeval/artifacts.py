@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .results import atomic_write_json
-from .source import cache_root, file_sha256
+from .hashing import file_sha256
+from .paths import artifacts_dir
+from .storage import fetch_artifact, publish_artifact
 
 
 def artifact_key(fields: dict) -> str:
@@ -28,7 +30,7 @@ def artifact_key(fields: dict) -> str:
 
 def artifact_dir(method: str, key: str) -> Path:
     """Folder of the artifact ``method``/``key`` under the cache root."""
-    return cache_root() / "artifacts" / f"{method}-{key}"
+    return artifacts_dir() / f"{method}-{key}"
 
 
 def hash_files(folder: Path) -> dict[str, str]:
@@ -120,7 +122,6 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
 
 
 def _fetch(remote: Any, folder: Path) -> bool:
-    from .storage import fetch_artifact
     return fetch_artifact(remote, folder.name, folder)
 
 
@@ -129,6 +130,5 @@ def _publish(remote: Any, folder: Path, log: Callable[[str], None], replace: boo
     copy there was unusable)."""
     if remote is None:
         return
-    from .storage import publish_artifact
     if publish_artifact(remote, folder.name, folder, replace=replace):
         log(f"artifact {folder.name} uploaded to {remote.url}")

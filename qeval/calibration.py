@@ -3,7 +3,7 @@ written for this project), loaded with the ``datasets`` library's JSON loader.""
 from __future__ import annotations
 
 from .errors import QevalInputError
-from .source import file_sha256
+from .hashing import file_sha256
 
 
 def calibration_fields(recipe) -> dict:
@@ -20,7 +20,7 @@ def load_calibration_texts(recipe) -> list[str]:
         QevalInputError: missing file, a row without a string ``text``, or fewer rows
             than ``samples``.
     """
-    import datasets
+    import datasets  # start-up time: only calibration loads datasets
 
     p = recipe.resolve_path(recipe.calibration.path)
     if not p.is_file():

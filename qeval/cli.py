@@ -15,8 +15,18 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import __version__
+from .analysis.compare import compare_markdown, compare_runs
 from .errors import EXIT_BAD_INPUT, QevalInputError
+from .executors import make_executor
+from .paths import staging_dir
+from .recipe import load_recipe
+from .report.outputs import build_outputs, plan_text
 from .results import RUN_SCOPE, RunLayout, stage_done
+from .run import Interrupted, Runner, new_run_dir, preflight
+from .storage import RemoteStorage, is_url, localize_source, storage_for
+from .tiers import get_method
+from .validate import static_checks
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="qeval: which quantization tier to serve, and which fallbacks, measured.")
@@ -26,7 +36,6 @@ out = Console(soft_wrap=True, markup=False)
 
 def _print_version(value: bool) -> None:
     if value:
-        from . import __version__
         out.print(f"qeval {__version__}")
         raise typer.Exit(0)
 
@@ -57,7 +66,6 @@ def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
 
 def describe_plan(recipe) -> str:
     """Human-readable resolved plan of a recipe (what ``qeval validate`` prints)."""
-    from .tiers import get_method
     m = recipe.model
     lines = [f"recipe   {recipe.name}" + (f"  ({recipe.path})" if recipe.path else ""),
              f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}  dtype={m.dtype}"
@@ -90,8 +98,6 @@ def describe_plan(recipe) -> str:
 @app.command()
 def validate(recipe: Path = typer.Argument(..., help="recipe YAML")) -> None:
     """Validate a recipe and print the resolved plan."""
-    from .recipe import load_recipe
-    from .source import static_checks
     try:
         r = load_recipe(recipe)
         static_checks(r)
@@ -111,17 +117,12 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         junit: Optional[Path] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
         ) -> None:
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
-    from .recipe import load_recipe
-    from .run import Interrupted, Runner, new_run_dir, preflight
-    from .source import static_checks
     resume = Path(resume_arg) if resume_arg else None
     try:
         r = load_recipe(recipe)
         static_checks(r)
         subset = _parse_tiers(r, tiers)
-        if executor is not None and executor not in ("local", "ray"):
-            raise QevalInputError(f"unknown executor {executor!r} (local or ray)", field="--executor")
-        from .storage import is_url, storage_for
+        chosen = make_executor(executor or r.executor, ray_address)
         remote = storage_for(r)
         if remote is not None:  # a URL: work in a local staging folder, copy through the store
             try:
@@ -158,7 +159,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         else:
             status.update(f"[bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg)}")
 
-    runner = Runner(r, run_dir, subset, on_event=on_event, executor=executor, ray_address=ray_address)
+    runner = Runner(r, run_dir, subset, on_event=on_event, executor=chosen)
     got = {"signal": signal.SIGINT}
 
     def on_term(signum, _frame):  # CI cancels with SIGTERM: stop like Ctrl-C (stages kept, resume hint)
@@ -199,7 +200,6 @@ def _run_folder(arg: str):
     Raises:
         QevalInputError: the URL is not a run folder (no run.json) or cannot be read.
     """
-    from .storage import RemoteStorage, is_url
     if not is_url(arg):
         return Path(arg), None
     url = arg.rstrip("/")
@@ -226,8 +226,7 @@ def _run_folder(arg: str):
 
 def _staging_root() -> Path:
     """Local folder for runs whose storage is a URL: ``$QEVAL_CACHE/staging``."""
-    from .source import cache_root
-    return cache_root() / "staging"
+    return staging_dir()
 
 
 def _staging_copy(store, rel: str) -> Path:
@@ -251,7 +250,6 @@ def _fetch_run(remote, url: str) -> Path:
         raise QevalInputError(f"{url} is not a run folder under {remote.url}/results/", field="--resume")
     local = _staging_copy(remote, rel)
     if stage_done(RunLayout(local), RUN_SCOPE, "source"):
-        from .storage import localize_source
         try:
             localize_source(remote, local)
         except RuntimeError as e:
@@ -261,7 +259,6 @@ def _fetch_run(remote, url: str) -> Path:
 
 def _decide(run_dir: Path, junit: Optional[Path]) -> int:
     """Tables, gate, report from the stored JSON; returns the gate's exit code."""
-    from .report.outputs import build_outputs
     code, text = build_outputs(run_dir, junit=junit)
     out.print(text, highlight=False, soft_wrap=True)
     return code
@@ -312,7 +309,6 @@ def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its
          ) -> None:
     """Capacity and speed plan per tier: weights, KV cache, sequences that fit, decode bound
     and expected tokens/s on a GPU; estimates from a config, measured figures from a run."""
-    from .report.outputs import plan_text
     try:
         if run_dir is None and model is None and recipe is None:
             raise QevalInputError("give RUN_DIR, --model or --recipe", field="plan")
@@ -331,7 +327,6 @@ def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its
 def compare(run_a: str = typer.Argument(..., help="baseline run folder (or its URL)"),
             run_b: str = typer.Argument(..., help="new run folder (or its URL)")) -> None:
     """Compare the same tiers of two runs side by side, with deltas."""
-    from .analysis.compare import compare_markdown, compare_runs
     try:
         rows = compare_runs(_run_folder(run_a)[0], _run_folder(run_b)[0])
         out.print(compare_markdown(rows, run_a, run_b), highlight=False)
@@ -344,9 +339,9 @@ def main() -> None:
     wrong type, a missing argument) are one line ``error: <command>: <message>``, exit 2,
     instead of click's boxed usage text."""
     try:
-        from typer._click.exceptions import UsageError  # typer >= 0.2x vendors click
+        from typer._click.exceptions import UsageError  # optional: typer >= 0.2x vendors click
     except ImportError:  # older typer: click itself
-        from click.exceptions import UsageError
+        from click.exceptions import UsageError  # optional: older typer has no vendored click
     try:
         rc = app(standalone_mode=False, prog_name="qeval")
     except UsageError as e:  # NoSuchOption, BadParameter, MissingParameter, ...

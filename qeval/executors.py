@@ -1,10 +1,11 @@
-"""Executors: where each tier's stages run.
+"""Executors: where each tier's stages run. The :class:`~qeval.run.Runner` is given one.
 
 ``local`` (default): tier after tier on this machine, each stage in a child process
-(:meth:`qeval.run.Runner.run_tier`). ``ray``: each tier's stages run as one Ray task asking
-for the recipe's ``resources`` (num_cpus, num_gpus, memory), so tiers run side by side on
-a cluster; inside the task the stages are the same child processes as locally. The run
-folder and the artifact cache are on storage every node reaches, the recipe's ``storage``:
+(:meth:`qeval.stages.TierRunner.run_tier`). ``ray``: each tier's stages run as one Ray
+task asking for the recipe's ``resources`` (num_cpus, num_gpus, memory), so tiers run side
+by side on a cluster; inside the task the stages are the same child processes as locally,
+run by the same :class:`~qeval.stages.TierRunner`. The run folder and the artifact cache
+are on storage every node reaches, the recipe's ``storage``:
 
 - a mounted path (NFS, a bucket through s3fs/gcsfuse): tasks use the run folder and the
   artifact cache there directly;
@@ -16,20 +17,48 @@ folder and the artifact cache are on storage every node reaches, the recipe's ``
 
 A failed or lost task (worker or node died, retries spent) marks only its tier failed;
 a retried task resumes from the stages its earlier attempt stored. Ray is the optional
-extra ``qeval[ray]``.
+extra ``qeval[ray]``. Adding an executor is a class with ``name`` and ``run_tiers``, and
+its name in :func:`make_executor`.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import QevalInputError
+from .paths import cache_root, node_dir
+from .recipe import Recipe
 from .results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
-
+from .stages import TierRunner
+from .storage import localize_source, storage_for
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
 _WORKER_ENV: dict[str, str] | None = None  # this Ray worker's own environment, before any task
+
+
+class Executor(Protocol):
+    """Runs tiers of a run folder and returns their results.
+
+    Attributes:
+        name: ``local`` or ``ray`` (the recipe's ``executor``).
+    """
+    name: str
+
+    def run_tiers(self, runner: TierRunner, tiers: list[str], reference_failed: str | None) -> dict[str, TierResult]:
+        """Run every tier in ``tiers`` (their unfinished stages) and return ``{tier: result}``
+        in that order; ``reference_failed`` (why the reference pass failed, or None) fails
+        each tier's quality stage. A tier's failure is its result, never an exception."""
+        ...
+
+
+class LocalExecutor:
+    """Tier after tier on this machine."""
+    name = "local"
+
+    def run_tiers(self, runner: TierRunner, tiers: list[str], reference_failed: str | None) -> dict[str, TierResult]:
+        return {tier: runner.run_tier(tier, reference_failed) for tier in tiers}
 
 
 def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: str,
@@ -54,20 +83,16 @@ def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: s
     if once.startswith(f"{tier}:") and not Path(once.split(":", 1)[1]).exists():
         Path(once.split(":", 1)[1]).touch()
         os._exit(3)  # the first attempt dies; Ray's retry (recipe ``retries``) runs the tier again
-    from .recipe import Recipe
-    from .run import Runner
     r = Recipe.model_validate(recipe_dict)
     r._path = Path(recipe_path) if recipe_path else None
-    from .storage import storage_for
     remote = storage_for(r)
     if remote is None:
-        return Runner(r, Path(run_dir), [tier], executor="local").run_tier(tier, reference_failed)
+        return TierRunner(r, Path(run_dir)).run_tier(tier, reference_failed)
     local = stage_from_store(remote, run_dir, tier)
-    runner = Runner(r, local, [tier], executor="local")
+    runner = TierRunner(r, local)
     result = runner.run_tier(tier, reference_failed)
     if runner.push_error is None:  # all in the store: drop the node's copy (the reference
-        import shutil              # log-probabilities alone can be GiBs per run)
-        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(local, ignore_errors=True)  # log-probabilities alone can be GiBs per run)
     return result
 
 
@@ -82,9 +107,7 @@ def stage_from_store(remote: Any, rel: str, tier: str) -> Path:
     Raises:
         RuntimeError: the source checkpoint is not in the store or hashes differently.
     """
-    from .source import cache_root
-    from .storage import localize_source
-    local = cache_root() / "nodes" / tier / rel  # per tier: tasks of one run share a node
+    local = node_dir(tier) / rel
     wanted = RunLayout.tier_files(tier)
     remote.download_dir(rel, local, include=lambda f: RunLayout.run_wide_file(f) or wanted(f))
     localize_source(remote, local)
@@ -99,7 +122,7 @@ def ray_init(address: str | None) -> Any:
         QevalInputError: ray is not installed, or the cluster cannot be reached.
     """
     try:
-        import ray
+        import ray  # optional: the qeval[ray] extra
     except ImportError:
         raise QevalInputError("executor ray needs the extra: pip install 'qeval[ray]'",
                               field="executor") from None
@@ -113,46 +136,70 @@ def ray_init(address: str | None) -> Any:
     return ray
 
 
-def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, TierResult]:
-    """Submit every tier of ``runner`` as a Ray task and collect the results (recipe order)."""
-    from .source import cache_root
+class RayExecutor:
+    """One Ray task per tier (see the module docstring).
 
-    ray = ray_init(runner.ray_address)
-    res = runner.recipe.resources
-    opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
-                            "max_retries": runner.recipe.retries, "retry_exceptions": False}
-    if res.memory_gib:
-        opts["memory"] = int(res.memory_gib * 2 ** 30)
-    task = ray.remote(_tier_task).options(**opts)
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    if runner.remote is None:  # mounted storage: the driver's cache is every node's
-        env["QEVAL_CACHE"] = str(cache_root())
-        where = str(runner.run_dir.resolve())
-    else:  # a storage URL: each node keeps its own cache and copies through the store
-        env.pop("QEVAL_CACHE", None)
-        where = runner.remote_rel
-    recipe_path = str(runner.recipe.path) if runner.recipe.path else None
-    pending = {}
-    for tier in runner.tiers:
-        runner.on_event(tier, "ray", "submitted")
-        pending[tier] = task.remote(runner.recipe_dict, recipe_path, where, tier, reference_failed, env)
-    results: dict[str, TierResult] = {}
-    for tier, ref in pending.items():
-        try:
-            results[tier] = ray.get(ref)
-            if runner.remote is not None:  # the tier's stages, logs and result into the driver's folder
-                runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=RunLayout.tier_files(tier))
-                if not runner.layout.tier_result(tier).exists():  # the node could not copy it
-                    write_tier_result(runner.layout, results[tier])
-            st = results[tier].status
-            runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].error or "")
-        except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
-            why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
-            if runner.remote is not None:  # keep the stages the task stored before it was lost
-                try:
+    Args:
+        address: the cluster (``auto``, ``ray://host:10001``); None: an instance in this
+            process or a new local one.
+    """
+    name = "ray"
+
+    def __init__(self, address: str | None = None) -> None:
+        self.address = address
+
+    def run_tiers(self, runner: TierRunner, tiers: list[str], reference_failed: str | None) -> dict[str, TierResult]:
+        """Submit every tier as a Ray task and collect the results (in ``tiers`` order)."""
+        ray = ray_init(self.address)
+        res = runner.recipe.resources
+        opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                                "max_retries": runner.recipe.retries, "retry_exceptions": False}
+        if res.memory_gib:
+            opts["memory"] = int(res.memory_gib * 2 ** 30)
+        task = ray.remote(_tier_task).options(**opts)
+        env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+        if runner.remote is None:  # mounted storage: the driver's cache is every node's
+            env["QEVAL_CACHE"] = str(cache_root())
+            where = str(runner.run_dir.resolve())
+        else:  # a storage URL: each node keeps its own cache and copies through the store
+            env.pop("QEVAL_CACHE", None)
+            where = runner.remote_rel
+        recipe_path = str(runner.recipe.path) if runner.recipe.path else None
+        pending = {}
+        for tier in tiers:
+            runner.on_event(tier, "ray", "submitted")
+            pending[tier] = task.remote(runner.recipe_dict, recipe_path, where, tier, reference_failed, env)
+        results: dict[str, TierResult] = {}
+        for tier, ref in pending.items():
+            try:
+                results[tier] = ray.get(ref)
+                if runner.remote is not None:  # the tier's stages, logs and result into the driver's folder
                     runner.remote.download_dir(runner.remote_rel, runner.run_dir, include=RunLayout.tier_files(tier))
-                except Exception:  # noqa: BLE001 - the failure above is the one to report
-                    pass
-            results[tier] = runner._finish(tier, STATUS_FAILED, error=why)
-            runner.on_event(tier, "failed", why)
-    return results
+                    if not runner.layout.tier_result(tier).exists():  # the node could not copy it
+                        write_tier_result(runner.layout, results[tier])
+                st = results[tier].status
+                runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].error or "")
+            except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
+                why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
+                if runner.remote is not None:  # keep the stages the task stored before it was lost
+                    try:
+                        runner.remote.download_dir(runner.remote_rel, runner.run_dir,
+                                                   include=RunLayout.tier_files(tier))
+                    except Exception:  # noqa: BLE001 - the failure above is the one to report
+                        pass
+                results[tier] = runner.finish(tier, STATUS_FAILED, error=why)
+                runner.on_event(tier, "failed", why)
+        return results
+
+
+def make_executor(name: str, ray_address: str | None = None) -> Executor:
+    """The executor called ``name`` (``local`` or ``ray``).
+
+    Raises:
+        QevalInputError: another name (field ``--executor``).
+    """
+    if name == "local":
+        return LocalExecutor()
+    if name == "ray":
+        return RayExecutor(ray_address)
+    raise QevalInputError(f"unknown executor {name!r} (local or ray)", field="--executor")

@@ -530,7 +530,7 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 def _json_default(o: Any) -> Any:
     try:
-        import numpy as np
+        import numpy as np  # start-up time: numpy only for numpy values
         if isinstance(o, np.generic):
             return o.item()
         if isinstance(o, np.ndarray):

@@ -1,112 +1,39 @@
-"""A qeval run: stages in child processes, per-tier isolation, resume, outputs.
+"""A qeval run: the run-wide stages, resume checks, ``run.json``, and the tiers through an
+executor.
 
 Flow (docs/design.md): source -> env (bandwidth) -> reference pass -> for each tier:
-prepare -> measure -> load (concurrency sweep; engines that can batch, ``load.enabled``)
--> quality -> ``tiers/<tier>.json``; then tables, gate, report.
-
-Every stage runs in its own process (:mod:`qeval.worker`): an exception, an
-out-of-memory kill, a segfault or a timeout marks that tier ``failed`` with the reason
-and the tail of its log, and the other tiers go on. Finished stages are files in
-``stages/``; ``--resume`` redoes only what is missing.
+prepare -> measure -> quality -> ``tiers/<tier>.json``; then tables, gate, report. Each
+stage is a child process (:mod:`qeval.stages`); where the tiers run is the executor's
+business (:mod:`qeval.executors`: local or Ray).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import platform
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
 from .errors import QevalInputError
-from .recipe import Recipe, check_context, stable_tier_dict
+from .executors import Executor, make_executor
+from .measure.quality import _budget, load_suites
+from .paths import cache_root
+from .recipe import Recipe, check_context
+from .results import (RUN_SCOPE, TIER_STAGES, RunInfo, RunLayout, TierResult, read_run_info, read_stage, stage_done,
+                      write_run_info)
+from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, stage_threads,
+                     tier_fingerprint)
+from .source import hub_download_bytes
+from .storage import redact_options
 from .tiers import get_method
-from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
-                      RunInfo, RunLayout, TierResult, read_run_info, read_stage, read_stage_error, stage_done,
-                      write_run_info, write_tier_result)
 
-TIMED_STAGES = ("measure", "load", "env")
-
-
-def stage_threads(recipe: Recipe, stage: str) -> int:
-    """Threads of a stage: the recipe's pinned ``threads`` where speed or bandwidth is
-    measured, ``work_threads`` (default: every core) where nothing is timed."""
-    if stage in TIMED_STAGES:
-        return recipe.threads
-    return recipe.work_threads or os.cpu_count() or recipe.threads
-
-
-@dataclass
-class StageOutcome:
-    """How a stage ended: ``ok``; else ``reason`` (one line) and ``log_tail``."""
-    ok: bool
-    reason: str | None = None
-    log_tail: str | None = None
-    input_error: bool = False
-
-
-class Interrupted(Exception):
-    """Ctrl-C during a run; finished stages stay on disk."""
-
-
-# ---- fingerprints for resume --------------------------------------------------------
-
-def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
-    """Hash of everything that shapes a tier's measured results (model, device, threads,
-    speed, calibration, suites, quality and the tier's own spec). Gate and report settings
-    are left out: changing them does not invalidate measurements."""
-    spec = next((t for t in recipe_dict["tiers"] if t["name"] == tier), None)
-    keep = {k: recipe_dict.get(k) for k in ("model", "device", "threads", "speed", "calibration", "suites",
-                                            "quality")}
-    keep["tier"] = stable_tier_dict(spec)
-    keep["reference"] = stable_tier_dict(next((t for t in recipe_dict["tiers"]
-                                               if t["name"] == recipe_dict["gate"]["reference"]), None))
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _changed_fields(old: dict, new: dict, tier: str) -> list[str]:
-    out = []
-    for k in ("model", "device", "threads", "speed", "calibration", "suites", "quality"):
-        if old.get(k) != new.get(k):
-            out.append(k)
-    o = next((t for t in old["tiers"] if t["name"] == tier), None)
-    n = next((t for t in new["tiers"] if t["name"] == tier), None)
-    if o != n:
-        out.append(f"tiers[{tier}]")
-    return out or ["reference tier"]
-
-
-# ---- environment --------------------------------------------------------------------
-
-def child_env(recipe: Recipe) -> dict[str, str]:
-    """Environment of every stage process: threads pinned (torch reads OMP_NUM_THREADS,
-    MKL_NUM_THREADS), passive OpenMP waiting (busy-waiting threads collapse decode on a
-    shared machine), hub access off unless the model is a hub id, gptqmodel's workers
-    and extension cache set."""
-    env = dict(os.environ)
-    t = str(recipe.threads)
-    env.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t,
-                "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
-                "GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", str(max(1, min(2, os.cpu_count() or 1)))),
-                "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": env.get("TRANSFORMERS_VERBOSITY", "error")})
-    from .source import cache_root
-    env.setdefault("GPTQMODEL_TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
-    env.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
-    is_hub = bool(recipe.model.source) and not Path(recipe.model.source).expanduser().exists()
-    if not is_hub:
-        env["HF_HUB_OFFLINE"] = "1"
-        env["HF_DATASETS_OFFLINE"] = "1"
-    env["HF_DATASETS_OFFLINE"] = "1"  # calibration and suites are local files
-    from .storage import OPTIONS_ENV
-    if recipe.storage_options:  # run.json holds them redacted; stages need the real ones
-        env[OPTIONS_ENV] = json.dumps(recipe.storage_options)
-    return env
+__all__ = ["Interrupted", "Runner", "StageOutcome", "child_env", "estimate_disk_bytes", "new_run_dir", "preflight",
+           "stage_threads", "tier_fingerprint"]
 
 
 def _git_commit() -> str | None:
@@ -118,7 +45,6 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
     out = {}
     for pkg in ("qeval", "torch", "transformers", "torchao", "gptqmodel", "llama-cpp-python", "gguf",
                 "accelerate", "datasets", "optimum", "hqq", "lm-eval", "ray", "numpy"):
@@ -137,133 +63,39 @@ def _cpu_model() -> str | None:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
     return platform.processor() or None
 
 
 # ---- the runner ---------------------------------------------------------------------
 
-class Runner:
-    """Runs a recipe into a run folder.
+class Runner(TierRunner):
+    """Runs a recipe into a run folder: the run-wide stages here, the tiers through the
+    executor.
 
     Args:
         recipe: the validated recipe.
         run_dir: the run folder (created when missing).
         tiers: names of the tiers to run (None: all, in recipe order).
         on_event: callback ``(tier, stage, message)`` for the progress display.
+        executor: where the tiers run: an :class:`~qeval.executors.Executor`, or its name
+            (``local``, ``ray``); None: the recipe's ``executor``.
+        ray_address: the Ray cluster's address when ``executor`` is a name.
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path, tiers: list[str] | None = None,
                  on_event: Callable[[str, str, str], None] = lambda t, s, m: None,
-                 executor: str | None = None, ray_address: str | None = None) -> None:
-        self.recipe = recipe
-        self.run_dir = Path(run_dir)
-        self.layout = RunLayout(self.run_dir)
+                 executor: Executor | str | None = None, ray_address: str | None = None) -> None:
+        super().__init__(recipe, run_dir, on_event)
         self.tiers = tiers or [t.name for t in recipe.tiers]
-        self.on_event = on_event
-        self.env = child_env(recipe)
-        self.recipe_dict = recipe.model_dump(mode="json")
-        self.executor = executor or recipe.executor
-        self.ray_address = ray_address
-        self._proc: subprocess.Popen | None = None
-        from .storage import run_rel, storage_for
-        self.remote = storage_for(recipe)  # a storage URL: run files are copied there as they finish
-        self.remote_rel = run_rel(self.run_dir)
-        self._pushed: dict[str, tuple[int, int]] = {}
-        self.push_error: str | None = None
-
-    def push(self, include: Callable[[str], bool]) -> int:
-        """Copy the run folder's files passing ``include`` to the storage URL (none: no-op).
-        Returns the number of files copied. A failed copy (network, credentials expired)
-        does not stop the run: it is reported, the local copy stays complete, and
-        :meth:`publish_outputs` tries every file not yet copied again."""
-        if self.remote is None:
-            return 0
-        try:
-            return self.remote.upload_dir(self.run_dir, self.remote_rel, include=include, seen=self._pushed)
-        except Exception as e:  # noqa: BLE001 - storage trouble must not lose measured tiers
-            self.push_error = f"{e.__class__.__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            self.on_event("run", "storage", f"copy to {self.remote.url} failed ({self.push_error})")
-            return 0
-
-    def publish_outputs(self) -> None:
-        """Copy every file of the run folder not yet in the store (the outputs, and anything
-        an earlier failed copy missed) to the storage URL.
-
-        Raises:
-            Exception: the store's error when this final copy fails too.
-        """
-        if self.remote is not None:
-            self.remote.upload_dir(self.run_dir, self.remote_rel, seen=self._pushed)
-
-    # -- stage execution --------------------------------------------------------------
-    def run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
-                  fingerprint: str | None = None) -> StageOutcome:
-        """Run one stage in a child process and wait for it (polling the log for progress).
-
-        The child runs in its own session (a timeout kills its whole process group) and
-        is killed by the kernel if this process dies (PR_SET_PDEATHSIG), so a killed run
-        leaves no orphan that would write a stage file behind a later ``--resume``."""
-        log = self.layout.log(tier, stage)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        err_file = self.layout.stage(tier, stage, error=True)
-        if err_file.exists():
-            err_file.unlink()
-        timeout = timeout or self.recipe.stage_timeout_s
-        cmd = [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
-        t0 = time.time()
-        with open(log, "ab") as lf:
-            lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
-            lf.flush()
-            env = dict(self.env, QEVAL_FINGERPRINT=fingerprint or "")
-            if stage not in TIMED_STAGES:  # nothing is timed here: use the machine
-                t = str(stage_threads(self.recipe, stage))
-                env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, QEVAL_STAGE_THREADS=t)
-            self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
-                                                 start_new_session=True, stdin=subprocess.DEVNULL,
-                                                 preexec_fn=_die_with_parent)
-            last = ""
-            try:
-                while True:
-                    try:
-                        rc = proc.wait(timeout=0.5)
-                        break
-                    except subprocess.TimeoutExpired:
-                        pass
-                    line = _last_progress(log)
-                    if line and line != last:
-                        last = line
-                        self.on_event(tier, stage, line)
-                    if time.time() - t0 > timeout:
-                        _kill(proc)
-                        return StageOutcome(False, f"{stage} timed out after {timeout:.0f} s", _tail(log))
-            except KeyboardInterrupt:
-                _kill(proc)
-                raise Interrupted() from None
-            finally:
-                self._proc = None
-        if rc == 0 and stage_done(self.layout, tier, stage):
-            return StageOutcome(True)
-        reason = None
-        input_error = False
-        err = read_stage_error(self.layout, tier, stage)
-        if err is not None:
-            reason, input_error = err.error, err.type == "input"
-        if reason is None:
-            if rc < 0:
-                sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-                hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
-                reason = f"{stage} process killed by {sig}{hint}"
-            else:
-                reason = f"{stage} process exited with code {rc}"
-        return StageOutcome(False, reason, _tail(log), input_error)
+        if executor is None or isinstance(executor, str):
+            executor = make_executor(executor or recipe.executor, ray_address)
+        self.executor = executor
 
     # -- the run ----------------------------------------------------------------------
     def write_run_json(self, extra: dict | None = None) -> RunInfo:
         """Write ``run.json`` atomically: resolved recipe, versions, CPU, threads, git commit,
         plus ``extra`` (fields of :class:`~qeval.results.RunInfo`)."""
         run = read_run_info(self.layout).model_dump() if self.layout.is_run() else {}
-        from .storage import redact_options
         stored = dict(self.recipe_dict, storage_options=redact_options(self.recipe_dict.get("storage_options") or {}))
         run.update({
             "recipe": stored,  # credentials in storage_options never reach run.json (nor the store)
@@ -314,7 +146,7 @@ class Runner:
             fp = read_stage(self.layout, tier, done[0]).fingerprint
             if fp and fp != tier_fingerprint(self.recipe_dict, tier):
                 raise QevalInputError(
-                    f"cannot resume: the recipe changed ({', '.join(_changed_fields(old, self.recipe_dict, tier))}) "
+                    f"cannot resume: the recipe changed ({', '.join(changed_fields(old, self.recipe_dict, tier))}) "
                     f"since tier {tier!r} was measured; start a new run", file=self.recipe.path)
         if old and old.get("model") != self.recipe_dict.get("model"):
             raise QevalInputError("cannot resume: the recipe's model changed; start a new run",
@@ -334,11 +166,7 @@ class Runner:
                              "device": env.device, "gpu": env.gpu, "gpu_memory_bytes": env.gpu_memory_bytes})
         reference_failed = self.reference_stage() if self.recipe.suites else None
         self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
-        if self.executor == "ray":
-            from .executors import run_tiers_on_ray
-            results = run_tiers_on_ray(self, reference_failed)
-        else:
-            results = {tier: self.run_tier(tier, reference_failed) for tier in self.tiers}
+        results = self.executor.run_tiers(self, self.tiers, reference_failed)
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
         return results
 
@@ -349,7 +177,6 @@ class Runner:
         Raises:
             QevalInputError: too little free disk (names both figures).
         """
-        from .source import hub_download_bytes
         got = hub_download_bytes(self.recipe.model)
         if not got or not got[0]:
             return
@@ -367,7 +194,6 @@ class Runner:
         Raises:
             QevalInputError: too little free disk (names the total, its parts and the free space).
         """
-        from .source import cache_root
         weight_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         dtype_bytes = 4 if self.recipe.model.dtype == "float32" else 2
         params = weight_bytes // dtype_bytes
@@ -389,7 +215,6 @@ class Runner:
     def reference_stage(self) -> str | None:
         """Run the reference pass (after preparing the reference tier's artifact if it has
         one). Returns None, or why it failed (every tier's quality then fails with it)."""
-        from .tiers import get_method
         ref = self.recipe.gate.reference
         method = get_method(self.recipe.tier(ref).method)
         try:
@@ -403,140 +228,6 @@ class Runner:
         except (RuntimeError, QevalInputError) as e:
             return str(e).splitlines()[0]
         return None
-
-    def run_tier(self, tier: str, reference_failed: str | None = None) -> TierResult:
-        """Run the tier's unfinished stages (prepare, measure, load, quality) in child
-        processes and write ``tiers/<tier>.json``; returns that result."""
-        from .tiers import get_method
-        spec = self.recipe.tier(tier)
-        method = get_method(spec.method)
-        if method is None:
-            return self._finish(tier, STATUS_NOT_BUILT, error=f"method {spec.method!r} is not built yet")
-        fp = tier_fingerprint(self.recipe_dict, tier)
-        failed: StageOutcome | None = None
-        for stage in TIER_STAGES:
-            if stage == "quality" and not self.recipe.suites:
-                continue
-            if stage == "load" and not self._wants_load(tier):
-                continue
-            if stage_done(self.layout, tier, stage):
-                continue
-            if stage == "quality" and reference_failed:
-                failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
-                break
-            self.on_event(tier, stage, "starting")
-            timeout = self.recipe.load.timeout_s if stage == "load" else None
-            out = self.run_stage(stage, tier, timeout=timeout, fingerprint=fp)
-            self.push(RunLayout.tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
-            if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality
-                self.on_event(tier, "load", f"load sweep failed: {out.reason}")
-                continue
-            if not out.ok:
-                failed = out
-                break
-        if failed:
-            res = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
-            self.on_event(tier, "failed", failed.reason or "")
-        else:
-            res = self._finish(tier, STATUS_OK)
-            self.on_event(tier, "done", "")
-        return res
-
-    def _wants_load(self, tier: str) -> bool:
-        """Whether the tier gets a load stage: ``load.enabled``, and its measured engine can
-        batch. A finished load stage from another ``load`` section is removed (run again)."""
-        from .measure.serving import BATCHING_ENGINES
-        from .worker import load_fingerprint
-        if not self.recipe.load.enabled:
-            return False
-        if stage_done(self.layout, tier, "measure") and \
-                read_stage(self.layout, tier, "measure").engine not in BATCHING_ENGINES:
-            return False
-        if stage_done(self.layout, tier, "load") and \
-                read_stage(self.layout, tier, "load").load_fingerprint != load_fingerprint(self.recipe_dict):
-            self.layout.stage(tier, "load").unlink()
-        return True
-
-    #: Measure-stage fields copied into the tier result as they are.
-    MEASURE_FIELDS = ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "memory", "speed",
-                      "load_seconds", "decode_mode", "decode_note", "decode_tokens", "sampling", "runtime")
-
-    def _finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> TierResult:
-        """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""
-        spec = self.recipe.tier(tier)
-        res = TierResult(tier=tier, method=spec.method, status=status, error=error, log_tail=log_tail,
-                         spec=spec.model_dump(mode="json"))
-        quant: dict = {}
-        for stage in TIER_STAGES:
-            if not stage_done(self.layout, tier, stage):
-                continue
-            d = read_stage(self.layout, tier, stage)
-            setattr(res.timings, f"{stage}_s", d.stage_seconds)
-            if stage == "prepare":
-                res.artifact = Artifact(key=d.key, path=d.artifact, reused=d.reused)
-                quant = d.info.model_dump()
-                res.resolved = d.resolved
-            elif stage == "measure":
-                for k in self.MEASURE_FIELDS:
-                    setattr(res, k, getattr(d, k))
-                quant.update({k: v for k, v in d.quant.model_dump().items() if v is not None})
-            elif stage == "load":
-                res.load = d.load
-            elif stage == "quality":
-                res.quality = d.quality
-        if quant or stage_done(self.layout, tier, "prepare"):
-            res.quant = QuantInfo.model_validate(quant)
-        if res.load is None and self.recipe.load.enabled:
-            err = read_stage_error(self.layout, tier, "load")
-            if err is not None:  # the sweep failed; the tier's other results stand
-                res.load = {"error": err.error or "load stage failed", "points": []}
-        write_tier_result(self.layout, res)
-        self.push(RunLayout.tier_files(tier))
-        return res
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGKILL us when the parent dies."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _tail(log: Path, n: int = 25) -> str:
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
-def _last_progress(log: Path) -> str | None:
-    try:
-        with open(log, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - 4096))
-            chunk = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    for line in reversed(chunk.splitlines()):
-        if line.startswith("[qeval] "):
-            return line[8:]
-    return None
 
 
 def new_run_dir(recipe: Recipe, out: Path | None) -> Path:
@@ -561,7 +252,7 @@ def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
     """
     if recipe.device == "cuda":
         try:
-            import torch
+            import torch  # start-up time: only a CUDA recipe needs torch here
             has_cuda = torch.cuda.is_available()
         except ImportError:
             has_cuda = False
@@ -622,7 +313,6 @@ def reference_answer_tokens(recipe: Recipe) -> int:
     """Upper bound of the reference pass's answer tokens: every turn of every suite item at
     its token budget (``quality._budget``: the suite's cap, the item's own, and
     ``fidelity_max_new_tokens`` past the suite's ``limit``)."""
-    from .measure.quality import _budget, load_suites
     short = recipe.quality.fidelity_max_new_tokens
     return sum(_budget(spec, it, i, short) * len(it.turns)
                for spec, items in load_suites(recipe) for i, it in enumerate(items))

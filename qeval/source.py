@@ -10,7 +10,7 @@ weights; quality figures compare tiers against it.
 """
 from __future__ import annotations
 
-import hashlib
+import fnmatch
 import importlib.util
 import json
 import os
@@ -20,14 +20,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import QevalInputError
-from .recipe import ModelSpec, check_context
+from .hashing import checkpoint_sha256, file_sha256
+from .paths import sources_dir
+from .recipe import ModelSpec
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def cache_root() -> Path:
-    """qeval's cache folder: ``$QEVAL_CACHE`` or ``~/.cache/qeval``."""
-    return Path(os.environ.get("QEVAL_CACHE", Path.home() / ".cache" / "qeval")).expanduser()
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass
@@ -47,43 +44,6 @@ class Source:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
-    """SHA-256 hex digest of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
-def checkpoint_sha256(folder: str | Path) -> str:
-    """Hash of a checkpoint folder: SHA-256 over (name, SHA-256) of its weight and config
-    files, cached in ``.qeval-sha256`` keyed by their sizes and modification times."""
-    folder = Path(folder)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and (
-        p.suffix in (".safetensors", ".bin", ".gguf") or p.name in ("config.json", "generation_config.json")))
-    stamp = json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
-    memo = folder / ".qeval-sha256"
-    try:
-        cached = json.loads(memo.read_text())
-        if cached.get("stamp") == stamp:
-            return cached["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\n")
-    digest = h.hexdigest()
-    try:
-        memo.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
-    except OSError:
-        pass
-    return digest
 
 
 def find_package_gguf(package: str) -> Path:
@@ -114,8 +74,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     config and the state dict loaded into it before saving. Writes into a temporary
     sibling folder and renames it, so a killed conversion leaves no partial checkpoint.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    import torch  # start-up time: torch loads only in stage processes
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig  # start-up time: transformers loads only in stage processes
 
     torch_dtype = getattr(torch, dtype)
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -160,7 +120,7 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
     if model.gguf_package:
         gguf = find_package_gguf(model.gguf_package)
         gsha = file_sha256(gguf)
-        out = cache_root() / "sources" / f"{model.gguf_package}-{gsha[:12]}-{model.dtype}"
+        out = sources_dir() / f"{model.gguf_package}-{gsha[:12]}-{model.dtype}"
         converted = False
         if not (out / "config.json").is_file():
             if not convert:
@@ -176,10 +136,10 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
             raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder)",
                                   field="model.source")
         return Source(str(p.resolve()), checkpoint_sha256(p), src)
-    if not _HUB_ID.match(src) or src.startswith((".", "/", "~")):
+    if not HUB_ID.match(src) or src.startswith((".", "/", "~")):
         raise QevalInputError(f"model path {src!r} does not exist", field="model.source")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # start-up time: only a hub source downloads
         folder = snapshot_download(src, revision=model.revision, allow_patterns=HUB_PATTERNS)
     except Exception as e:  # network errors, missing repo: the user's input or environment
         raise QevalInputError(f"cannot fetch hub model {src!r}: {e.__class__.__name__}: {str(e)[:200]}",
@@ -196,13 +156,12 @@ def hub_download_bytes(model) -> tuple[int, Path] | None:
     go to (the Hugging Face cache); ``(0, cache)`` when the snapshot is already there; None
     when the source is not a hub id or the hub cannot be asked (the download then reports
     its own error). huggingface_hub's ``model_info(files_metadata=True)`` gives the sizes."""
-    import fnmatch
     src = model.source or ""
-    if model.gguf_package or Path(src).expanduser().exists() or not _HUB_ID.match(src) \
+    if model.gguf_package or Path(src).expanduser().exists() or not HUB_ID.match(src) \
             or src.startswith((".", "/", "~")):
         return None
     try:
-        from huggingface_hub import HfApi, constants, snapshot_download
+        from huggingface_hub import HfApi, constants, snapshot_download  # start-up time: only a hub source asks
     except ImportError:
         return None
     cache = Path(constants.HF_HUB_CACHE)
@@ -232,7 +191,7 @@ def model_max_context(source_path: str | Path) -> int | None:
 def gguf_context_length(gguf_path: str | Path) -> int | None:
     """``<arch>.context_length`` from a GGUF file's metadata (tokens), read with PyPI ``gguf``."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # start-up time: only GGUF paths read GGUF files
         r = GGUFReader(str(gguf_path))
         for name, fld in r.fields.items():
             if name.endswith(".context_length"):
@@ -240,93 +199,3 @@ def gguf_context_length(gguf_path: str | Path) -> int | None:
     except Exception:
         return None
     return None
-
-
-def static_checks(recipe) -> None:
-    """Checks that need no model load: the model source exists (local folder with
-    config.json, or an installed GGUF package), and every depth plus decode_tokens (and
-    the load depth plus output_tokens) fits the model's maximum context when it can be read. Hub ids are checked at run time.
-
-    Raises:
-        QevalInputError: naming the recipe file, line and field.
-    """
-    m = recipe.model
-    maxctx = None
-    if m.gguf_package:
-        try:
-            gguf = find_package_gguf(m.gguf_package)
-        except QevalInputError as e:
-            raise recipe.error(("model", "gguf_package"), e.message) from None
-        maxctx = gguf_context_length(gguf)
-    else:
-        src = m.source or ""
-        p = Path(src).expanduser()
-        looks_local = src.startswith((".", "/", "~")) or p.exists() or not _HUB_ID.match(src)
-        if looks_local:
-            if not p.exists():
-                raise recipe.error(("model", "source"), f"model path {src!r} does not exist")
-            if not (p / "config.json").is_file():
-                raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
-            maxctx = model_max_context(p)
-    check_context(recipe, maxctx)
-    for i, s in enumerate(recipe.suites):
-        if not recipe.resolve_path(s.path).is_file():
-            raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
-        from .measure.suites import load_suite
-        load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
-    from .storage import check_protocol, is_url
-    if is_url(recipe.storage):
-        try:
-            check_protocol(recipe.storage)
-        except QevalInputError as e:
-            raise recipe.error(("storage",), e.message) from None
-    elif recipe.storage_options:
-        raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
-    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m))
-    for i, t in enumerate(recipe.quality.lm_eval_tasks):
-        if not recipe.resolve_path(t).is_file():
-            raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
-    from .tiers import get_method
-    if any(get_method(t.method).needs_calibration for t in recipe.tiers):
-        if not recipe.resolve_path(recipe.calibration.path).is_file():
-            raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
-
-
-def _local_checkpoint(model) -> Path | None:
-    """The recipe's checkpoint folder when it is on this machine without converting or
-    downloading anything (a local folder, or a GGUF package converted by an earlier run)."""
-    if model.gguf_package:
-        try:
-            return Path(resolve_source(model, convert=False).path)
-        except QevalInputError:
-            return None
-    p = Path(model.source or "").expanduser()
-    return p if (p / "config.json").is_file() else None
-
-
-def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
-    """Run at validate time the tier checks a method can do before any model load
-    (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`: the GGUF type name on any
-    machine with llama.cpp; for GPTQ/AWQ the group size against every Linear's input
-    features, when the checkpoint's config is on this machine; otherwise the check runs at
-    the start of the tier). Each method's own ``check`` does the work, so validate and run
-    say the same thing.
-
-    Raises:
-        QevalInputError: naming the recipe file, the tier's line and its field.
-    """
-    from .osutil import stderr_fd_to
-    from .tiers import get_method
-    from .tiers.base import TierContext
-    for i, spec in enumerate(recipe.tiers):
-        method = get_method(spec.method)
-        if not method.check_at_validate(checkpoint):
-            continue
-        ctx = TierContext(source_path=str(checkpoint or ""), source_sha256="", device="cpu",
-                          dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
-        try:
-            with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):
-                method.check(spec, ctx)  # importing transformers/torchao prints load notices: validate is one line
-        except QevalInputError as e:
-            fld = (e.field or "").rsplit(".", 1)[-1] or "method"
-            raise recipe.error(("tiers", i, fld), e.message) from None

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .errors import QevalInputError
+from .hashing import checkpoint_sha256
+from .paths import cache_root
+from .results import RUN_SCOPE, RunLayout, read_stage, write_stage
 
 
 def is_url(storage: str | None) -> bool:
@@ -41,7 +45,7 @@ def check_protocol(url: str) -> None:
     Raises:
         QevalInputError: unknown protocol, or the implementation (s3fs, gcsfs, adlfs) is missing.
     """
-    import fsspec
+    import fsspec  # start-up time: only storage URLs need fsspec
     protocol, _, rest = url.partition("://")
     if not rest.strip("/"):
         raise QevalInputError(f"{url}: give a bucket or folder after {protocol}:// (e.g. {protocol}://my-bucket/qeval)",
@@ -69,7 +73,7 @@ class RemoteStorage:
     """
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
-        import fsspec
+        import fsspec  # start-up time: only storage URLs need fsspec
         check_protocol(url)
         self.url = url.rstrip("/")
         self.options = dict(options or {})
@@ -220,7 +224,6 @@ def fetch_artifact(remote: RemoteStorage, name: str, folder: Path) -> bool:
     if not remote.exists(f"{rel}/manifest.json"):
         return False
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    import shutil
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     remote.download_dir(rel, tmp)
@@ -267,14 +270,12 @@ def fetch_source(remote: RemoteStorage, sha256: str, cache: Path) -> Path:
     Raises:
         RuntimeError: the store lacks it, or the downloaded files hash differently.
     """
-    from .source import checkpoint_sha256
     rel = f"cache/sources/{sha256[:16]}"
     out = cache / "sources" / f"remote-{sha256[:16]}"
     if (out / "config.json").is_file() and checkpoint_sha256(out) == sha256:
         return out
     if not remote.exists(f"{rel}/source.json"):
         raise RuntimeError(f"the source checkpoint {sha256[:16]} is not in {remote.url_of(rel)}")
-    import shutil
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     remote.download_dir(rel, tmp, include=lambda f: f != "source.json")
@@ -295,8 +296,6 @@ def localize_source(remote: RemoteStorage, run_dir: Path) -> Path:
     Raises:
         RuntimeError: the store lacks the checkpoint or it hashes differently.
     """
-    from .results import RUN_SCOPE, RunLayout, read_stage, write_stage
-    from .source import cache_root, checkpoint_sha256
     layout = RunLayout(run_dir)
     src = read_stage(layout, RUN_SCOPE, "source")
     here = Path(src.path)

@@ -227,7 +227,7 @@ _70B_ARCHS = ("llama", "qwen2")
 def _quant_size(t: str) -> tuple[int, int]:
     """``(elements per block, bytes per block)`` of GGML type ``t``, from the PyPI ``gguf``
     package (function-level import: start-up time, ``gguf`` loads its reader and writer)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # start-up time: see above
     return GGML_QUANT_SIZES[GGMLQuantizationType[t]]
 
 

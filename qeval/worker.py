@@ -20,9 +20,25 @@ import time
 import traceback
 from pathlib import Path
 
+from .artifacts import get_or_build
+from .calibration import calibration_fields, load_calibration_texts
 from .engines import get_engine
+from .engines.hf import pick_device
 from .errors import QevalInputError, TierUnavailable
+from .measure.bandwidth import measure_bandwidth, probe_size_bytes
+from .measure.load import distinct_prompts, Slo
+from .measure.memory import hwm_bytes, PeakMemory, rss_bytes
+from .measure.nvml import NvmlMemory, PairedPeak
+from .measure.quality import reference_pass, tier_quality
+from .measure.serving import load_sweep, serve_function
+from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
+from .recipe import Recipe
 from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
+from .source import model_max_context, resolve_source
+from .stages import load_fingerprint
+from .storage import OPTIONS_ENV, publish_source, storage_for
+from .tiers import get_method
+from .tiers.base import TierContext
 
 RSS_AFTER_START = None
 
@@ -34,8 +50,6 @@ def _progress(msg: str) -> None:
 def load_recipe_from_run(run_dir: Path):
     """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``, and the
     :class:`~qeval.results.RunInfo`."""
-    from .recipe import Recipe
-    from .storage import OPTIONS_ENV
     run = read_run_info(RunLayout(run_dir))
     rd = dict(run.recipe)
     if os.environ.get(OPTIONS_ENV):  # the real storage options (run.json's are redacted)
@@ -48,7 +62,7 @@ def load_recipe_from_run(run_dir: Path):
 def pin_threads(threads: int) -> None:
     """Pin torch intra-op and inter-op threads (OMP_NUM_THREADS is set by the parent).
     Untimed stages get their count from OMP_NUM_THREADS (see ``qeval.run.stage_threads``)."""
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
     threads = int(os.environ.get("QEVAL_STAGE_THREADS") or threads)
     torch.set_num_threads(threads)
     try:
@@ -59,9 +73,7 @@ def pin_threads(threads: int) -> None:
 
 def tier_context(recipe, run_dir: Path, device: str):
     """The :class:`~qeval.tiers.base.TierContext` of this run (source from the source stage; threads from QEVAL_STAGE_THREADS or the recipe)."""
-    from .tiers.base import TierContext
     src = read_stage(RunLayout(run_dir), RUN_SCOPE, "source")
-    from .calibration import calibration_fields, load_calibration_texts
 
     def calib() -> list[str]:
         return load_calibration_texts(recipe)
@@ -77,9 +89,7 @@ def tier_context(recipe, run_dir: Path, device: str):
 
 def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
     """Resolve (convert once, then reuse) the BF16 source checkpoint; adds its max context (tokens)."""
-    from .source import model_max_context, resolve_source
     _progress("resolving source checkpoint")
-    from .storage import publish_source, storage_for
     src = resolve_source(recipe.model, convert=True)
     out = src.to_dict()
     out["max_context"] = model_max_context(src.path)
@@ -92,9 +102,7 @@ def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
 
 def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
     """Device, GPU name and memory (bytes), and the memory bandwidth (bytes/s) for the roofline."""
-    import torch
-    from .engines.hf import pick_device
-    from .measure.bandwidth import measure_bandwidth, probe_size_bytes
+    import torch  # start-up time: torch loads only in stage processes
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     size = probe_size_bytes(device)
@@ -108,10 +116,6 @@ def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
 
 def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
     """Check the tier against the model, then build or reuse its artifact (quantization time in s, peak bytes)."""
-    from .artifacts import get_or_build
-    from .engines.hf import pick_device
-    from .measure.memory import hwm_bytes, rss_bytes
-    from .tiers import get_method
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     device = pick_device(recipe.device)
@@ -133,7 +137,6 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
         info.setdefault("quant_peak_bytes", (h - base) if h else None)
         return info
 
-    from .storage import storage_for
     folder, manifest, reused = get_or_build(spec.method, fields, build, log=_progress, remote=storage_for(recipe))
     _progress(f"artifact {'reused' if reused else 'built'}: {folder}")
     return {"artifact": str(folder), "key": manifest["key"], "reused": reused, "resolved": resolved,
@@ -151,9 +154,6 @@ def _peak_counters(memory_counter: str, device: str, baseline: int | None):
     (llama.cpp): NVML only; without it the tier stops (:class:`~qeval.errors.TierUnavailable`,
     saying what to install).
     """
-    from .errors import TierUnavailable
-    from .measure.memory import PeakMemory
-    from .measure.nvml import NvmlMemory, PairedPeak
     if device != "cuda":
         return PeakMemory(device, baseline), {}
     if memory_counter != "torch":
@@ -178,12 +178,7 @@ def decode_tokens_for(spec, engine, decode_tokens: int) -> int:
 
 def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     """In a fresh process: load the artifact, then weight bytes, KV bytes/token, peak memory (bytes), TTFT (s) and decode tokens/s at every depth."""
-    from .engines.hf import pick_device
-    from .errors import TierUnavailable
-    from .measure.memory import rss_bytes
-    from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
-    from .tiers import get_method
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
@@ -248,14 +243,6 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     }
 
 
-def load_fingerprint(recipe_dict: dict) -> str:
-    """Hash of what shapes a load sweep beyond the tier's own fingerprint: the recipe's
-    ``load`` section. A finished load stage whose hash differs is run again on resume
-    (measure and quality stay valid)."""
-    import hashlib
-    return hashlib.sha256(json.dumps(recipe_dict.get("load"), sort_keys=True).encode()).hexdigest()[:16]
-
-
 def kv_budget_bytes(recipe, env, device: str, held_bytes: int | None) -> tuple[float, str]:
     """Bytes the KV cache may take under load: the memory budget (``load.memory_budget_gib``,
     else the GPU's memory from the env stage, else this machine's physical memory) less what
@@ -265,8 +252,8 @@ def kv_budget_bytes(recipe, env, device: str, held_bytes: int | None) -> tuple[f
     elif device == "cuda" and env.gpu_memory_bytes:
         budget, src = float(env.gpu_memory_bytes), "the GPU's memory"
     else:
-        import psutil
-        budget, src = float(psutil.virtual_memory().total), "this machine's physical memory"
+        budget = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # MemTotal
+        src = "this machine's physical memory"
     return budget - (held_bytes or 0), src
 
 
@@ -275,13 +262,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     batched) at the load depth; per point TTFT/ITL/e2e percentiles (s), aggregate decode
     tokens/s, requests/s, peak memory and KV bytes; users at SLO, goodput, batching gain
     (qeval.measure.load)."""
-    from .engines.hf import pick_device
-    from .measure.load import Slo, distinct_prompts
-    from .measure.memory import PeakMemory, rss_bytes
-    from .measure.serving import load_sweep, serve_function
-    from .measure.speed import depth_prompt_ids
-    from .tiers import get_method
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
@@ -299,7 +280,8 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
         return {"load": None, "skipped": f"engine {engine.name} cannot batch",
                 "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
     engine_device = getattr(engine, "device", device)
-    kind = engine_device if engine.name == "hf" else ("nvml" if engine_device == "cuda" else "cpu")
+    kind = engine_device if engine_device != "cuda" else \
+        ("cuda" if engine.capabilities.memory_counter == "torch" else "nvml")
     peak = PeakMemory(kind, baseline)
     held = peak.read()
     env = read_stage(layout, RUN_SCOPE, "env")
@@ -322,8 +304,6 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
 
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
     """The reference tier answers every suite item; ids and log-probabilities stored once (see measure/quality.py)."""
-    from .measure.quality import reference_pass
-    from .engines.hf import pick_device
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
@@ -332,8 +312,6 @@ def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
 
 def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
     """Fidelity and behaviour of one tier against the stored reference."""
-    from .measure.quality import tier_quality
-    from .engines.hf import pick_device
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)

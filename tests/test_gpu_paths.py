@@ -143,6 +143,13 @@ def test_missing_pynvml_is_a_clear_error_not_none(monkeypatch):
 class _FakeGgufEngine:
     """Stands in for llama.cpp on CUDA: loading holds 3 GB, each token of context 1 MB."""
     name, backend, device, vocab_size, flash_attn = "llamacpp", "llama.cpp-cuda", "cuda", 512, True
+    decode_mode = decode_note = kv_requant_period = None
+    sampling = {"decode": "argmax", "ignored_file_defaults": {}}
+
+    @property
+    def capabilities(self):
+        from qeval.engines import get_engine
+        return get_engine("llamacpp").capabilities  # what the engine it stands in for declares
 
     def __init__(self, fake):
         self.fake = fake
@@ -159,7 +166,8 @@ class _FakeGgufEngine:
 
 
 class _FakeGgufMethod:
-    engine = "llamacpp"
+    def engine_name(self, spec):
+        return "llamacpp"
 
     def __init__(self, fake):
         self.fake = fake
@@ -184,11 +192,10 @@ def test_measure_stage_counts_gguf_weights_and_kv_from_before_the_load(nvml, tin
     (run / "stages").mkdir(parents=True)
     (run / "stages" / "_run.source.json").write_text(json.dumps({"path": str(tiny_llama), "sha256": "0" * 64,
                                                                  "origin": str(tiny_llama)}))
-    (run / "stages" / "_run.env.json").write_text(json.dumps({"bandwidth_bytes_per_s": 1e12}))
+    (run / "stages" / "_run.env.json").write_text(json.dumps({"device": "cuda", "bandwidth_bytes_per_s": 1e12}))
     (run / "stages" / "g.prepare.json").write_text(json.dumps({"artifact": None}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    import qeval.tiers
-    monkeypatch.setattr(qeval.tiers, "get_method", lambda m: _FakeGgufMethod(nvml))
+    monkeypatch.setattr(worker, "get_method", lambda m: _FakeGgufMethod(nvml))
     out = worker.stage_measure(recipe, run, "g")
     mem = out["memory"]
     assert mem["kind"] == "cuda_nvml_process"
@@ -201,8 +208,8 @@ def test_llamacpp_tier_on_cuda_without_nvml_stops_before_loading(monkeypatch):
     from qeval import worker
     monkeypatch.setitem(sys.modules, "pynvml", None)
     with pytest.raises(TierUnavailable, match="nvidia-ml-py"):
-        worker._peak_counters("llamacpp", "cuda", None)
-    counter, notes = worker._peak_counters("hf", "cuda", None)  # torch's counter still works: NVML noted
+        worker._peak_counters("process", "cuda", None)  # an engine outside torch (llama.cpp)
+    counter, notes = worker._peak_counters("torch", "cuda", None)  # torch's counter still works: NVML noted
     assert counter.kind == "cuda_max_allocated" and "nvidia-ml-py" in notes["nvml"]
 
 
@@ -270,7 +277,7 @@ def _no_offload(monkeypatch):
 def test_gguf_on_cuda_with_a_cpu_llama_cpp_build_stops_in_one_line(monkeypatch, tmp_path):
     _no_offload(monkeypatch)
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.recipe import GgufTier
+    from qeval.tiers.gguf import GgufTier
     from qeval.tiers import get_method
     m = get_method("gguf")
     spec = GgufTier(name="q4", method="gguf")
@@ -301,13 +308,13 @@ def test_worker_records_the_one_line_and_the_tier_fails_alone(monkeypatch, tiny_
     assert err["type"] == "unavailable" and "\n" not in err["error"]
     assert err["error"].startswith("device cuda: this llama-cpp-python build has no GPU offload")
     assert capsys.readouterr().err.strip().count("\n") == 0  # one line on stderr, no traceback
-    res = runner._finish("g", "failed", error=err["error"])
+    res = runner.finish("g", "failed", error=err["error"])
     assert res.error == err["error"]
 
 
 def test_gptq_on_cuda_stops_when_marlin_cannot_be_built(monkeypatch):
     pytest.importorskip("gptqmodel")
-    from qeval.recipe import GptqTier
+    from qeval.tiers.gptq import GptqTier
     from qeval.tiers import gptq as gmod
     gmod._import_gptqmodel()
     import gptqmodel.utils.importer as importer
@@ -452,8 +459,7 @@ def test_disk_check_names_the_reference_and_hub_download(tmp_path, monkeypatch):
     assert "reference log-probabilities 14.2" in str(e.value)
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 20 * GB))
     runner.check_disk(src)  # fits
-    import qeval.source
-    monkeypatch.setattr(qeval.source, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
+    monkeypatch.setattr(run_mod, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
     with pytest.raises(QevalInputError, match="downloading .* needs 27.9 GiB"):
         runner.check_download()
 

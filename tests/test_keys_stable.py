@@ -47,7 +47,9 @@ def pinned(monkeypatch):
     import importlib.metadata
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
     import qeval.engines.gguf_convert as gc
-    monkeypatch.setattr(gc, "llama_cpp_version", lambda: "1.0")
+    import qeval.measure.quality as q
+    for mod in (gc, q):  # modules that bound importlib.metadata.version at import
+        monkeypatch.setattr(mod, "version", lambda name: "1.0")
 
 
 def _ctx() -> TierContext:

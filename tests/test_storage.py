@@ -73,7 +73,7 @@ def test_artifact_built_on_one_node_is_fetched_by_another(s3, tmp_path, monkeypa
 
 
 def test_source_fetched_by_hash_and_checked(s3, tiny_llama, tmp_path):
-    from qeval.source import checkpoint_sha256
+    from qeval.hashing import checkpoint_sha256
     from qeval.storage import fetch_source, publish_source
     st = _store(s3, "sources")
     sha = checkpoint_sha256(tiny_llama)
@@ -94,7 +94,7 @@ def test_source_fetched_by_hash_and_checked(s3, tiny_llama, tmp_path):
 def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monkeypatch):
     """A node that cannot see the driver's source path gets the checkpoint from the store."""
     from qeval.executors import stage_from_store
-    from qeval.source import checkpoint_sha256
+    from qeval.hashing import checkpoint_sha256
     from qeval.storage import publish_source
     st = _store(s3, "staging")
     sha = checkpoint_sha256(tiny_llama)

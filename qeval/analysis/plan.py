@@ -612,8 +612,8 @@ def find_config(recipe: Any, run: RunInfo | None) -> Path | None:
         if p.is_file() and p.suffix == ".json":
             return p
         if "/" in str(src) and not p.exists():
-            try:  # function-level: huggingface_hub is only needed for a hub id
-                from huggingface_hub import try_to_load_from_cache
+            try:
+                from huggingface_hub import try_to_load_from_cache  # start-up time: only a hub id needs it
                 hit = try_to_load_from_cache(str(src), "config.json", revision=rev or None)
             except Exception:  # not installed, or an id the cache cannot parse
                 hit = None

@@ -74,6 +74,8 @@ class Capabilities:
         kv_bytes: after :meth:`Engine.generate`, ``last_cache_bytes`` holds the bytes of the
             KV cache it filled (the sweep's KV bytes per token come from it).
         lm_eval: ``engine.model`` is a transformers model lm-evaluation-harness's HFLM wraps.
+        serve: ``"module:function"`` of the engine's closed-loop batched serve function
+            (the load sweep, :mod:`qeval.measure.serving`); None: it cannot serve batches.
     """
     score: bool = True
     generate: bool = True
@@ -81,6 +83,7 @@ class Capabilities:
     memory_counter: Literal["torch", "process"] = "torch"
     kv_bytes: bool = True
     lm_eval: bool = False
+    serve: str | None = None
 
 
 @dataclass

@@ -27,8 +27,12 @@ import sys
 import tarfile
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
+
+from ..hashing import file_sha256
+from ..paths import converter_dir
 
 CONVERTER_DIR_ENV = "QEVAL_LLAMA_CONVERTER_DIR"
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
@@ -67,7 +71,6 @@ def llama_cpp_version() -> str:
     Raises:
         RuntimeError: llama-cpp-python is not installed.
     """
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version("llama-cpp-python")
     except PackageNotFoundError:
@@ -79,8 +82,7 @@ def converter_root() -> Path:
     env = os.environ.get(CONVERTER_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    from ..source import cache_root
-    return cache_root() / "llama_cpp_convert"
+    return converter_dir()
 
 
 def converter_dir(version: str | None = None) -> Path:
@@ -160,7 +162,6 @@ def ensure_converter(version: str | None = None, log: Callable[[str], None] = pr
         stage = Path(td) / "converter"
         stage.mkdir()
         n = extract_converter(sdists[0], stage)
-        from ..source import file_sha256
         (stage / _MARKER).write_text(f"{sdists[0].name} sha256={file_sha256(sdists[0])} files={n}\n")
         if converter_present(dest):  # another process won the race
             return dest

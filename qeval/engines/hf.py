@@ -29,6 +29,7 @@ would otherwise apply); :attr:`HFEngine.sampling` lists what was set aside.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -42,7 +43,6 @@ def cache_kwarg(model: Any) -> str:
     """The keyword a causal LM's ``forward`` takes its KV cache by: ``cache`` (transformers
     5.2x renamed it; ``past_key_values`` is deprecated and removed in 5.40) or
     ``past_key_values`` (earlier 5.x). Read from the signature of ``model.forward``."""
-    import inspect
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -100,7 +100,7 @@ def model_weight_bytes(model: Any) -> int:
 def cache_nbytes(cache: Any) -> int:
     """Bytes held by a transformers cache object: every tensor reachable from its
     layers (keys, values, quantized data, scales, residual buffers), each storage once."""
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
     seen: set[int] = set()
     total = 0
@@ -140,7 +140,7 @@ def pick_device(device: str) -> str:
     Raises:
         RuntimeError: ``cuda`` asked for on a machine without CUDA.
     """
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,7 +168,7 @@ def ignored_generation_defaults(model: Any) -> dict:
     """The model's ``generation_config`` fields that would change a greedy answer
     (sampling, penalties, forced or suppressed tokens), with their values: what qeval sets
     aside. Empty when the model ships none."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # start-up time: transformers loads only in stage processes
 
     gc = getattr(model, "generation_config", None)
     if gc is None:
@@ -187,7 +187,7 @@ def greedy_generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_i
     """A :class:`~transformers.GenerationConfig` for plain argmax decoding: no sampling, no
     beams, every logits processor at its neutral value, ``max_new_tokens`` new tokens at
     most, ending at any of ``stop_ids``; ``extra`` adds cache settings."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # start-up time: transformers loads only in stage processes
 
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
                             min_length=0, repetition_penalty=1.0, no_repeat_ngram_size=0, length_penalty=1.0,
@@ -206,7 +206,7 @@ class _ModelDefaultsAside:
         self.saved = None
 
     def __enter__(self) -> None:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # start-up time: transformers loads only in stage processes
         self.saved = self.model.generation_config
         self.model.generation_config = GenerationConfig()
 
@@ -257,7 +257,7 @@ class HFEngine:
     name = "hf"
     formats = ("hf",)
     capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="torch", kv_bytes=True,
-                                lm_eval=True)
+                                lm_eval=True, serve="qeval.engines.hf_load:serve_closed_loop")
     flash_attn = None  # transformers picks its attention kernel; qeval does not switch it
 
     @classmethod
@@ -296,7 +296,7 @@ class HFEngine:
     def new_cache(self) -> Any:
         """A fresh cache object of the configured kind (a dynamic one in static mode too:
         scoring and answers are not timed)."""
-        from transformers import DynamicCache, QuantizedCache
+        from transformers import DynamicCache, QuantizedCache  # start-up time: transformers loads only in stage processes
 
         cfg = self.model.config
         if self.kv_cache == "int8":
@@ -309,7 +309,7 @@ class HFEngine:
         ``generate`` uses with a static cache): CUDA graphs (``reduce-overhead``) on CUDA,
         static shapes."""
         if self._step_fn is None:
-            from transformers import CompileConfig
+            from transformers import CompileConfig  # start-up time: transformers loads only in stage processes
             mode = "reduce-overhead" if (self.device == "cuda" and self.compile_backend == "inductor") else None
             self._step_fn = self.model.get_compiled_call(
                 CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=mode))
@@ -323,7 +323,7 @@ class HFEngine:
             RuntimeError: compiling failed (``decode: static``); under ``auto`` the engine
                 falls back to eager instead and records why.
         """
-        from transformers import StaticCache
+        from transformers import StaticCache  # start-up time: transformers loads only in stage processes
 
         n = -(-int(n_tokens) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
         cache = self._static.get(n)
@@ -507,8 +507,8 @@ def load_hf_model(path: str, device: str, dtype: str = "bfloat16", *, trust_remo
     Raises:
         OSError/ValueError from transformers when the folder is not a loadable checkpoint.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # start-up time: torch loads only in stage processes
+    from transformers import AutoModelForCausalLM  # start-up time: transformers loads only in stage processes
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,

@@ -28,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from .hf import cache_nbytes
 
 
 def _check(concurrency: int, output_tokens: int, requests_per_stream: int, prefill_chunk: int) -> None:
@@ -109,9 +110,9 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
 
 def _continuous(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
                 per_seq: int, kvpt: float) -> LoadRun:
-    import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    import torch  # start-up time: torch loads only in stage processes
+    from transformers import GenerationConfig  # start-up time: transformers loads only in stage processes
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig  # start-up time: as above
 
     model = engine.model
     page = 64
@@ -189,11 +190,10 @@ def _wait(mgr: Any, request_id: str | None, timeout: float = 600.0) -> Any:
 
 def _cache_bytes(mgr: Any) -> int | None:
     """Bytes of the paged KV cache tensors the manager allocated (None if not found)."""
-    from .hf import cache_nbytes
     cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
     if cache is None:
         return None
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
     total, seen = 0, set()
     for name in ("key_cache", "value_cache"):
         for t in getattr(cache, name, None) or []:
@@ -207,8 +207,7 @@ def _cache_bytes(mgr: Any) -> int | None:
 
 def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
             pad_id: int) -> LoadRun:
-    import torch
-    from .hf import cache_nbytes
+    import torch  # start-up time: torch loads only in stage processes
 
     model, dev, kw = engine.model, engine.device, engine._cache_kw
     records: list[RequestRecord] = []
@@ -245,7 +244,7 @@ def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefi
     """One static batch: left-padded prefill in ``prefill_chunk`` columns, then greedy decode.
     Returns (times since ``t0`` of each step's tokens, tokens per step [step][row], the cache,
     (forward passes,))."""
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
     model, dev, kw = engine.model, engine.device, engine._cache_kw
     t0 = time.perf_counter() if t0 is None else t0
     n = len(batch)

@@ -48,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import TierUnavailable
+from ..osutil import stderr_fd_to
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
 
 # llama.cpp quantize types that refuse to run without an importance matrix
@@ -67,7 +68,7 @@ def _llama() -> Any:
     """``llama_cpp`` imported, the backend initialised once, and qeval's log callback set
     (llama.cpp's info chatter off; errors to stderr; capture for quantize)."""
     global _BACKEND_READY, _LOG_CB
-    import llama_cpp
+    import llama_cpp  # optional: the qeval[gguf] extra
     with _LOCK:
         if not _BACKEND_READY:
             llama_cpp.llama_backend_init()
@@ -78,7 +79,7 @@ def _llama() -> Any:
 
 
 def _make_log_callback() -> Any:
-    import llama_cpp
+    import llama_cpp  # optional: the qeval[gguf] extra
 
     @llama_cpp.llama_log_callback
     def cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C callback
@@ -101,7 +102,7 @@ _LOG_CB: Any = None  # the ctypes callback, kept alive for the life of the proce
 def ftype_names() -> dict[str, int]:
     """llama.cpp file types by recipe name (``Q4_K_M`` -> ``LLAMA_FTYPE_MOSTLY_Q4_K_M``),
     from the installed llama-cpp-python; ``F32`` is ``LLAMA_FTYPE_ALL_F32``."""
-    import llama_cpp
+    import llama_cpp  # optional: the qeval[gguf] extra
     out = {}
     for attr in dir(llama_cpp):
         for prefix in ("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_"):
@@ -154,7 +155,6 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str | int, *, threads
         # warnings, straight to stderr: capture both (fd 2 redirected for the call).
         with _LOCK:
             _CAPTURE = lines
-        from ..osutil import stderr_fd_to
         with tempfile.TemporaryFile() as err:
             try:
                 with stderr_fd_to(err.fileno()):
@@ -192,7 +192,7 @@ def gguf_tensor_stats(path: str | Path) -> dict:
         ``tensor_type_bytes``, ``non_kquant_matrices`` (2-D tensors outside the K-quant
         family Q2_K..Q8_K), ``file_bytes`` and the GGUF ``file_type``.
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # start-up time: only GGUF paths read GGUF files
 
     r = GGUFReader(str(path))
     types: collections.Counter = collections.Counter()
@@ -238,7 +238,7 @@ def gguf_file(path: str | Path) -> Path:
 
 def kv_type_bytes(ggml_type: int) -> float:
     """Bytes per element of a ggml type (``Q8_0``: 34/32) from the gguf package's table."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # start-up time: only GGUF paths read GGUF files
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
     return size / block
 
@@ -300,7 +300,7 @@ class LlamaCppEngine:
     decode_note = None
     kv_requant_period = None  # the q8_0 cache is quantized per token, never re-quantized
     capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="process", kv_bytes=True,
-                                lm_eval=False)
+                                lm_eval=False, serve="qeval.engines.llamacpp_load:serve_closed_loop")
 
     @classmethod
     def open(cls, fmt: str, path: Path, options: EngineOptions) -> "LlamaCppEngine":

@@ -58,7 +58,8 @@ class _Stream:
 
 def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
                       requests_per_stream: int, prefill_chunk: int = 256,
-                      kv_budget_bytes: float | None = None) -> LoadRun:
+                      kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
+                      max_context: int | None = None) -> LoadRun:
     """Serve ``concurrency`` closed-loop streams from one llama.cpp context.
 
     Args:
@@ -70,6 +71,9 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         requests_per_stream: requests each stream sends, one after the other.
         prefill_chunk: prompt tokens per step (shared by the waiting prompts).
         kv_budget_bytes: the most bytes the KV pool may take; None: not checked.
+        kv_bytes_per_token, max_context: taken for the common serve signature
+            (:func:`qeval.measure.serving.load_sweep`) and not used: the pool's size comes from
+            llama.cpp's own context and the model's training context.
 
     Returns:
         :class:`~qeval.measure.load.LoadRun` (scheduling "continuous"); ``details`` holds

@@ -40,7 +40,7 @@ def probe_size_bytes(device: str, total_memory: int | None = None, free_memory: 
     """
     if device == "cuda":
         if total_memory is None or free_memory is None:
-            import torch
+            import torch  # start-up time: torch loads only in stage processes
             free_memory, total_memory = torch.cuda.mem_get_info()
         size = min(4 * GIB, max(GIB, total_memory // 32))
         return int(max(256 * MIB, min(size, free_memory // 4)))
@@ -51,7 +51,7 @@ def probe_size_bytes(device: str, total_memory: int | None = None, free_memory: 
 def measure_bandwidth(device: str = "cpu", size_bytes: int | None = None, repeats: int = 5) -> float:
     """Copy bandwidth in bytes/s (2 x ``size_bytes`` moved per copy), best of ``repeats``;
     ``size_bytes`` defaults to :func:`probe_size_bytes` for the device."""
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
     if size_bytes is None:
         size_bytes = probe_size_bytes(device)

@@ -82,8 +82,8 @@ def text_similarity(hyps: Sequence[str], refs: Sequence[str]) -> tuple[float | N
     """Mean ROUGE-L F1 (rouge-score) and corpus chrF (sacrebleu, 0-100) of answers to references."""
     if not hyps:
         return None, None
-    from rouge_score import rouge_scorer
-    from sacrebleu.metrics import CHRF
+    from rouge_score import rouge_scorer  # start-up time: only quality stages score text
+    from sacrebleu.metrics import CHRF  # start-up time: only quality stages score text
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     rl = [scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(hyps, refs)]

@@ -58,9 +58,9 @@ def run_lm_eval(engine: Any, tokenizer: Any, task_paths: list[Path], out_dir: Pa
         return {}
     if not engine.capabilities.lm_eval:
         return {"skipped": f"lm-eval runs on the transformers engine; this tier runs on {engine.name}"}
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
+    from lm_eval import simple_evaluate  # optional: the qeval[lmeval] extra
+    from lm_eval.models.huggingface import HFLM  # optional: the qeval[lmeval] extra
+    from lm_eval.tasks import TaskManager  # optional: the qeval[lmeval] extra
 
     names = resolve_tasks(task_paths, out_dir)
     lm = HFLM(pretrained=engine.model, tokenizer=tokenizer, batch_size=1, device=engine.device)

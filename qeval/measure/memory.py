@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .nvml import NvmlMemory
+
 
 def _status_kib(field: str) -> int | None:
     try:
@@ -62,7 +64,6 @@ class PeakMemory:
         self.kind = {"cuda": "cuda_max_allocated"}.get(device, "cpu_vmhwm")
         self._nvml = None
         if device == "nvml":  # engines outside torch on a GPU: NVML, sampled (measure/nvml.py)
-            from .nvml import NvmlMemory
             self._nvml = NvmlMemory()  # create before the model loads: the baseline; raises TierUnavailable
             self.kind = self._nvml.kind
 
@@ -71,7 +72,7 @@ class PeakMemory:
             self._nvml.reset()
             return
         if self.device == "cuda":
-            import torch
+            import torch  # start-up time: torch loads only in stage processes
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -85,7 +86,7 @@ class PeakMemory:
             self.kind = self._nvml.kind
             return out
         if self.device == "cuda":
-            import torch
+            import torch  # start-up time: torch loads only in stage processes
             torch.cuda.synchronize()
             return int(torch.cuda.max_memory_allocated())
         h = hwm_bytes()

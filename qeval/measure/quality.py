@@ -19,15 +19,21 @@ import json
 import os
 import shutil
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from ..hashing import file_sha256
+from ..artifacts import get_or_build
 from ..recipe import stable_tier_dict
 from ..results import RUN_SCOPE, RunLayout, atomic_write_json, read_stage, stage_done
+from ..storage import storage_for
+from ..tiers import get_method
 from .behaviour import summarise_behaviour
 from .fidelity import ROUND, FidelityAccumulator
+from .lmeval import run_lm_eval
 from .suites import load_suite, run_checks
 
 
@@ -229,8 +235,6 @@ def reference_fields(recipe, ctx) -> dict:
     """What determines the reference pass (its cache key): source, reference tier, every
     suite file and setting, the quality settings that shape answers, device, threads and
     library versions."""
-    from importlib.metadata import version
-    from ..source import file_sha256
     suites = [{**s.model_dump(mode="json"), "sha256": file_sha256(recipe.resolve_path(s.path))}
               for s in recipe.suites]
     q = recipe.quality
@@ -245,8 +249,6 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
     """Reference answers and log-probabilities into ``run_dir/reference/``: built once per
     :func:`reference_fields` in the artifact cache (a second run of the same recipe
     reuses them) and linked into the run folder."""
-    from ..artifacts import get_or_build
-    from ..storage import storage_for
     folder, manifest, reused = get_or_build("reference", reference_fields(recipe, ctx),
                                             lambda out: build_reference(recipe, run_dir, ctx, out, progress),
                                             log=progress, remote=storage_for(recipe))
@@ -268,8 +270,7 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
 def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callable[[str], None] = print) -> dict:
     """Run the reference tier on every suite item; write ``segments.json`` (ids, texts,
     checks) and ``logprobs.npy`` (float16 ``[answer tokens, vocab]``) into ``out_dir``."""
-    from transformers import AutoTokenizer
-    from ..tiers import get_method
+    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     t0 = time.time()
     ref_spec = recipe.tier(recipe.gate.reference)
@@ -339,8 +340,7 @@ def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window
 
 def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str], None] = print) -> dict:
     """Quality of one tier against the stored reference: ``{"quality": {...}}``."""
-    from transformers import AutoTokenizer
-    from ..tiers import get_method
+    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     spec = recipe.tier(tier)
     method = get_method(spec.method)
@@ -386,7 +386,6 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     beh_s = time.time() - t0
     lm_eval = None
     if recipe.quality.lm_eval_tasks:
-        from .lmeval import run_lm_eval
         progress("lm-eval tasks")
         lm_eval = run_lm_eval(engine, tok, [recipe.resolve_path(p) for p in recipe.quality.lm_eval_tasks],
                               layout.lm_eval_tasks(tier), recipe.quality.lm_eval_limit)

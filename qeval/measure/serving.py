@@ -2,36 +2,32 @@
 served as a closed loop by the engine's batched path, with admission, peak memory and
 the statistics of :mod:`qeval.measure.load`.
 
-Engines that can batch: llama.cpp (:func:`qeval.engines.llamacpp_load.serve_closed_loop`,
-continuous batching) and transformers (:func:`qeval.engines.hf_load.serve_closed_loop`,
-continuous or static batches). Any other engine has no load section.
+Engines that can batch declare their serve function (``capabilities.serve``): llama.cpp
+(:func:`qeval.engines.llamacpp_load.serve_closed_loop`, continuous batching) and
+transformers (:func:`qeval.engines.hf_load.serve_closed_loop`, continuous or static
+batches). Any other engine has no load section.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Sequence
 
 from .load import NotAdmitted, PromptFor, Slo, admission, not_admitted_point, point_stats, summarize
 
 
-#: Engine names (``Engine.name``) with a batched closed-loop path.
-BATCHING_ENGINES = ("llamacpp", "hf")
-
-
 def serve_function(engine: Any) -> Callable[..., Any] | None:
-    """The closed-loop batched serve function of ``engine`` (by ``engine.name``), or None
-    when the engine cannot batch."""
-    if getattr(engine, "name", None) == "llamacpp":
-        from ..engines.llamacpp_load import serve_closed_loop
-        return serve_closed_loop
-    if getattr(engine, "name", None) == "hf":
-        from ..engines.hf_load import serve_closed_loop
-        return serve_closed_loop
-    return None
+    """The closed-loop batched serve function ``engine`` declares (``capabilities.serve``,
+    ``"module:function"``, imported on use), or None when the engine cannot batch."""
+    target = engine.capabilities.serve
+    if target is None:
+        return None
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _oom_types() -> tuple[type, ...]:
     try:
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
         return (MemoryError, torch.OutOfMemoryError)
     except (ImportError, AttributeError):
         return (MemoryError,)
@@ -65,9 +61,6 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
     serve = serve_function(engine)
     if serve is None:
         raise ValueError(f"engine {getattr(engine, 'name', engine)!r} cannot batch")
-    extra: dict = {}
-    if engine.name == "hf":
-        extra = {"kv_bytes_per_token": kv_bytes_per_token, "max_context": max_context}
     points: list[dict] = []
     for c in sorted(set(int(x) for x in concurrency)):
         why = admission(concurrency=c, depth=depth, output_tokens=output_tokens,
@@ -84,7 +77,8 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
         try:
             run = serve(engine, prompt_for, concurrency=c, output_tokens=output_tokens,
                         requests_per_stream=requests_per_stream, prefill_chunk=prefill_chunk,
-                        kv_budget_bytes=kv_budget_bytes, **extra)
+                        kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                        max_context=max_context)
         except NotAdmitted as e:
             progress(f"load: concurrency {c} not admitted: {e}")
             points.append(not_admitted_point(c, requests_per_stream, str(e)))

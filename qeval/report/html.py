@@ -29,7 +29,7 @@ from typing import Any
 from ..analysis import RunAnalysis, analyse_run
 from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES
 from ..analysis.gate import validate_section
-from ..analysis.pareto import GIB, decode_at, finite, peak_bytes_at
+from ..analysis.pareto import GIB, decode_at, finite, peak_bytes_at, quality_direction
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
 from ..errors import QevalInputError
 from ..recipe import ReportSpec
@@ -527,9 +527,8 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
                   budget_bytes: int | None = None, users: int = DEFAULT_USERS,
                   overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> str:
     """The HTML text of the report for an analysed run (see :func:`write_report`)."""
-    import jinja2
+    import jinja2  # start-up time: only the report renders HTML
 
-    from ..analysis.pareto import quality_direction
 
     spec = spec or ReportSpec()
     deepest = max(a.depths)

@@ -12,6 +12,7 @@ from ..errors import QevalInputError
 from ..model_config import model_shape
 from ..recipe import load_recipe
 from ..results import load_run
+from . import rebuild_outputs
 
 
 def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
@@ -22,7 +23,6 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     Raises:
         QevalInputError: not a run folder or malformed stored JSON.
     """
-    from . import rebuild_outputs
     outs = rebuild_outputs(run_dir, None, junit=junit or False)
     g = outs.gate
     lines = [outs.table_md.read_text(), "", f"gate (reference {g.reference}, depth {g.depth}):"]

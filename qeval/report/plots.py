@@ -17,8 +17,8 @@ _SIZE = (8.0, 4.6)  # inches
 
 
 def _figure():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up time: only the report draws
+    from matplotlib.figure import Figure  # start-up time: only the report draws
 
     fig = Figure(figsize=_SIZE, dpi=_DPI)
     FigureCanvasAgg(fig)
@@ -46,7 +46,7 @@ def quality_vs_memory_png(pareto: ParetoResult) -> bytes | None:
     pts = [e for e in pareto.entries if e.status in ("front", "dominated")]
     if not pts:
         return None
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # start-up time: only the report draws
 
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
@@ -191,8 +191,8 @@ def load_latency_png(tiers: dict[str, TierResult], slo: dict | None) -> bytes | 
     itl, _, _ = _load_series(tiers, ("itl_s", "p95"))
     if not ttft and not itl:
         return None
-    from matplotlib.figure import Figure
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # start-up time: only the report draws
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up time: only the report draws
     fig = Figure(figsize=(_SIZE[0] * 1.4, _SIZE[1]), dpi=_DPI)
     FigureCanvasAgg(fig)
     for i, (series, what, key) in enumerate(((ttft, "TTFT p95 (s)", "ttft_p95_s"),

@@ -29,7 +29,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from ..engines.gguf_convert import convert_hf_to_gguf, llama_cpp_version
+from ..engines.llamacpp import (ftype_names, gguf_file, gguf_tensor_stats, NEEDS_IMATRIX, quantize_gguf,
+                                require_gpu_offload)
 from ..errors import QevalInputError
+from ..measure.memory import hwm_bytes, rss_bytes
 from ..weight_formats import GgufMix
 from .base import TierContext, TierMethod, TierSpec
 
@@ -39,7 +43,6 @@ _SIDECAR = "quantize.json"
 
 def _ftypes() -> dict[str, int]:
     try:
-        from ..engines.llamacpp import ftype_names
         return ftype_names()
     except ImportError:
         raise QevalInputError("llama-cpp-python is not installed: GGUF tiers need it "
@@ -78,13 +81,12 @@ class GgufMethod(TierMethod):
     def check_at_validate(self, checkpoint: Path | None) -> bool:
         """The type name is checked against the installed llama.cpp (any machine)."""
         try:
-            import llama_cpp  # noqa: F401 - optional: the type names come from the installed llama.cpp
+            import llama_cpp  # optional: the qeval[gguf] extra; noqa: F401 - optional: the type names come from the installed llama.cpp
         except ImportError:
             return False
         return True
 
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
-        from ..engines.gguf_convert import llama_cpp_version
         return {"method": self.method, "source_sha256": ctx.source_sha256, "type": spec.type.upper(),
                 "llama_cpp_python": llama_cpp_version(), "intermediate": _INTERMEDIATE.get(ctx.dtype, "f32")}
 
@@ -98,7 +100,6 @@ class GgufMethod(TierMethod):
             TierUnavailable: ``device: cuda`` with a llama-cpp-python build without GPU
                 offload (before anything is quantized or measured).
         """
-        from ..engines.llamacpp import NEEDS_IMATRIX, require_gpu_offload
         names = _ftypes()
         if ctx.device == "cuda":
             require_gpu_offload(f"GGUF tier {spec.name}")
@@ -115,9 +116,6 @@ class GgufMethod(TierMethod):
         return {"type": t, "ftype": names[t]}
 
     def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
-        from ..engines.gguf_convert import convert_hf_to_gguf
-        from ..engines.llamacpp import gguf_tensor_stats, quantize_gguf
-        from ..measure.memory import hwm_bytes, rss_bytes
 
         t = str(spec.type).strip().upper()
         outtype = _INTERMEDIATE.get(ctx.dtype, "f32")
@@ -160,7 +158,6 @@ class GgufMethod(TierMethod):
         ``bits_per_weight`` (all tensors), ``bits_per_weight_quantized`` (2-D weights),
         ``fallback_tensors`` (tensors llama.cpp moved off the intended K-quant type),
         ``fallbacks`` (``"q4_K->q5_0": n``), ``tensor_types`` histogram."""
-        from ..engines.llamacpp import gguf_file, gguf_tensor_stats
         st = gguf_tensor_stats(gguf_file(artifact))
         out = {k: st[k] for k in ("stored_bytes", "parameters", "bits_per_weight", "bits_per_weight_quantized",
                                   "tensor_types", "non_kquant_matrices", "file_bytes")}

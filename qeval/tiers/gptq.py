@@ -23,6 +23,7 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -33,7 +34,8 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from ..engines.hf import HFEngine
-from ..errors import QevalInputError
+from ..errors import QevalInputError, TierUnavailable
+from ..paths import torch_extensions_dir
 from ..weight_formats import GroupWise
 from .base import HfTierSpec, TierContext, TierMethod
 from .int8 import (check_no_pickle, decoder_linear_in_features, layer_tensors, lib_version, quant_summary,
@@ -50,8 +52,7 @@ def _setup_env() -> None:
     if "GPTQMODEL_CPU_WORKERS" not in os.environ and (os.cpu_count() or 1) < 3:
         os.environ["GPTQMODEL_CPU_WORKERS"] = "2"  # its default, (cores + 1) // 2, is 1 here
     if "GPTQMODEL_TORCH_EXTENSIONS_DIR" not in os.environ:
-        from ..source import cache_root
-        os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"] = str(cache_root() / "torch_extensions")
+        os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
     # gptqmodel's tokenizer helper (tokenicer) points HF_HOME at /tmp when it is unset
     os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
 
@@ -59,7 +60,7 @@ def _setup_env() -> None:
 def _import_gptqmodel() -> Any:
     _setup_env()
     try:
-        import gptqmodel
+        import gptqmodel  # optional: the qeval[quant] extra
     except ImportError as e:
         raise RuntimeError("gptq/awq tiers need gptqmodel (pip install 'gptqmodel>=7.6,<7.7'; "
                            f"see pyproject extra 'quant'): {e}") from e
@@ -71,7 +72,7 @@ def _redirect_quant_logs(folder: Path) -> None:
     repository when run from there); point it at ``folder`` (deleted after quantizing;
     the per-layer losses stay in the artifact's ``quant_log.csv``)."""
     try:
-        from gptqmodel.looper import loop_processor
+        from gptqmodel.looper import loop_processor  # optional: the qeval[quant] extra
     except ImportError:
         return
     if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
@@ -115,7 +116,7 @@ def resolve_group_size(spec: Any, in_features: dict[str, int]) -> int:
 
 
 def _quant_layers(model: Any) -> list[Any]:
-    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear  # optional: the qeval[quant] extra
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
 
 
@@ -196,7 +197,7 @@ class _GptqModelMethod(TierMethod):
 
     # -- build --------------------------------------------------------------------------
     def _calibration(self, ctx: TierContext) -> tuple[list[dict], int]:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
         if ctx.calibration is None:
             raise RuntimeError(f"{self.method} needs calibration text (TierContext.calibration is None)")
@@ -211,8 +212,8 @@ class _GptqModelMethod(TierMethod):
         return rows, n_tok
 
     def _quantize_config(self, spec: Any, group_size: int, offload: str) -> Any:
-        from gptqmodel import QuantizeConfig
-        from gptqmodel.quantization import FORMAT, METHOD
+        from gptqmodel import QuantizeConfig  # optional: the qeval[quant] extra
+        from gptqmodel.quantization import FORMAT, METHOD  # optional: the qeval[quant] extra
 
         kw: dict[str, Any] = {"bits": spec.bits, "group_size": group_size, "sym": spec.sym,
                               "offload_to_disk": True, "offload_to_disk_path": offload}
@@ -223,10 +224,10 @@ class _GptqModelMethod(TierMethod):
         return QuantizeConfig(**kw)
 
     def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
 
         gptqmodel = _import_gptqmodel()
-        from gptqmodel import BACKEND, GPTQModel
+        from gptqmodel import BACKEND, GPTQModel  # optional: the qeval[quant] extra
 
         group = self.check(spec, ctx)["group_size"]
         calib, n_tok = self._calibration(ctx)
@@ -261,10 +262,10 @@ class _GptqModelMethod(TierMethod):
 
     # -- load ---------------------------------------------------------------------------
     def _load_qmodel(self, ctx: TierContext, artifact: Path, device: str, backend: str = "auto") -> Any:
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
 
         _import_gptqmodel()
-        from gptqmodel import BACKEND, GPTQModel
+        from gptqmodel import BACKEND, GPTQModel  # optional: the qeval[quant] extra
 
         gm = GPTQModel.load(str(artifact), device=device, backend=BACKEND(backend),
                             trust_remote_code=ctx.trust_remote_code)
@@ -290,7 +291,7 @@ class _GptqModelMethod(TierMethod):
         dequantized (scale * (q - zero), in ``ctx.dtype``). Loaded with gptqmodel's plain
         torch kernels on CPU, unpacked before any forward pass (the fused CPU kernels
         repack their buffers on first use)."""
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
 
         if artifact is None:
             raise ValueError(f"{self.method} needs its artifact")
@@ -332,7 +333,6 @@ class _GptqModelMethod(TierMethod):
                          dtype=dtype)
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
-        import json
 
         model = engine.model
         params = source_parameter_count(ctx.source_path, ctx.trust_remote_code)
@@ -376,16 +376,14 @@ def cuda_kernels_ready(method: str, quant_method: str, fmt: str, spec: Any, ctx:
         TierUnavailable: the picked kernel cannot be built here; the line names what to
             install (nvcc of the CUDA toolkit matching torch's CUDA version).
     """
-    import json
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
-    from ..errors import TierUnavailable
 
     _import_gptqmodel()
-    from gptqmodel import extension
-    from gptqmodel.quantization import FORMAT, METHOD
-    from gptqmodel.utils.backend import BACKEND
-    from gptqmodel.utils.importer import select_quant_linear
+    from gptqmodel import extension  # optional: the qeval[quant] extra
+    from gptqmodel.quantization import FORMAT, METHOD  # optional: the qeval[quant] extra
+    from gptqmodel.utils.backend import BACKEND  # optional: the qeval[quant] extra
+    from gptqmodel.utils.importer import select_quant_linear  # optional: the qeval[quant] extra
 
     qc = {}
     if artifact is not None and (Path(artifact) / "quantize_config.json").is_file():
@@ -426,7 +424,7 @@ def dequantize_layer(mod: Any) -> Any:
     if hasattr(mod, "dequantize_weight"):
         return mod.dequantize_weight().T.float()
     if hasattr(mod, "qweight") and hasattr(mod, "qzeros") and hasattr(mod, "scales"):
-        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm  # optional: the qeval[quant] extra
         return dequantize_gemm(mod.qweight, mod.qzeros, mod.scales, mod.bits, mod.group_size).T.float()
     raise RuntimeError(f"cannot dequantize {type(mod).__name__}")
 

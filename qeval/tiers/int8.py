@@ -41,8 +41,8 @@ def lib_version(name: str) -> str | None:
 def meta_model(source_path: str, trust_remote_code: bool = False) -> Any:
     """The source architecture built on the meta device from its config: names, shapes and
     tied weights without reading any weight."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # start-up time: torch loads only in stage processes
+    from transformers import AutoConfig, AutoModelForCausalLM  # start-up time: transformers loads only in stage processes
 
     cfg = AutoConfig.from_pretrained(source_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -58,7 +58,7 @@ def source_parameter_count(source_path: str, trust_remote_code: bool = False) ->
 def decoder_linear_in_features(source_path: str, trust_remote_code: bool = False) -> dict[str, int]:
     """``{module name: in_features}`` of the ``nn.Linear`` layers the quantizers convert
     (every Linear except the output head)."""
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
     m = meta_model(source_path, trust_remote_code)
     out_emb = m.get_output_embeddings()
@@ -154,10 +154,10 @@ class Int8Method(TierMethod):
 
     def _quant_config(self, spec: Any) -> Any:
         if spec.backend == "torchao":
-            from torchao.quantization import Int8WeightOnlyConfig
-            from transformers import TorchAoConfig
+            from torchao.quantization import Int8WeightOnlyConfig  # optional: the qeval[quant] extra
+            from transformers import TorchAoConfig  # start-up time: transformers loads only in stage processes
             return TorchAoConfig(Int8WeightOnlyConfig(version=2))
-        from transformers import BitsAndBytesConfig
+        from transformers import BitsAndBytesConfig  # start-up time: transformers loads only in stage processes
         return BitsAndBytesConfig(load_in_8bit=True)
 
     def prepare(self, spec: Any, ctx: TierContext, out_dir: Path) -> dict:
@@ -197,7 +197,7 @@ class Int8Method(TierMethod):
     def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
         """The artifact with every int8 weight dequantized back to a dense ``ctx.dtype``
         tensor (the int8 values times their scales), so quality runs on plain matmuls."""
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
 
         if artifact is None:
             raise ValueError("int8 needs its artifact")

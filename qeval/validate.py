@@ -1,0 +1,101 @@
+"""Recipe checks beyond its schema, before any model is loaded (``qeval validate`` and
+the start of ``qeval run``): the model source, depths against its context, every suite
+row, the storage URL, lm-eval task files, calibration text, and each tier method's own
+checks that need no model (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import QevalInputError
+from .measure.suites import load_suite
+from .osutil import stderr_fd_to
+from .recipe import check_context
+from .source import HUB_ID, find_package_gguf, gguf_context_length, model_max_context, resolve_source
+from .storage import check_protocol, is_url
+from .tiers import get_method
+from .tiers.base import TierContext
+
+
+def static_checks(recipe) -> None:
+    """Checks that need no model load: the model source exists (local folder with
+    config.json, or an installed GGUF package), and every depth plus decode_tokens (and
+    the load depth plus output_tokens) fits the model's maximum context when it can be read. Hub ids are checked at run time.
+
+    Raises:
+        QevalInputError: naming the recipe file, line and field.
+    """
+    m = recipe.model
+    maxctx = None
+    if m.gguf_package:
+        try:
+            gguf = find_package_gguf(m.gguf_package)
+        except QevalInputError as e:
+            raise recipe.error(("model", "gguf_package"), e.message) from None
+        maxctx = gguf_context_length(gguf)
+    else:
+        src = m.source or ""
+        p = Path(src).expanduser()
+        looks_local = src.startswith((".", "/", "~")) or p.exists() or not HUB_ID.match(src)
+        if looks_local:
+            if not p.exists():
+                raise recipe.error(("model", "source"), f"model path {src!r} does not exist")
+            if not (p / "config.json").is_file():
+                raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
+            maxctx = model_max_context(p)
+    check_context(recipe, maxctx)
+    for i, s in enumerate(recipe.suites):
+        if not recipe.resolve_path(s.path).is_file():
+            raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
+        load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
+    if is_url(recipe.storage):
+        try:
+            check_protocol(recipe.storage)
+        except QevalInputError as e:
+            raise recipe.error(("storage",), e.message) from None
+    elif recipe.storage_options:
+        raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
+    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m))
+    for i, t in enumerate(recipe.quality.lm_eval_tasks):
+        if not recipe.resolve_path(t).is_file():
+            raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
+    if any(get_method(t.method).needs_calibration for t in recipe.tiers):
+        if not recipe.resolve_path(recipe.calibration.path).is_file():
+            raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
+
+
+def _local_checkpoint(model) -> Path | None:
+    """The recipe's checkpoint folder when it is on this machine without converting or
+    downloading anything (a local folder, or a GGUF package converted by an earlier run)."""
+    if model.gguf_package:
+        try:
+            return Path(resolve_source(model, convert=False).path)
+        except QevalInputError:
+            return None
+    p = Path(model.source or "").expanduser()
+    return p if (p / "config.json").is_file() else None
+
+
+def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
+    """Run at validate time the tier checks a method can do before any model load
+    (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`: the GGUF type name on any
+    machine with llama.cpp; for GPTQ/AWQ the group size against every Linear's input
+    features, when the checkpoint's config is on this machine; otherwise the check runs at
+    the start of the tier). Each method's own ``check`` does the work, so validate and run
+    say the same thing.
+
+    Raises:
+        QevalInputError: naming the recipe file, the tier's line and its field.
+    """
+    for i, spec in enumerate(recipe.tiers):
+        method = get_method(spec.method)
+        if not method.check_at_validate(checkpoint):
+            continue
+        ctx = TierContext(source_path=str(checkpoint or ""), source_sha256="", device="cpu",
+                          dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
+        try:
+            with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):
+                method.check(spec, ctx)  # importing transformers/torchao prints load notices: validate is one line
+        except QevalInputError as e:
+            fld = (e.field or "").rsplit(".", 1)[-1] or "method"
+            raise recipe.error(("tiers", i, fld), e.message) from None
