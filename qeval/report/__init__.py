@@ -8,12 +8,12 @@ from pathlib import Path
 
 from ..analysis.gate import GateReport
 from ..results import RunLayout, atomic_write_json, atomic_write_text
-from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, SlowPath, TierTable, _analyse, _tables_text,
-                   default_budget_bytes, markdown_table, render_report, slow_path_flags, tier_table,
-                   write_report, write_tables)
+from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, _analyse, _tables_text, default_budget_bytes, render_report,
+                   slow_path_flags, write_report, write_tables)
+from .table import COLUMNS, SlowPath, TierTable, markdown_table, tier_table
 from .junit import junit_xml, write_junit
 
-__all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "Outputs", "SlowPath", "TierTable",
+__all__ = ["COLUMNS", "DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "Outputs", "SlowPath", "TierTable",
            "default_budget_bytes", "junit_xml", "markdown_table", "rebuild_outputs", "render_report",
            "slow_path_flags", "tier_table", "write_junit", "write_report", "write_tables"]
 

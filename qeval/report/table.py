@@ -1,0 +1,396 @@
+"""The tier table: its columns, defined once (:data:`COLUMNS`), give ``table.md``,
+``table.csv`` and the three tables of ``report.html`` (build, speed by depth, quality).
+
+Figures come from the metric table (:mod:`qeval.metrics`). CSV units: ``*_gib`` GiB
+(2**30 bytes), ``*_s`` seconds, ``*_tokens_per_s`` tokens/s, ``*_rate``/``*_share`` shares
+0..1, ``kv_bytes_per_token`` bytes, KLD nats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from ..analysis import RunAnalysis
+from ..metrics import GIB, finite
+from ..metrics import value as metric_value
+from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path
+
+Section = Literal["build", "speed", "quality"]
+
+
+@dataclass
+class SlowPath:
+    """A tier flagged "slow path at long context" (decode tokens/s at ``depth``)."""
+    tier: str
+    depth: int
+    decode_tokens_per_s: float
+    reference_tokens_per_s: float
+    fraction: float
+
+    @property
+    def text(self) -> str:
+        return (f"slow path at long context: {self.decode_tokens_per_s:.3g} tok/s at depth {self.depth} "
+                f"< {self.fraction:g} x reference {self.reference_tokens_per_s:.3g}")
+
+
+@dataclass
+class Row:
+    """What the cells of one tier are computed from."""
+    name: str
+    t: TierResult
+    a: RunAnalysis
+    slow: SlowPath | None
+
+    @property
+    def ok(self) -> bool:
+        return self.t.status == STATUS_OK
+
+    @property
+    def is_ref(self) -> bool:
+        return self.name == self.a.reference
+
+    def v(self, metric: str, depth: int | None = None) -> float | None:
+        """A metric's value; the reference's by-definition values (KLD 0, PPL ratio 1,
+        same-top 1) when it finished without them."""
+        return metric_value(self.t, metric, depth, is_reference=self.is_ref and self.ok)
+
+    @property
+    def fid(self) -> Fidelity:
+        return get_path(self.t, "quality", "fidelity") or Fidelity()
+
+    @property
+    def beh(self) -> Behaviour:
+        return get_path(self.t, "quality", "behaviour") or Behaviour()
+
+
+# a cell: (text for Markdown/HTML, {csv field: raw value})
+Cell = tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the tier table.
+
+    Attributes:
+        header: its header (Markdown; per-depth columns get `` @<depth>``).
+        cell: ``cell(row)`` (per-depth: ``cell(row, depth)``) -> (text, {csv field: value}).
+        section: the HTML table it is in (None: Markdown only).
+        md: whether ``table.md`` has it.
+        per_depth: one column per speed depth.
+        html_header: its header in the HTML tables when it differs.
+        html_cell: its HTML text when it differs from the Markdown one.
+        numeric: right-aligned in HTML (figures); text columns are left-aligned.
+    """
+    header: str
+    cell: Callable[..., Cell]
+    section: Section | None
+    md: bool = True
+    per_depth: bool = False
+    html_header: str | None = None
+    html_cell: Callable[[Row], str] | None = None
+    numeric: bool = False
+
+
+def _f(v: Any, fmt: str = ".3g", scale: float = 1.0, suffix: str = "") -> str:
+    x = finite(v)
+    return "-" if x is None else f"{x * scale:{fmt}}{suffix}"
+
+
+def _gib(v: Any, digits: int = 2) -> str:
+    x = finite(v)
+    return "-" if x is None else f"{x / GIB:.{digits}f}"
+
+
+def _r(v: float | None, div: float) -> float | None:
+    return None if v is None else round(v / div, 4)
+
+
+def _whole(v: float | None) -> float | int | None:
+    return int(v) if v is not None and v.is_integer() else v
+
+
+def _kld(r: Row) -> Cell:
+    kld, se = r.v("kld_mean"), finite(r.fid.kld_se)
+    text = "-" if kld is None else (f"{kld:.4f}" + (f" ± {se:.4f}" if se is not None else ""))
+    if r.is_ref and r.ok and r.fid.kld_mean is None:
+        text = "0 (reference)"
+    return text, {"kld_mean": kld, "kld_se": se}
+
+
+def _pass(r: Row) -> Cell:
+    pr, lo, hi = r.v("pass_rate"), r.v("pass_ci_low"), r.v("pass_ci_high")
+    text = "-" if pr is None else (f"{100 * pr:.1f}" + (
+        f" [{100 * lo:.1f}, {100 * hi:.1f}]" if lo is not None and hi is not None else ""))
+    return text, {"pass_rate": pr, "pass_ci_low": lo, "pass_ci_high": hi}
+
+
+def _flips(r: Row) -> Cell:
+    flip, p2f, f2p = r.v("flip_rate"), r.beh.flips_pass_to_fail, r.beh.flips_fail_to_pass
+    text = "-" if flip is None else f"{100 * flip:.1f}%" + (
+        f" ({p2f}↓ {f2p}↑)" if isinstance(p2f, int) and isinstance(f2p, int) else "")
+    return text, {"flip_rate": flip, "flips_pass_to_fail": p2f, "flips_fail_to_pass": f2p}
+
+
+def _lm_eval(r: Row) -> Cell:
+    lm = get_path(r.t, "quality", "lm_eval") or {}
+    text = "; ".join(f"{task} {k} {v:.3f}" for task, ms in lm.items() if isinstance(ms, dict)
+                     for k, v in ms.items()) or ("skipped" if "skipped" in lm else "-")
+    return text, {"lm_eval": text if lm else None}
+
+
+def _pareto(r: Row) -> Cell:
+    try:
+        mark = r.a.pareto.entry(r.name).mark
+    except KeyError:  # pragma: no cover - every tier is in the front's entries
+        mark = "-"
+    return mark, {"pareto": mark}
+
+
+def eager_gpu_decode(t: TierResult) -> bool:
+    """True for a transformers tier whose decode figures were measured eagerly on CUDA
+    (launch-bound there: the table marks them "eager")."""
+    return t.device == "cuda" and t.engine == "hf" and t.decode_mode == "eager"
+
+
+def _decode(r: Row, d: int) -> Cell:
+    dec = r.v("decode_tokens_per_s", d)
+    text = _f(dec, ".3g") + (" eager" if eager_gpu_decode(r.t) and dec is not None else "")
+    return text, {f"decode_tokens_per_s_{d}": dec}
+
+
+def kv_base_tier(tiers: dict[str, TierResult], name: str) -> str | None:
+    """For an int8-KV tier, the tier with the same spec and the model's KV cache (or None)."""
+    spec = dict(tiers[name].spec) if name in tiers else {}
+    if spec.get("kv_cache") != "int8":
+        return None
+    want = {k: v for k, v in spec.items() if k not in ("name", "kv_cache", "flash_attn")}
+    for other, o in tiers.items():
+        os_ = dict(o.spec)
+        if other != name and os_.get("kv_cache", "model") == "model" and \
+                {k: v for k, v in os_.items() if k not in ("name", "kv_cache", "flash_attn")} == want:
+            return other
+    return None
+
+
+def _notes(r: Row) -> Cell:
+    notes = [r.slow.text] if r.slow else []
+    base = kv_base_tier(r.a.tiers, r.name)
+    if base is not None and r.ok:
+        d = max(r.a.depths)
+        other = r.a.tiers[base]
+        mine, theirs = (metric_value(x, "ttft_s", d) for x in (r.t, other))
+        if mine and theirs:
+            notes.append(f"int8 KV adds {100 * (mine / theirs - 1):+.0f}% prefill time vs {base} @{d}")
+        fa, fa_base = r.t.flash_attn, other.flash_attn
+        if fa is not None and fa_base is not None and bool(fa) != bool(fa_base):
+            notes.append(f"flash attention {'on' if fa else 'off'} here, {'on' if fa_base else 'off'} in {base}: "
+                         "the comparison with it mixes two changes")
+        dm, dm_base = r.t.decode_mode, other.decode_mode
+        if dm and dm_base and dm != dm_base:  # int8 KV cannot be compiled: eager beside a static twin
+            notes.append(f"decode {dm} here, {dm_base} in {base}: the comparison with it mixes two changes")
+    if eager_gpu_decode(r.t):
+        notes.append("eager decode on the GPU (dynamic cache, no torch.compile): bound by kernel launches, "
+                     "not bandwidth")
+    if r.t.decode_note:
+        notes.append(str(r.t.decode_note))
+    fb = get_path(r.t, "quant", "fallback_tensors")
+    if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
+        types = get_path(r.t, "quant", "tensor_types") or {}
+        n_q = sum(v for k, v in types.items() if str(k).upper() not in ("F32", "F16", "BF16")) or None
+        kinds = ", ".join(f"{k} ×{v}" for k, v in (get_path(r.t, "quant", "fallbacks") or {}).items())
+        notes.append(f"{fb}{f' of {n_q}' if n_q else ''} quantized tensors fell back from the nominal type"
+                     + (f" ({kinds})" if kinds else ""))
+    if not r.ok and r.t.error:
+        notes.append(str(r.t.error))
+    if (r.t.load or {}).get("error"):
+        notes.append(f"load sweep failed: {r.t.load['error']}")
+    return "; ".join(notes), {"slow_path": bool(r.slow)}
+
+
+def _load(r: Row) -> Cell:
+    """The load sweep's CSV fields (no Markdown/HTML cell: the load table shows it): depth,
+    scheduling, users at SLO, best decode tokens/s, requests not admitted, and per
+    concurrency any tier recorded (:func:`load_concurrencies`) decode tokens/s, batching
+    gain, TTFT/ITL p95, goodput, peak GiB and admission."""
+    load = r.t.load or {}
+    raw: dict[str, Any] = {"load_depth": load.get("depth"),
+                           "load_scheduling": ",".join(load.get("scheduling") or []) or None,
+                           "users_at_slo": _whole(r.v("users_at_slo")),
+                           "load_max_decode_tokens_per_s": finite(load.get("max_decode_tokens_per_s")),
+                           "load_requests_not_admitted": load.get("requests_not_admitted")}
+    pts = {int(p["concurrency"]): p for p in load.get("points") or []}
+    gain = load.get("batching_gain") or {}
+    for c in load_concurrencies(r.a.tiers):
+        p = pts.get(c) or {}
+        raw.update({f"load_decode_tokens_per_s_c{c}": finite(p.get("decode_tokens_per_s")),
+                    f"load_batching_gain_c{c}": finite(gain.get(str(c))),
+                    f"load_ttft_p95_s_c{c}": finite(get_path(p, "ttft_s", "p95")),
+                    f"load_itl_p95_s_c{c}": finite(get_path(p, "itl_s", "p95")),
+                    f"load_goodput_tokens_per_s_c{c}": finite(p.get("goodput_tokens_per_s")),
+                    f"load_peak_gib_c{c}": _r(finite(p.get("peak_bytes")), GIB),
+                    f"load_admitted_c{c}": p.get("admitted") if p else None})
+    return "", raw
+
+
+#: Every column of the tier table, in order (CSV fields follow the same order).
+COLUMNS: tuple[Column, ...] = (
+    Column("tier", lambda r: (r.name, {"tier": r.name}), "build"),
+    Column("status", lambda r: (r.t.status, {"status": r.t.status}), "build"),
+    Column("weights GiB", lambda r: (_gib(r.v("weight_bytes")), {"weights_gib": _r(r.v("weight_bytes"), GIB)}),
+           "build", numeric=True),
+    Column("bits/w", lambda r: (_f(r.v("bits_per_weight"), ".2f"), {"bits_per_weight": r.v("bits_per_weight")}),
+           "build", html_header="bits/weight", numeric=True),
+    Column("backend", lambda r: (str(r.t.backend or "-"), {"backend": r.t.backend}), "build"),
+    Column("KV cache", lambda r: (str(r.t.kv_cache or "-"), {"kv_cache": r.t.kv_cache}), "build", md=False),
+    Column("KV B/token", lambda r: (_f(r.v("kv_bytes_per_token"), ",.0f"),
+                                    {"kv_bytes_per_token": _whole(r.v("kv_bytes_per_token"))}),
+           "build", html_header="KV bytes/token", numeric=True),
+    Column("error", lambda r: ("" if r.ok else str(r.t.error or ""), {"error": r.t.error}), "build", md=False),
+    Column("decode mode", lambda r: (str(r.t.decode_mode or "-"), {"decode_mode": r.t.decode_mode}), None, md=False),
+    Column("peak GiB", lambda r, d: (_gib(r.v("peak_bytes", d)), {f"peak_gib_{d}": _r(r.v("peak_bytes", d), GIB)}),
+           "speed", per_depth=True, numeric=True),
+    Column("TTFT s", lambda r, d: (_f(r.v("ttft_s", d), ".3g"), {f"ttft_s_{d}": r.v("ttft_s", d)}),
+           "speed", per_depth=True, numeric=True),
+    Column("decode tok/s", _decode, "speed", per_depth=True, html_header="tok/s", numeric=True),
+    Column("roofline %", lambda r, d: (_f(r.v("roofline_share", d), ".0f", 100),
+                                       {f"roofline_share_{d}": r.v("roofline_share", d)}),
+           "speed", per_depth=True, numeric=True),
+    Column("KLD mean ± se", _kld, "quality", numeric=True),
+    Column("same-top %", lambda r: (_f(r.v("same_top_rate"), ".1f", 100), {"same_top_rate": r.v("same_top_rate")}),
+           "quality", numeric=True),
+    Column("PPL ratio", lambda r: (_f(r.v("ppl_ratio"), ".4f"), {"ppl_ratio": r.v("ppl_ratio")}), "quality",
+           numeric=True),
+    Column("pass % [95% CI]", _pass, "quality", numeric=True),
+    Column("flips", _flips, "quality", numeric=True),
+    Column("budget exh. %", lambda r: (_f(r.v("budget_exhausted_rate"), ".1f", 100),
+                                       {"budget_exhausted_rate": r.v("budget_exhausted_rate")}), "quality",
+           numeric=True),
+    Column("quality engine", lambda r: (str(get_path(r.t, "quality", "engine") or "-"),
+                                        {"quality_engine": get_path(r.t, "quality", "engine")}), "quality"),
+    Column("lm-eval", _lm_eval, "quality"),
+    Column("users @SLO", lambda r: (_f(r.v("users_at_slo"), "g"), {}), "quality", numeric=True),  # CSV: _load
+    Column("Pareto", _pareto, "quality"),
+    Column("notes", _notes, "quality", html_cell=lambda r: r.slow.text if r.slow else ""),
+    Column("load", lambda r: _load(r), None, md=False),
+)
+
+
+@dataclass
+class TierTable:
+    """The tier table in three shapes: Markdown (``headers``, ``rows``), CSV
+    (``csv_fields``, ``csv_rows`` of raw values) and the HTML sections (``html``:
+    section -> {"headers": [{"text", "numeric"}, ...], "rows": [[cell, ...], ...]}; the
+    speed section repeats ``html_depth_headers`` for every depth)."""
+    headers: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    csv_fields: list[str] = field(default_factory=list)
+    csv_rows: list[dict[str, Any]] = field(default_factory=list)
+    html: dict[str, dict[str, list]] = field(default_factory=dict)
+    html_depth_headers: list[dict] = field(default_factory=list)
+
+
+def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierTable:
+    """Build the per-tier table for every tier of the analysed run (recipe order), from :data:`COLUMNS`."""
+    slow = slow or {}
+    tab = TierTable(html={s: {"headers": [], "rows": []} for s in ("build", "speed", "quality")})
+    first = COLUMNS[0]  # the tier name starts every HTML table
+    for c in COLUMNS:
+        for d in (a.depths if c.per_depth else [None]):
+            if c.md:
+                tab.headers.append(c.header if d is None else f"{c.header} @{d}")
+            if c.section and d in (None, a.depths[0]):
+                tab.html[c.section]["headers"].append({"text": c.html_header or c.header, "numeric": c.numeric})
+    tab.html_depth_headers = [{"text": c.html_header or c.header, "numeric": c.numeric} for c in COLUMNS if c.per_depth]
+    for sec in ("speed", "quality"):
+        tab.html[sec]["headers"].insert(0, {"text": first.header, "numeric": first.numeric})
+    for name, t in a.tiers.items():
+        row = Row(name, t, a, slow.get(name))
+        md: list[str] = []
+        raw: dict[str, Any] = {}
+        html: dict[str, list[str]] = {"build": [], "speed": [row.name], "quality": [row.name]}
+        for c in COLUMNS:
+            for d in (a.depths if c.per_depth else [None]):
+                text, values = c.cell(row) if d is None else c.cell(row, d)
+                raw.update(values)
+                if c.md:
+                    md.append(text)
+                if c.section:
+                    html[c.section].append(c.html_cell(row) if c.html_cell else text)
+        tab.rows.append(md)
+        tab.csv_rows.append(raw)
+        for sec, cells in html.items():
+            tab.html[sec]["rows"].append(cells)
+    tab.csv_fields = _csv_fields(a)
+    return tab
+
+
+def _csv_fields(a: RunAnalysis) -> list[str]:
+    """The CSV fields, in column order: the keys the cells fill (taken from the cells of a
+    placeholder tier, so they are written once, in :data:`COLUMNS`)."""
+    row = Row("", TierResult(tier="", method="", status="not_built"), a, None)
+    fields: list[str] = []
+    for c in COLUMNS:
+        for d in (a.depths if c.per_depth else [None]):
+            fields += list((c.cell(row) if d is None else c.cell(row, d))[1])
+    return fields
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-flavoured Markdown table (``|`` inside cells escaped)."""
+    def esc(c: str) -> str:
+        return str(c).replace("|", "\\|").replace("\n", " ")
+    out = ["| " + " | ".join(esc(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+# ---- the load table ----------------------------------------------------------------------
+
+def load_concurrencies(tiers: dict[str, TierResult]) -> list[int]:
+    """Every concurrency any tier's load sweep recorded, ascending."""
+    return sorted({int(p["concurrency"]) for t in tiers.values() for p in get_path(t, "load", "points") or []})
+
+
+LOAD_HEADERS = ["tier", "scheduling", "streams", "decode tok/s", "gain", "req/s", "TTFT p50/p95/p99 s",
+                "ITL p50/p95/p99 s", "e2e p50/p95 s", "goodput tok/s", "peak GiB", "KV GiB at peak", "SLO"]
+
+
+def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the load table: one per tier and concurrency (``LOAD_HEADERS``); a point not
+    admitted shows the reason; a failed sweep one row with its error."""
+    def trio(d: Any, keys: tuple[str, ...]) -> str:
+        return "/".join(_f((d or {}).get(k), ".3g") for k in keys)
+
+    rows = []
+    for name, t in tiers.items():
+        load = t.load or {}
+        if load.get("error"):
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {load['error']}"])
+            continue
+        gain = load.get("batching_gain") or {}
+        for p in load.get("points") or []:
+            c = int(p["concurrency"])
+            if not p.get("admitted"):
+                rows.append([name, "-", str(c), "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                             f"not admitted ({p.get('requests_not_admitted')} requests): {p.get('reason')}"])
+                continue
+            rows.append([name, str(p.get("scheduling") or "-"), str(c), _f(p.get("decode_tokens_per_s"), ".3g"),
+                         _f(gain.get(str(c)), ".2f", suffix="x"), _f(p.get("requests_per_s"), ".3g"),
+                         trio(p.get("ttft_s"), ("p50", "p95", "p99")), trio(p.get("itl_s"), ("p50", "p95", "p99")),
+                         trio(p.get("e2e_s"), ("p50", "p95")), _f(p.get("goodput_tokens_per_s"), ".3g"),
+                         _gib(p.get("peak_bytes"), 3), _gib(p.get("kv_bytes_peak"), 4),
+                         "meets" if p.get("meets_slo") else "misses"])
+    return rows
+
+
+def load_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the load table measured (depth, tokens, SLO), from the first sweep."""
+    load = next((t.load for t in tiers.values() if (t.load or {}).get("points")), None)
+    if not load:
+        return None
+    slo = load.get("slo") or {}
+    return (f"Closed loop: each stream sends {load.get('requests_per_stream')} requests in turn, each a fresh "
+            f"{load.get('depth')}-token prompt and {load.get('output_tokens')} new tokens; prefill in chunks of "
+            f"{load.get('prefill_chunk')} tokens. SLO: TTFT p95 <= {slo.get('ttft_p95_s')} s and ITL p95 <= "
+            f"{slo.get('itl_p95_s')} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
+            "tokens of requests within the SLO / run time (qeval.measure.load).")
