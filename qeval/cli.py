@@ -144,7 +144,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
                 raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")
             run_dir = resume
         else:
-            preflight(r, Path(out_dir or "results"), subset or [t.name for t in r.tiers])
+            preflight(r)
             run_dir = new_run_dir(r, out_dir)
     except QevalInputError as e:
         _fail(e)

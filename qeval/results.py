@@ -111,7 +111,6 @@ Status = Literal["ok", "failed", "not_built"]
 
 RUN_SCOPE = "_run"  # the "tier" name of run-wide stages (source, env, reference)
 TIER_STAGES = ("prepare", "measure", "load", "quality")
-RUN_STAGES = ("source", "env", "reference")
 
 
 # ---- the layout ------------------------------------------------------------------------

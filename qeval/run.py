@@ -243,7 +243,7 @@ def new_run_dir(recipe: Recipe, out: Path | None) -> Path:
     return d
 
 
-def preflight(recipe: Recipe, run_dir_parent: Path, tiers: list[str]) -> None:
+def preflight(recipe: Recipe) -> None:
     """Checks before any work (the disk check follows once the source's size is known:
     :meth:`Runner.check_disk`).
 

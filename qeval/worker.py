@@ -40,9 +40,6 @@ from .storage import OPTIONS_ENV, publish_source, storage_for
 from .tiers import get_method
 from .tiers.base import TierContext
 
-RSS_AFTER_START = None
-
-
 def _progress(msg: str) -> None:
     print(f"[qeval] {msg}", flush=True)
 
@@ -217,7 +214,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
                               f"period of {engine.kv_requant_period}: the figure leaves re-quantization out")
     speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=n_decode,
                                    repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
-                                   bandwidth=bw, weight_bytes=weight_bytes, progress=_progress)
+                                   progress=_progress)
     kvpt = kv_bytes_per_token_from_sweep(kv, n_decode)
     add_roofline(speed, bw, weight_bytes, kvpt)
     memory = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kvpt, "kv_bytes_at_depth": kv,

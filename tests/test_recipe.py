@@ -97,7 +97,7 @@ def test_preflight_cuda_recipe_without_cuda_names_both(tmp_path):
     r = parse_recipe("name: x\nmodel: {source: /tmp}\ndevice: cuda\ntiers: [{name: bf16, method: bf16}]\n",
                      tmp_path / "r.yaml")
     with pytest.raises(QevalInputError) as e:
-        preflight(r, tmp_path, ["bf16"])
+        preflight(r)
     msg = str(e.value)
     assert "r.yaml:3: device:" in msg and "cuda" in msg and "no CUDA" in msg
 

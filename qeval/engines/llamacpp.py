@@ -356,7 +356,6 @@ class LlamaCppEngine:
         self.last_cache_tokens: int | None = None
         self.last_state_bytes: int | None = None
         self.last_perf: dict | None = None
-        self._stats: dict | None = None
         ignored = {k.split(".")[-1]: v for k in SAMPLING_KEYS if (v := self._meta(k)) is not None}
         self.sampling = {"decode": "argmax", "ignored_file_defaults": ignored}
 
@@ -521,12 +520,6 @@ class LlamaCppEngine:
             L.llama_synchronize(self._ctx)
             sizes.append(int(L.llama_state_seq_get_size(self._ctx, 0)))
         return (sizes[1] - sizes[0]) / (depth - depth // 2)
-
-    def stats(self) -> dict:
-        """:func:`gguf_tensor_stats` of the loaded file (cached)."""
-        if self._stats is None:
-            self._stats = gguf_tensor_stats(self.path)
-        return self._stats
 
     def weight_bytes(self) -> int:
         """Tensor data bytes of the loaded model (``llama_model_size``; equal to the GGUF

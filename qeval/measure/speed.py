@@ -38,15 +38,16 @@ def depth_prompt_ids(tokenizer: Any, text_path: str | Path, depth: int) -> list[
 
 
 def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens: int, repeats: int,
-                warmup: int, peak: PeakMemory, bandwidth: float | None, weight_bytes: int | None,
+                warmup: int, peak: PeakMemory,
                 progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict]:
     """Measure every depth in ``prompts`` (depth -> exactly ``depth`` token ids).
 
     Returns:
         ``(speed, peak_bytes, kv_bytes)``: per depth (str) a dict with ``ttft_s``,
-        ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (medians), the raw lists,
-        roofline bound and share; the peak memory (bytes) during that depth's runs; and
-        the KV cache bytes held after it (from the cache object).
+        ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (medians) and the raw lists
+        (:func:`add_roofline` adds the roofline bound and share); the peak memory (bytes)
+        during that depth's runs; and the KV cache bytes held after it (from the cache
+        object, when the engine's ``capabilities.kv_bytes``; else 0).
     """
     speed: dict[str, dict] = {}
     peaks: dict[str, int | None] = {}
