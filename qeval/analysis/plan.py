@@ -37,7 +37,7 @@ from ..model_config import ModelShape, model_shape
 from ..recipe import Tier
 from ..results import STATUS_OK, RunInfo, TierResult, get_path
 from ..tiers import get_method
-from ..weight_formats import (FP8_WEIGHT_ONLY, FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format)
+from ..weight_formats import FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format
 from .capacity import DEFAULT_OVERHEAD_BYTES, LoadCheck, decode_bound, load_vs_formula, max_context, max_sequences
 from .gpus import GpuSpec
 from .pareto import GIB, finite
@@ -194,18 +194,15 @@ def default_tiers(shape: ModelShape | None, dtype: str) -> list[PlanTier]:
     one: bf16, int8 (torchao), fp8 weight-only, gptq and awq W4 g128, gguf Q4_K_M; then the
     flat 4-bit rule of thumb (0.5 bytes per parameter) for comparison."""
     base = [get_method(m).spec(name=n, method=m, **kw) for n, m, kw in (
-        ("bf16", "bf16", {}), ("int8", "int8", {}), ("gptq-w4g128", "gptq", {"bits": 4, "group_size": 128}),
+        ("bf16", "bf16", {}), ("int8", "int8", {}), ("fp8", "fp8", {}),
+        ("gptq-w4g128", "gptq", {"bits": 4, "group_size": 128}),
         ("awq-w4g128", "awq", {"bits": 4, "group_size": 128}), ("gguf-q4_k_m", "gguf", {"type": "Q4_K_M"}))]
     specs = []
     for s in base:
         specs += [s, s.model_copy(update={"name": f"{s.name}-kv8", "kv_cache": "int8"})]
     tiers = tiers_from_specs(specs, shape, dtype)
-    # fp8 weight-only has no tier module yet: its format directly, on the transformers engine
-    fp8 = [PlanTier(n, "fp8", "hf", kv, FP8_WEIGHT_ONLY, kv_format("hf", kv, dtype),
-                    note="format estimate: qeval has no fp8 tier method yet") for n, kv in
-           (("fp8", "model"), ("fp8-kv8", "int8"))]
     flat = PlanTier("4bit-flat", "-", "hf", "model", FlatBits(4), kv_format("hf", "model", dtype))
-    return tiers[:4] + fp8 + tiers[4:] + [flat]
+    return tiers + [flat]
 
 
 def measured_users_at_slo(result: TierResult | None) -> tuple[Any, str] | None:
