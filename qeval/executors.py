@@ -131,7 +131,8 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
     else:  # a storage URL: each node keeps its own cache and copies through the store
         env.pop("QEVAL_CACHE", None)
         where = runner.remote_rel
-    recipe_path = str(runner.recipe.path) if runner.recipe.path else None
+    # absolute: a node's working folder is not the driver's (the recipe's relative paths start at its folder)
+    recipe_path = str(Path(runner.recipe.path).expanduser().resolve()) if runner.recipe.path else None
     pending = {}
     for tier in runner.tiers:
         runner.on_event(tier, "ray", "submitted")

@@ -94,10 +94,10 @@ def child_env(recipe: Recipe) -> dict[str, str]:
                 "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
                 "GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", str(max(1, min(2, os.cpu_count() or 1)))),
                 "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": env.get("TRANSFORMERS_VERBOSITY", "error")})
-    from .source import cache_root
+    from .source import cache_root, model_source_path
     env.setdefault("GPTQMODEL_TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
     env.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
-    is_hub = bool(recipe.model.source) and not Path(recipe.model.source).expanduser().exists()
+    is_hub = bool(recipe.model.source) and model_source_path(recipe.model.source, recipe.base_dir) is None
     if not is_hub:
         env["HF_HUB_OFFLINE"] = "1"
         env["HF_DATASETS_OFFLINE"] = "1"
@@ -270,6 +270,7 @@ class Runner:
         run.update({
             "recipe": stored,  # credentials in storage_options never reach run.json (nor the store)
             "recipe_path": str(self.recipe.path) if self.recipe.path else None,
+            "recipe_dir": str(self.recipe.base_dir),  # where the recipe's relative paths start
             "qeval_commit": _git_commit(),
             "versions": _versions(),
             "cpu": _cpu_model(),

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import QevalInputError
-from .recipe import ModelSpec, check_context
+from .recipe import ModelSpec, check_context, check_data_paths
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -147,12 +147,31 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     os.replace(tmp, out_dir)
 
 
-def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
+def model_source_path(source: str, base: str | Path | None = None) -> Path | None:
+    """The local folder ``model.source`` names, or None when it is a hub id.
+
+    A value starting with ``/`` or ``~`` is that path; one starting with ``.`` is relative to
+    ``base`` (the recipe's folder; None: the current directory), and so is any value naming
+    something that exists there. Otherwise ``org/name`` is a hub id, and anything else a
+    local path (which may not exist: callers report it).
+    """
+    base = Path(base) if base is not None else Path.cwd()
+    if source.startswith(("/", "~")):
+        return Path(source).expanduser()
+    local = base / source
+    if source.startswith(".") or local.exists() or not _HUB_ID.match(source):
+        return local
+    return None
+
+
+def resolve_source(model: ModelSpec, *, convert: bool = True, base: str | Path | None = None) -> Source:
     """Resolve the recipe's model to a local BF16 checkpoint folder.
 
     Args:
         model: the recipe's ``model`` section.
         convert: build a missing GGUF conversion (imports torch); False raises instead.
+        base: the folder a relative local ``source`` starts from (the recipe's folder,
+            :attr:`qeval.recipe.Recipe.base_dir`; None: the current directory).
 
     Raises:
         QevalInputError: missing local folder / package, or a hub id that cannot be fetched.
@@ -170,14 +189,14 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
         return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package}/{gguf.name}", converted)
 
     src = model.source or ""
-    p = Path(src).expanduser()
-    if p.exists():
+    p = model_source_path(src, base)
+    if p is not None:
+        if not p.exists():
+            raise QevalInputError(f"model path {src!r} does not exist ({p})", field="model.source")
         if not (p / "config.json").is_file():
             raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder)",
                                   field="model.source")
         return Source(str(p.resolve()), checkpoint_sha256(p), src)
-    if not _HUB_ID.match(src) or src.startswith((".", "/", "~")):
-        raise QevalInputError(f"model path {src!r} does not exist", field="model.source")
     try:
         from huggingface_hub import snapshot_download
         folder = snapshot_download(src, revision=model.revision, allow_patterns=HUB_PATTERNS)
@@ -244,8 +263,11 @@ def gguf_context_length(gguf_path: str | Path) -> int | None:
 
 def static_checks(recipe) -> None:
     """Checks that need no model load: the model source exists (local folder with
-    config.json, or an installed GGUF package), and every depth plus decode_tokens (and
-    the load depth plus output_tokens) fits the model's maximum context when it can be read. Hub ids are checked at run time.
+    config.json, relative to the recipe's folder, or an installed GGUF package); every data
+    file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
+    every suite row and lm-eval task file parses; every depth plus decode_tokens (and the
+    load depth plus output_tokens) fits the model's maximum context when it can be read.
+    Hub ids are checked at run time.
 
     Raises:
         QevalInputError: naming the recipe file, line and field.
@@ -260,20 +282,27 @@ def static_checks(recipe) -> None:
         maxctx = gguf_context_length(gguf)
     else:
         src = m.source or ""
-        p = Path(src).expanduser()
-        looks_local = src.startswith((".", "/", "~")) or p.exists() or not _HUB_ID.match(src)
-        if looks_local:
+        p = model_source_path(src, recipe.base_dir)
+        if p is not None:
             if not p.exists():
-                raise recipe.error(("model", "source"), f"model path {src!r} does not exist")
+                raise recipe.error(("model", "source"), f"model path {src!r} does not exist ({p}; relative "
+                                                        "paths start at the recipe's folder)")
             if not (p / "config.json").is_file():
                 raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
+            try:
+                with open(p / "config.json", "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise recipe.error(("model", "source"), f"cannot read {p / 'config.json'}: {e.strerror or e}") from None
             maxctx = model_max_context(p)
     check_context(recipe, maxctx)
-    for i, s in enumerate(recipe.suites):
-        if not recipe.resolve_path(s.path).is_file():
-            raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
-        from .measure.suites import load_suite
+    check_data_paths(recipe)
+    from .measure.suites import load_suite
+    for s in recipe.suites:
         load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
+    from .measure.lmeval import check_task
+    for t in recipe.quality.lm_eval_tasks:
+        check_task(recipe.resolve_path(t))  # the task's own data files: task file and field
     from .storage import check_protocol, is_url
     if is_url(recipe.storage):
         try:
@@ -282,25 +311,20 @@ def static_checks(recipe) -> None:
             raise recipe.error(("storage",), e.message) from None
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
-    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m))
-    for i, t in enumerate(recipe.quality.lm_eval_tasks):
-        if not recipe.resolve_path(t).is_file():
-            raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
-    if any(t.method in ("gptq", "awq") for t in recipe.tiers):
-        if not recipe.resolve_path(recipe.calibration.path).is_file():
-            raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
+    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
 
 
-def _local_checkpoint(model) -> Path | None:
+def _local_checkpoint(model, base: Path | None = None) -> Path | None:
     """The recipe's checkpoint folder when it is on this machine without converting or
-    downloading anything (a local folder, or a GGUF package converted by an earlier run)."""
+    downloading anything (a local folder, relative to ``base``, or a GGUF package converted
+    by an earlier run)."""
     if model.gguf_package:
         try:
             return Path(resolve_source(model, convert=False).path)
         except QevalInputError:
             return None
-    p = Path(model.source or "").expanduser()
-    return p if (p / "config.json").is_file() else None
+    p = model_source_path(model.source or "", base)
+    return p if p is not None and (p / "config.json").is_file() else None
 
 
 def tier_shape_checks(recipe, checkpoint: Path | None) -> None:

@@ -36,7 +36,8 @@ def stage_path(run_dir: Path, tier: str, stage: str, error: bool = False) -> Pat
 
 
 def load_recipe_from_run(run_dir: Path):
-    """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``."""
+    """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``; its relative
+    paths start at the recipe's folder recorded there (``recipe_dir``)."""
     from .recipe import Recipe
     from .storage import OPTIONS_ENV
     run = json.loads((run_dir / "run.json").read_text())
@@ -45,6 +46,8 @@ def load_recipe_from_run(run_dir: Path):
         rd["storage_options"] = json.loads(os.environ[OPTIONS_ENV])
     r = Recipe.model_validate(rd)
     r._path = Path(run.get("recipe_path") or "recipe.yaml")
+    if run.get("recipe_dir"):
+        r._base = Path(run["recipe_dir"])
     return r, run
 
 
@@ -83,7 +86,7 @@ def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
     from .source import model_max_context, resolve_source
     _progress("resolving source checkpoint")
     from .storage import publish_source, storage_for
-    src = resolve_source(recipe.model, convert=True)
+    src = resolve_source(recipe.model, convert=True, base=recipe.base_dir)
     out = src.to_dict()
     out["max_context"] = model_max_context(src.path)
     remote = storage_for(recipe)
@@ -209,7 +212,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     quant = method.quant_info(spec, ctx, artifact, engine)
     weight_bytes = quant.get("stored_bytes")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    text = recipe.resolve_path("datasets/depth_text.txt")
+    text = recipe.resolve_path(recipe.speed.depth_text)
     prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
     env = json.loads(stage_path(run_dir, "_run", "env").read_text())
     bw = env.get("bandwidth_bytes_per_s")
