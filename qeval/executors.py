@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import QevalInputError
 from .results import STATUS_FAILED
+from .run import failure_text
 
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
@@ -148,7 +149,9 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
                 if not (runner.run_dir / "tiers" / f"{tier}.json").exists():  # the node could not copy it
                     atomic_write_json(runner.run_dir / "tiers" / f"{tier}.json", results[tier])
             st = results[tier].get("status")
-            runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].get("error") or "")
+            runner.on_event(tier, "failed" if st == STATUS_FAILED else "done",
+                            failure_text(results[tier].get("error"), results[tier].get("log_tail"))
+                            if st == STATUS_FAILED else "")
         except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
             why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
             if runner.remote is not None:  # keep the stages the task stored before it was lost

@@ -2,10 +2,14 @@
 
 A run folder ``results/<recipe name>/<UTC timestamp>/`` holds::
 
-    run.json                 resolved recipe, package versions, CPU/GPU, threads, git commit,
+    run.json                 resolved recipe, recipe_path and recipe_dir (where its relative
+                             paths start), package versions, CPU/GPU, threads, git commit,
                              memory bandwidth (bytes/s), source checkpoint
     tiers/<tier>.json        one TierResult per tier (below), written atomically
-    stages/<tier>.<stage>.json  per-stage outputs (prepare, measure, load, quality) used for resume
+    stages/<tier>.<stage>.json  per-stage outputs (prepare, measure, load, quality) used for resume;
+                             ``.error.json`` for a failed one: error (the one-line reason), type
+                             ("input" | "exception"), exception, message, where (file:line),
+                             condition (an assertion's source), cause, traceback
     logs/<tier>.<stage>.log  each stage's stdout/stderr (the tail goes into a failure)
     reference/               BF16 reference answers (token ids) and their log-probabilities
     table.md, table.csv      the tier table
@@ -15,7 +19,8 @@ Tier result (``tiers/<tier>.json``); every figure may be absent (None) when not 
 
     {
       "tier": "gptq", "method": "gptq", "status": "ok" | "failed" | "not_built",
-      "error": str | None, "log_tail": str | None,
+      "error": str | None,       # why it failed, one line: "ValueError: msg (at file:line)"
+      "log_tail": str | None,    # the failed stage's last log lines
       "spec": {...tier spec from the recipe...},
       "engine": "hf" | "llamacpp", "backend": "gptqmodel:torch_int4", "device": "cpu",
       "threads": 1, "kv_cache": "model" | "int8", "flash_attn": bool | None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from typing import Callable
 from .errors import EXIT_BAD_INPUT, QevalInputError
 from .recipe import Recipe, TIER_METHODS, check_context
 from .results import (STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, atomic_write_json, read_json)
-from .worker import stage_path
+from .worker import short_path, stage_path
 
 TIER_STAGES = ("prepare", "measure", "load", "quality")
 TIMED_STAGES = ("measure", "load", "env")
@@ -195,6 +196,10 @@ class Runner:
             self.remote.upload_dir(self.run_dir, self.remote_rel, seen=self._pushed)
 
     # -- stage execution --------------------------------------------------------------
+    def worker_command(self, stage: str, tier: str) -> list[str]:
+        """The child process of one stage: ``python -m qeval.worker STAGE RUN_DIR TIER``."""
+        return [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
+
     def run_stage(self, stage: str, tier: str = "_run", timeout: float | None = None,
                   fingerprint: str | None = None) -> StageOutcome:
         """Run one stage in a child process and wait for it (polling the log for progress).
@@ -208,7 +213,7 @@ class Runner:
         if err_file.exists():
             err_file.unlink()
         timeout = timeout or self.recipe.stage_timeout_s
-        cmd = [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
+        cmd = self.worker_command(stage, tier)
         t0 = time.time()
         with open(log, "ab") as lf:
             lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
@@ -254,10 +259,13 @@ class Runner:
         if reason is None:
             if rc < 0:
                 sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-                hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
-                reason = f"{stage} process killed by {sig}{hint}"
+                how = f"killed by {sig}" + (" (out of memory?)" if -rc == signal.SIGKILL else "")
             else:
-                reason = f"{stage} process exited with code {rc}"
+                how = f"exited with code {rc}"
+            # no error file: the child died before writing it, e.g. gptqmodel's worker threads print
+            # the exception and call os._exit(1) (gptqmodel/utils/threadx.py, _abort_process)
+            logged = reason_from_log(log) if rc > 0 else None  # a signal is its own reason
+            reason = f"{logged} (from its log; the {stage} process {how})" if logged else f"{stage} process {how}"
         return StageOutcome(False, reason, _tail(log), input_error)
 
     # -- the run ----------------------------------------------------------------------
@@ -442,7 +450,7 @@ class Runner:
                 break
         if failed:
             res = self._finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
-            self.on_event(tier, "failed", failed.reason or "")
+            self.on_event(tier, "failed", failure_text(failed.reason, failed.log_tail))
         else:
             res = self._finish(tier, STATUS_OK)
             self.on_event(tier, "done", "")
@@ -497,6 +505,14 @@ class Runner:
         return res
 
 
+def failure_text(reason: str | None, log_tail: str | None, lines: int = 8) -> str:
+    """What the terminal prints for a failed tier: the reason (first line), then the last
+    ``lines`` lines of its stage log, indented."""
+    head = (reason or "no reason recorded").splitlines()[0] if (reason or "").strip() else "no reason recorded"
+    tail = [ln for ln in (log_tail or "").splitlines() if ln.strip()][-lines:]
+    return head + "".join(f"\n      | {ln}" for ln in tail)
+
+
 def _die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGKILL us when the parent dies."""
     try:
@@ -524,6 +540,41 @@ def _tail(log: Path, n: int = 25) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-n:])
+
+
+def reason_from_log(log: Path) -> str | None:
+    """The last Python traceback in a stage log as one line, ``Type: message (at
+    file:line)``, plus the failed statement for an ``AssertionError``, for a child that exited
+    without writing its error file. Only the last attempt counts (the log is appended to on
+    resume; each attempt starts with a ``--- <time> <command>`` line). None when that part
+    holds no traceback."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("--- ")]
+    lines = lines[heads[-1] + 1:] if heads else lines
+    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last):" in ln]  # progress bars may precede it
+    if not starts:
+        return None
+    where, code, last = None, None, None
+    for i in range(starts[-1] + 1, len(lines)):
+        ln = lines[i]
+        m = _TB_FRAME.match(ln)
+        if m:
+            where = f"{short_path(m.group(1))}:{m.group(2)}"
+            code = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") else None
+            continue
+        if ln and not ln.startswith((" ", "\t")):
+            last = ln.strip()  # "ValueError: ..." ends the traceback
+            break
+    if last is None:
+        return None
+    at = f" (at {where}{': ' + code if code and last.startswith('AssertionError') else ''})" if where else ""
+    return (last[:300] + at)[:500]
+
+
+_TB_FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
 
 
 def _last_progress(log: Path) -> str | None:

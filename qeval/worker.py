@@ -8,11 +8,13 @@ hardware), ``reference`` (BF16 answers to every suite prompt), and per tier ``pr
 ``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
 ``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
-and exits 1. The parent (:mod:`qeval.run`) reads them.
+(:func:`describe_exception`: type, message, the raising frame and, for an assertion, its
+failed condition) and exits 1. The parent (:mod:`qeval.run`) reads them.
 """
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import platform
 import sys
@@ -348,6 +350,64 @@ STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "m
           "reference": stage_reference, "quality": stage_quality}
 
 
+def short_path(filename: str) -> str:
+    """A traceback file name without its install prefix: ``gptqmodel/looper/x.py`` for a
+    file under site-packages (or dist-packages), ``qeval/run.py`` for qeval's own."""
+    norm = filename.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in norm:
+            return norm.rsplit(marker, 1)[1]
+    pkg_parent = str(Path(__file__).resolve().parent.parent).replace("\\", "/") + "/"
+    return norm[len(pkg_parent):] if norm.startswith(pkg_parent) else norm
+
+
+def _statement(frame: traceback.FrameSummary) -> str:
+    """The source of the statement a frame was running (every line of a multi-line one,
+    whitespace collapsed), from :mod:`linecache` as :mod:`traceback` reads it."""
+    end = getattr(frame, "end_lineno", None) or frame.lineno
+    if frame.lineno is None:
+        return frame.line or ""
+    lines = [linecache.getline(frame.filename, n) for n in range(frame.lineno, min(end, frame.lineno + 9) + 1)]
+    text = " ".join(" ".join(lines).split()) or (frame.line or "")
+    return text[:240] + ("..." if len(text) > 240 else "")
+
+
+def describe_exception(e: BaseException) -> dict:
+    """What a failed stage records about its exception (stage ``.error.json``).
+
+    Returns:
+        ``{"error": one-line reason, "exception": type name, "message": first line of the
+        message, "where": "file:line" of the raising frame, "condition": the failed
+        statement's source (assertions only) or None, "cause": the same for the root
+        exception it was raised from, or None}``. The reason reads
+        ``AssertionError (at gptqmodel/x.py:812: assert a % b == 0)`` or
+        ``ValueError: bad shape (at torch/nn/functional.py:99)``; a chained root cause is
+        appended as ``; caused by ...``.
+    """
+    def one(x: BaseException) -> dict:
+        frames = traceback.extract_tb(x.__traceback__)
+        where = f"{short_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else None
+        cond = _statement(frames[-1]) if frames and isinstance(x, AssertionError) else None
+        msg = " ".join(str(x).split()[:80])[:300] if str(x).strip() else ""
+        name = x.__class__.__name__
+        at = f" (at {where}{': ' + cond if cond else ''})" if where else ""
+        return {"exception": name, "message": msg, "where": where, "condition": cond,
+                "reason": f"{name}{': ' + msg if msg else ''}{at}"}
+
+    top = one(e)
+    root, seen = e, {id(e)}
+    while True:
+        nxt = root.__cause__ or (None if root.__suppress_context__ else root.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        root = nxt
+        seen.add(id(root))
+    cause = one(root) if root is not e else None
+    reason = top["reason"] + (f"; caused by {cause['reason']}" if cause else "")
+    return {"error": reason, "exception": top["exception"], "message": top["message"], "where": top["where"],
+            "condition": top["condition"], "cause": cause}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``STAGE RUN_DIR [TIER]``; exit 0 ok, 1 exception (recorded), 2 bad input (recorded)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -375,11 +435,13 @@ def main(argv: list[str] | None = None) -> int:
                           {"error": str(e), "type": "input", "traceback": traceback.format_exc()})
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a tier failing alone: recorded, reported, others go on
+    except (Exception, SystemExit) as e:  # a tier failing alone: recorded, reported, others go on
+        # SystemExit too: a library calling sys.exit() inside a stage is a failure with a frame
+        info = describe_exception(e)
         atomic_write_json(stage_path(run_dir, tier, stage, error=True),
-                          {"error": f"{e.__class__.__name__}: {e}", "type": "exception",
-                           "traceback": traceback.format_exc()})
+                          {**info, "type": "exception", "traceback": traceback.format_exc()})
         traceback.print_exc()
+        print(f"[qeval] failed: {info['error']}", file=sys.stderr, flush=True)
         return 1
 
 

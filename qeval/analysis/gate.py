@@ -308,8 +308,8 @@ def evaluate_gate(run: dict | None, tiers: dict[str, dict], gate: GateSpec | dic
         if cand is None:
             why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"
         elif status != STATUS_OK:
-            err = cand.get("error")
-            why = f"tier {name!r} has status {status}" + (f": {err}" if err else "")
+            err = str(cand.get("error") or "").strip().splitlines()
+            why = f"tier {name!r} has status {status}" + (f": {err[0]}" if err else "")  # its first line
             short = f"status {status}"
         else:
             why = short = None
