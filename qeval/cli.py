@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import EXIT_BAD_INPUT, QevalInputError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="qeval: which quantization tier to serve, and which fallbacks, measured.")
@@ -57,9 +57,12 @@ def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
 def describe_plan(recipe) -> str:
     """Human-readable resolved plan of a recipe (what ``qeval validate`` prints)."""
     from .tiers import get_method
+    from .source import model_source_path
     m = recipe.model
+    local = model_source_path(m.source, recipe.base_dir) if m.source else None
     lines = [f"recipe   {recipe.name}" + (f"  ({recipe.path})" if recipe.path else ""),
-             f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}  dtype={m.dtype}"
+             f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}"
+             + (f" -> {local}" if local is not None and str(local) != m.source else "") + f"  dtype={m.dtype}"
              f"  revision={m.revision or '-'}  trust_remote_code={m.trust_remote_code}",
              f"device   {recipe.device}   threads {recipe.threads}   executor {recipe.executor}",
              f"speed    depths {recipe.speed.depths} (main {recipe.speed.main_depth})  decode_tokens "
@@ -79,6 +82,10 @@ def describe_plan(recipe) -> str:
         for s in recipe.suites:
             lines.append(f"  - {s.name:<16} {s.kind:<11} {s.path}  max_new_tokens={s.max_new_tokens}"
                          f"  limit={s.limit or 'all'}")
+    lines.append("files    (relative paths start at the recipe's folder)")
+    for loc, value, what in recipe.data_paths():
+        resolved = recipe.resolve_path(value)
+        lines.append(f"  - {what:<17} {value}" + ("" if str(resolved) == value else f"  -> {resolved}"))
     g = recipe.gate
     rules = {k: v for k, v in g.rules.model_dump().items() if v is not None}
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
@@ -111,7 +118,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         ) -> None:
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
     from .recipe import load_recipe
-    from .run import Interrupted, Runner, new_run_dir, preflight
+    from .run import Interrupted, Runner, StageFailed, new_run_dir, preflight
     from .source import static_checks
     resume = Path(resume_arg) if resume_arg else None
     try:
@@ -169,6 +176,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             runner.run()
     except QevalInputError as e:
         _fail(e)
+    except StageFailed as e:  # source or env: nothing can be measured; finished stages are kept
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERNAL)
     except (Interrupted, KeyboardInterrupt):
         where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "

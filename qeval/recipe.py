@@ -17,6 +17,7 @@ before ``qeval run``) checks each exists and is readable.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -406,7 +407,7 @@ class Recipe(_Strict):
         if self._base is not None:
             return self._base
         if self._path is not None:
-            return self._path.expanduser().resolve().parent
+            return Path(os.path.abspath(self._path.expanduser())).parent  # as named: a symlink's own folder
         return Path.cwd()
 
     def resolve_path(self, p: str) -> Path:

@@ -51,6 +51,10 @@ class StageOutcome:
     input_error: bool = False
 
 
+class StageFailed(RuntimeError):
+    """A run-wide stage (source, env, reference) failed: its reason, then its log's last lines."""
+
+
 class Interrupted(Exception):
     """Ctrl-C during a run; finished stages stay on disk."""
 
@@ -295,7 +299,7 @@ class Runner:
 
         Raises:
             QevalInputError: the stage failed on bad input.
-            RuntimeError: the stage failed otherwise (nothing can be measured without it).
+            StageFailed: the stage failed otherwise (nothing can be measured without it).
         """
         p = stage_path(self.run_dir, "_run", stage)
         if p.exists():
@@ -305,7 +309,7 @@ class Runner:
         if not out.ok:
             if out.input_error:
                 raise QevalInputError(out.reason or "bad input")
-            raise RuntimeError(f"stage {stage} failed: {out.reason}\n{out.log_tail or ''}")
+            raise StageFailed(f"stage {stage} failed: {failure_text(out.reason, out.log_tail)}")
         return read_json(p)
 
     def check_resume(self) -> None:

@@ -376,8 +376,8 @@ def describe_exception(e: BaseException) -> dict:
     """What a failed stage records about its exception (stage ``.error.json``).
 
     Returns:
-        ``{"error": one-line reason, "exception": type name, "message": first line of the
-        message, "where": "file:line" of the raising frame, "condition": the failed
+        ``{"error": one-line reason, "exception": type name, "message": the message on one
+        line (whitespace collapsed, at most 300 characters), "where": "file:line" of the raising frame, "condition": the failed
         statement's source (assertions only) or None, "cause": the same for the root
         exception it was raised from, or None}``. The reason reads
         ``AssertionError (at gptqmodel/x.py:812: assert a % b == 0)`` or

@@ -232,3 +232,22 @@ def test_library_assertion_in_awq_shows_the_failed_condition_in_the_row(tiny_lla
     assert "prepare process exited with code 1" in err  # how the process ended, after the reason
     failed = next(m for t, s, m in events if s == "failed").splitlines()
     assert failed[0] == err and any("AssertionError" in ln for ln in failed[1:])  # then the log's last lines
+
+
+def test_a_failed_run_wide_stage_prints_why_and_exits_3(tiny_llama, tmp_path, monkeypatch):
+    """The source stage failing (not on bad input) ends the run with its reason and log
+    lines on the terminal, exit 3 (internal), not a traceback or the gate's exit 1."""
+    from typer.testing import CliRunner
+    from conftest import write_recipe
+    from qeval.cli import app
+    from qeval.run import Runner
+    code = "import sys; print('converter said: no space left'); sys.exit(4)"
+    monkeypatch.setattr(Runner, "worker_command", lambda self, stage, tier: [sys.executable, "-c", code])
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    rec = write_recipe(tmp_path / "r.yaml", tiny_llama, suites=False, tiers="  - {name: bf16, method: bf16}\n",
+                       extra="gate: {reference: bf16}")
+    res = CliRunner().invoke(app, ["run", str(rec), "--out", str(tmp_path / "res")])
+    assert res.exit_code == 3, res.output
+    out = res.stderr if hasattr(res, "stderr") else res.output
+    assert "error: stage source failed: source process exited with code 4" in out
+    assert "| converter said: no space left" in out and "Traceback" not in out
