@@ -133,7 +133,7 @@ def run_tiers_on_ray(runner: Any, reference_failed: str | None) -> dict[str, dic
         env.pop("QEVAL_CACHE", None)
         where = runner.remote_rel
     # absolute: a node's working folder is not the driver's (the recipe's relative paths start at its folder)
-    recipe_path = str(Path(runner.recipe.path).expanduser().resolve()) if runner.recipe.path else None
+    recipe_path = os.path.abspath(Path(runner.recipe.path).expanduser()) if runner.recipe.path else None
     pending = {}
     for tier in runner.tiers:
         runner.on_event(tier, "ray", "submitted")

@@ -209,7 +209,9 @@ def test_wheel_in_a_fresh_venv_runs_a_recipe_from_an_empty_folder(tmp_path):
     through a .pth file), then `qeval run` of a recipe in an empty folder against a tiny
     local checkpoint: bf16, bf16 + int8 KV, int8, gptq, awq, and gguf (when SmolLM2's
     tokenizer and the llama.cpp converter are on this machine), every one ok, with the
-    depth text, suites, calibration set and lm-eval task all from ``builtin:``."""
+    depth text, the calibration set and the lm-eval task from ``builtin:``, suites of its own
+    beside the recipe (fidelity over the 69 shipped items costs minutes per tier here); the
+    shipped suites are read from the wheel by `qeval validate` of a second recipe."""
     import shutil
 
     # 1. build the wheel from a copy of the sources (the build leaves build/ and egg-info behind)
@@ -241,7 +243,9 @@ def test_wheel_in_a_fresh_venv_runs_a_recipe_from_an_empty_folder(tmp_path):
 
     # 3. a tiny local checkpoint, and a recipe in an empty folder naming it relatively
     work = tmp_path / "empty"
-    work.mkdir()
+    (work / "data").mkdir(parents=True)  # a suite of the user's own beside the recipe (relative path)
+    for name, src_name in (("long.jsonl", "suite_long.jsonl"), ("multi.jsonl", "suite_multi.jsonl")):
+        (work / "data" / name).write_bytes((REPO / "tests" / "data" / src_name).read_bytes())
     from conftest import build_tiny_llama
     gguf_tiers = _tiny_for_gguf(tmp_path / "models" / "tiny")
     model = tmp_path / "models" / "tiny"
@@ -260,8 +264,8 @@ tiers:
 {gguf_tiers}speed: {{depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}}
 calibration: {{path: builtin:calibration, samples: 8, seq_len: 64}}
 suites:
-  - {{name: lo, path: builtin:long_output, kind: long_output, max_new_tokens: 8, limit: 1}}
-  - {{name: mt, path: builtin:multi_turn, kind: multi_turn, max_new_tokens: 6, limit: 1}}
+  - {{name: lo, path: data/long.jsonl, kind: long_output, max_new_tokens: 8, limit: 1}}
+  - {{name: mt, path: data/multi.jsonl, kind: multi_turn, max_new_tokens: 6, limit: 1}}
 quality: {{window: 16, bootstrap: 20, batch_size: 8, fidelity_max_new_tokens: 4,
           lm_eval_tasks: [builtin:lm_eval/qeval_business_mc], lm_eval_limit: 2}}
 gate: {{reference: bf16, rules: {{max_kld_mean: 100.0}}}}
@@ -273,6 +277,15 @@ gate: {{reference: bf16, rules: {{max_kld_mean: 100.0}}}}
     where = subprocess.run([str(py), "-c", "import qeval, qeval.data; print(qeval.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(purelib), where  # the wheel's qeval, not this checkout's
+    (work / "shipped.yaml").write_text("name: shipped\nmodel: {source: ../models/tiny}\nspeed: {depths: [16]}\n"
+                                       "tiers: [{name: bf16, method: bf16}, {name: awq, method: awq}]\n"
+                                       "suites: [{name: lo, path: builtin:long_output, kind: long_output},\n"
+                                       "         {name: mt, path: builtin:multi_turn, kind: multi_turn}]\n")
+    p = subprocess.run([str(venv / "bin" / "qeval"), "validate", "shipped.yaml"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert f"-> {purelib}/qeval/data/long_output.jsonl" in p.stdout, p.stdout  # every row read, from the wheel
+    (work / "shipped.yaml").unlink()
     p = subprocess.run([str(venv / "bin" / "qeval"), "run", "recipe.yaml"], cwd=work, env=env,
                        capture_output=True, text=True, timeout=3000)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
