@@ -34,6 +34,9 @@ def test_packaged_copies_equal_datasets_byte_for_byte():
                                                      "run `make package-data`"
     shipped = {str(p.relative_to(PKG)) for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert shipped == set(builtin_data.FILES) | {"__init__.py"}
+    sources = {str(p.relative_to(REPO / "datasets")) for p in (REPO / "datasets").rglob("*")
+               if p.is_file() and p.name != "README.md" and "tools" not in p.relative_to(REPO / "datasets").parts}
+    assert sources == set(builtin_data.FILES), "a data file in datasets/ is not shipped: add it to qeval.data.FILES"
 
 
 def test_sync_script_reports_and_repairs_a_stale_copy(tmp_path, monkeypatch):
@@ -71,6 +74,12 @@ def test_builtin_names_resolve_to_the_packaged_files():
     assert r.resolve_path(r.suites[1].path) == PKG / "multi_turn.jsonl"
     assert r.resolve_path(r.quality.lm_eval_tasks[0]) == PKG / "lm_eval" / "qeval_business_mc.yaml"
     check_data_paths(r)  # every builtin exists and reads
+
+
+def test_packaged_long_context_items_find_their_filler():
+    from qeval.measure.long_context import load_long_context
+    items = load_long_context(builtin_data.builtin_path("builtin:long_context"), "lc")
+    assert len(items) == 12 and all(it.filler for it in items)
 
 
 def test_unknown_builtin_name_is_a_schema_error_with_its_line():

@@ -8,6 +8,8 @@ any folder works without a copy of this repository::
     builtin:calibration                calibration.jsonl  GPTQ/AWQ calibration text (288 documents)
     builtin:long_output                long_output.jsonl  free-running suite, kind long_output
     builtin:multi_turn                 multi_turn.jsonl   free-running suite, kind multi_turn
+    builtin:long_context               long_context.jsonl long-context items (their filler,
+                                       long_context_filler.jsonl, beside them)
     builtin:lm_eval/qeval_business_mc  lm_eval/qeval_business_mc.yaml   local lm-eval task (+ .jsonl)
 
 The file name (``builtin:long_output.jsonl``) works too. The editable source is the
@@ -31,12 +33,14 @@ BUILTIN: dict[str, str] = {
     "calibration": "calibration.jsonl",
     "long_output": "long_output.jsonl",
     "multi_turn": "multi_turn.jsonl",
+    "long_context": "long_context.jsonl",
     "lm_eval/qeval_business_mc": "lm_eval/qeval_business_mc.yaml",
 }
 
 #: Every packaged file, relative to this package; each has a byte-identical twin in ``datasets/``
-#: (the lm-eval task's data file travels with its YAML, which names it relative to itself).
-FILES: tuple[str, ...] = tuple(BUILTIN.values()) + ("lm_eval/qeval_business_mc.jsonl",)
+#: (files named relative to another travel beside it: the lm-eval task's data, the filler).
+FILES: tuple[str, ...] = tuple(BUILTIN.values()) + ("lm_eval/qeval_business_mc.jsonl",
+                                                    "long_context_filler.jsonl")
 
 _extracted = contextlib.ExitStack()  # files extracted from a zipped install live until exit
 atexit.register(_extracted.close)
