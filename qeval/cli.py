@@ -139,8 +139,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             if resume is not None and is_url(str(resume_arg)):
                 resume = _fetch_run(remote, str(resume_arg))
         elif r.storage and out_dir is None and resume is None:
-            out_dir = Path(r.storage).expanduser() / "results"
-            os.environ.setdefault("QEVAL_CACHE", str(Path(r.storage).expanduser() / "cache"))
+            mount = r.resolve_path(r.storage)  # a relative mount path starts at the recipe's folder too
+            out_dir = mount / "results"
+            os.environ.setdefault("QEVAL_CACHE", str(mount / "cache"))
         if resume is not None and is_url(str(resume_arg)) and remote is None:
             raise QevalInputError("a run URL can be resumed only with the recipe's storage at that URL",
                                   field="--resume")

@@ -341,8 +341,9 @@ class Recipe(_Strict):
     report: ReportSpec = Field(default_factory=ReportSpec)
     executor: Literal["local", "ray"] = "local"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    storage: str | None = Field(None, description="results and artifact cache: a path every node mounts, "
-                                "or an fsspec URL (s3://bucket/prefix, gs://, file://) synced by each node")
+    storage: str | None = Field(None, description="results and artifact cache: a path every node mounts "
+                                "(relative: to the recipe's folder), or an fsspec URL (s3://bucket/prefix, gs://, "
+                                "file://) synced by each node")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec filesystem options for a "
                                             "storage URL (endpoint_url, profile, client_kwargs, ...)")
     retries: int = Field(0, ge=0)
