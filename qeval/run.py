@@ -367,7 +367,7 @@ class Runner:
             QevalInputError: too little free disk (names both figures).
         """
         from .source import hub_download_bytes
-        got = hub_download_bytes(self.recipe.model)
+        got = hub_download_bytes(self.recipe.model, self.recipe.base_dir)
         if not got or not got[0]:
             return
         need, folder = got

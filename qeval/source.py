@@ -209,7 +209,7 @@ def resolve_source(model: ModelSpec, *, convert: bool = True, base: str | Path |
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
-def hub_download_bytes(model) -> tuple[int, Path] | None:
+def hub_download_bytes(model, base: str | Path | None = None) -> tuple[int, Path] | None:
     """Bytes the source stage will download for a hub id (the files matching what
     :func:`resolve_source` fetches, sizes from the hub's file metadata) and the folder they
     go to (the Hugging Face cache); ``(0, cache)`` when the snapshot is already there; None
@@ -217,8 +217,7 @@ def hub_download_bytes(model) -> tuple[int, Path] | None:
     its own error). huggingface_hub's ``model_info(files_metadata=True)`` gives the sizes."""
     import fnmatch
     src = model.source or ""
-    if model.gguf_package or Path(src).expanduser().exists() or not _HUB_ID.match(src) \
-            or src.startswith((".", "/", "~")):
+    if model.gguf_package or model_source_path(src, base) is not None:  # a local folder (``base``: the recipe's)
         return None
     try:
         from huggingface_hub import HfApi, constants, snapshot_download

@@ -313,7 +313,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     ld = recipe.load
     depth = recipe.load_depth
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    base = depth_prompt_ids(tok, recipe.resolve_path("datasets/depth_text.txt"), max(4 * depth, 4096))
+    base = depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), max(4 * depth, 4096))
     out = load_sweep(engine, distinct_prompts(base, depth), concurrency=ld.concurrency, depth=depth,
                      output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
                      prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,

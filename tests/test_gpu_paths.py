@@ -451,7 +451,7 @@ def test_disk_check_names_the_reference_and_hub_download(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 20 * GB))
     runner.check_disk({"path": str(src)})  # fits
     import qeval.source
-    monkeypatch.setattr(qeval.source, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
+    monkeypatch.setattr(qeval.source, "hub_download_bytes", lambda m, base=None: (30 * GB, tmp_path))
     with pytest.raises(QevalInputError, match="downloading .* needs 27.9 GiB"):
         runner.check_download()
 

@@ -33,7 +33,7 @@ def test_packaged_copies_equal_datasets_byte_for_byte():
         assert dst.read_bytes() == src.read_bytes(), f"qeval/data/{rel} differs from datasets/{rel}: " \
                                                      "run `make package-data`"
     shipped = {str(p.relative_to(PKG)) for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert shipped == set(builtin_data.FILES) | {"__init__.py"}
+    assert shipped == set(builtin_data.FILES) | {"__init__.py", "gpus.yaml"}  # gpus.yaml: qeval plan's table
     sources = {str(p.relative_to(REPO / "datasets")) for p in (REPO / "datasets").rglob("*")
                if p.is_file() and p.name != "README.md" and "tools" not in p.relative_to(REPO / "datasets").parts}
     assert sources == set(builtin_data.FILES), "a data file in datasets/ is not shipped: add it to qeval.data.FILES"
