@@ -26,7 +26,8 @@ class Bf16Method(TierMethod):
 
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> HFEngine:
         model = load_hf_model(ctx.source_path, ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
-        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=f"torch-{ctx.dtype}", decode=spec.decode)
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=f"torch-{ctx.dtype}",
+                        decode=getattr(spec, "decode", "auto"))
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         stored = model_weight_bytes(engine.model)

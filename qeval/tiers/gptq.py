@@ -300,7 +300,7 @@ class _GptqModelMethod(TierMethod):
         if not kernels:
             raise RuntimeError(f"{artifact} loaded without any quantized layer")
         engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels),
-                          decode=spec.decode)
+                          decode=getattr(spec, "decode", "auto"))
         engine.qmodel = gm  # keep gptqmodel's wrapper alive with the model
         return engine
 

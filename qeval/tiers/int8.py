@@ -188,7 +188,7 @@ class Int8Method(TierMethod):
             raise ValueError("int8 needs its artifact")
         model = load_hf_model(str(artifact), ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code)
         engine = HFEngine(model, ctx.device, kv_cache=spec.kv_cache, backend=self._backend_label(spec),
-                          decode=spec.decode)
+                          decode=getattr(spec, "decode", "auto"))
         if ctx.device == "cuda" and engine.decode_mode == "eager" and spec.backend == "torchao":
             engine.decode_note = EAGER_INT8_NOTE
         return engine
