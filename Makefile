@@ -29,7 +29,7 @@ PYTEST_ARGS ?=
 # Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
 LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
 
-.PHONY: demo test setup clean-venv
+.PHONY: demo test setup clean-venv package-data
 # exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
 demo: $(STAMP)
 	@$(VENV)/bin/qeval run $(RECIPE); rc=$$?; \
@@ -63,6 +63,10 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	# The HF->GGUF converter matching the installed llama.cpp (from that version's sdist).
 	$(PY) -m qeval.engines.gguf_convert --fetch
 	touch $(STAMP)
+
+# Refresh the packaged copies of datasets/ (qeval/data/, found by `builtin:` recipe paths)
+package-data:
+	$(PYTHON) datasets/tools/sync_package_data.py
 
 clean-venv:
 	rm -rf $(VENV)

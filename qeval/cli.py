@@ -17,13 +17,14 @@ from rich.markup import escape
 
 from . import __version__
 from .analysis.compare import compare_markdown, compare_runs
-from .errors import EXIT_BAD_INPUT, QevalInputError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
 from .executors import make_executor
 from .paths import staging_dir
 from .recipe import load_recipe
 from .report.outputs import build_outputs, plan_text
 from .results import RUN_SCOPE, RunLayout, stage_done
-from .run import Interrupted, Runner, new_run_dir, preflight
+from .run import Interrupted, Runner, StageFailed, new_run_dir, preflight
+from .source import model_source_path
 from .storage import RemoteStorage, is_url, localize_source, storage_for
 from .tiers import get_method
 from .validate import static_checks
@@ -67,8 +68,10 @@ def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
 def describe_plan(recipe) -> str:
     """Human-readable resolved plan of a recipe (what ``qeval validate`` prints)."""
     m = recipe.model
+    local = model_source_path(m.source, recipe.base_dir) if m.source else None
     lines = [f"recipe   {recipe.name}" + (f"  ({recipe.path})" if recipe.path else ""),
-             f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}  dtype={m.dtype}"
+             f"model    {m.source or 'gguf_package:' + str(m.gguf_package)}"
+             + (f" -> {local}" if local is not None and str(local) != m.source else "") + f"  dtype={m.dtype}"
              f"  revision={m.revision or '-'}  trust_remote_code={m.trust_remote_code}",
              f"device   {recipe.device}   threads {recipe.threads}   executor {recipe.executor}",
              f"speed    depths {recipe.speed.depths} (main {recipe.speed.main_depth})  decode_tokens "
@@ -88,6 +91,10 @@ def describe_plan(recipe) -> str:
         for s in recipe.suites:
             lines.append(f"  - {s.name:<16} {s.kind:<11} {s.path}  max_new_tokens={s.max_new_tokens}"
                          f"  limit={s.limit or 'all'}")
+    lines.append("files    (relative paths start at the recipe's folder)")
+    for loc, value, what in recipe.data_paths():
+        resolved = recipe.resolve_path(value)
+        lines.append(f"  - {what:<17} {value}" + ("" if str(resolved) == value else f"  -> {resolved}"))
     g = recipe.gate
     rules = {k: v for k, v in g.rules.model_dump().items() if v is not None}
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
@@ -134,8 +141,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             if resume is not None and is_url(str(resume_arg)):
                 resume = _fetch_run(remote, str(resume_arg))
         elif r.storage and out_dir is None and resume is None:
-            out_dir = Path(r.storage).expanduser() / "results"
-            os.environ.setdefault("QEVAL_CACHE", str(Path(r.storage).expanduser() / "cache"))
+            mount = r.resolve_path(r.storage)  # a relative mount path starts at the recipe's folder too
+            out_dir = mount / "results"
+            os.environ.setdefault("QEVAL_CACHE", str(mount / "cache"))
         if resume is not None and is_url(str(resume_arg)) and remote is None:
             raise QevalInputError("a run URL can be resumed only with the recipe's storage at that URL",
                                   field="--resume")
@@ -171,6 +179,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             runner.run()
     except QevalInputError as e:
         _fail(e)
+    except StageFailed as e:  # source or env: nothing can be measured; finished stages are kept
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERNAL)
     except (Interrupted, KeyboardInterrupt):
         where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "

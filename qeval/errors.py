@@ -4,6 +4,7 @@ Exit codes (used by model-release CI):
     0  run finished and every gate candidate passed
     1  run finished and a gate candidate failed
     2  bad input (recipe, dataset, model path, flags): one line on stderr, no traceback
+    3  internal error: a run-wide stage (source, env) failed; its reason and log tail printed
 
 A tier that cannot run on this machine as the recipe asks (a llama.cpp build without GPU
 offload asked for ``device: cuda``, gptqmodel CUDA kernels that cannot be built here, no
@@ -17,6 +18,7 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
 
 
 class QevalInputError(Exception):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import QevalInputError
+from .failures import failure_text
 from .paths import cache_root, node_dir
 from .recipe import Recipe
 from .results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
@@ -164,7 +165,8 @@ class RayExecutor:
         else:  # a storage URL: each node keeps its own cache and copies through the store
             env.pop("QEVAL_CACHE", None)
             where = runner.remote_rel
-        recipe_path = str(runner.recipe.path) if runner.recipe.path else None
+        # absolute: a node's working folder is not the driver's (the recipe's relative paths start at its folder)
+        recipe_path = os.path.abspath(Path(runner.recipe.path).expanduser()) if runner.recipe.path else None
         pending = {}
         for tier in tiers:
             runner.on_event(tier, "ray", "submitted")
@@ -178,7 +180,8 @@ class RayExecutor:
                     if not runner.layout.tier_result(tier).exists():  # the node could not copy it
                         write_tier_result(runner.layout, results[tier])
                 st = results[tier].status
-                runner.on_event(tier, "failed" if st == STATUS_FAILED else "done", results[tier].error or "")
+                runner.on_event(tier, "failed" if st == STATUS_FAILED else "done",
+                                failure_text(results[tier].error, results[tier].log_tail) if st == STATUS_FAILED else "")
             except Exception as e:  # RayTaskError, WorkerCrashedError, NodeDiedError, ...
                 why = f"ray task failed or was lost: {e.__class__.__name__}: {str(e).splitlines()[0][:300]}"
                 if runner.remote is not None:  # keep the stages the task stored before it was lost

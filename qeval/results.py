@@ -4,13 +4,16 @@ writes or reads it.
 A run folder ``results/<recipe name>/<UTC timestamp>/`` holds (:class:`RunLayout` names
 each path)::
 
-    run.json                    RunInfo: resolved recipe, package versions, CPU/GPU, threads,
-                                git commit, memory bandwidth (bytes/s), source checkpoint
+    run.json                    RunInfo: resolved recipe, recipe_path and recipe_dir (where its
+                                relative paths start), package versions, CPU/GPU, threads, git
+                                commit, memory bandwidth (bytes/s), source checkpoint
     tiers/<tier>.json           TierResult per tier, written atomically
     stages/_run.<stage>.json    run-wide stages: SourceStage, EnvStage, ReferenceStage
     stages/<tier>.<stage>.json  per-tier stages: PrepareStage, MeasureStage, LoadStage, QualityStage
                                 (used for resume; merged into the tier result)
-    stages/<scope>.<stage>.error.json   StageError of a failed stage
+    stages/<scope>.<stage>.error.json   StageError of a failed stage: error (the one-line
+                                reason), type, exception, message, where (file:line), condition
+                                (an assertion's source), cause, traceback
     logs/<scope>.<stage>.log    each stage's stdout/stderr (the tail goes into a failure)
     reference/segments.json     BF16 reference answers (token ids, texts, checks)
     reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
@@ -24,7 +27,8 @@ not measured::
 
     {
       "tier": "gptq", "method": "gptq", "status": "ok" | "failed" | "not_built",
-      "error": str | None, "log_tail": str | None,
+      "error": str | None,       # why it failed, one line: "ValueError: msg (at file:line)"
+      "log_tail": str | None,    # the failed stage's last log lines
       "spec": {...tier spec from the recipe...},
       "engine": "hf" | "llamacpp", "backend": "gptqmodel:torch_int4", "device": "cpu",
       "threads": 1, "kv_cache": "model" | "int8", "flash_attn": bool | None,
@@ -413,11 +417,32 @@ class LoadStage(_StageBase):
     load_fingerprint: str | None = None
 
 
-class StageError(_Closed):
+class _ExceptionFields(_Closed):
+    """What :func:`qeval.failures.describe_exception` records of one exception: its type
+    name, message (one line, at most 300 characters), ``where`` (``file:line`` of the raising
+    frame) and ``condition`` (an assertion's failed statement)."""
+    exception: str | None = None
+    message: str | None = None
+    where: str | None = None
+    condition: str | None = None
+
+
+class ExceptionInfo(_ExceptionFields):
+    """The root exception a failed stage's exception was raised from, and ``reason``, the
+    one line its fields make."""
+    reason: str | None = None
+
+
+class StageError(_ExceptionFields):
     """``stages/<scope>.<stage>.error.json``: why a stage failed (``type`` input: bad input;
-    unavailable: the tier cannot run on this machine as asked; exception: anything else)."""
+    unavailable: the tier cannot run on this machine as asked; exception: anything else).
+
+    ``error`` is the one-line reason (``ValueError: bad shape (at torch/nn/functional.py:99)``);
+    for an exception also its type, message, raising frame, an assertion's condition and the
+    root ``cause`` it was raised from (:func:`qeval.failures.describe_exception`)."""
     error: str
     type: Literal["input", "unavailable", "exception"]
+    cause: ExceptionInfo | None = None
     traceback: str | None = None
 
 
@@ -475,6 +500,7 @@ class RunInfo(_Closed):
     """``run.json``: what was run, where and with what (versions, CPU, GPU, bandwidth)."""
     recipe: dict[str, Any]
     recipe_path: str | None = None
+    recipe_dir: str | None = None  # where the recipe's relative paths start (absolute)
     qeval_commit: str | None = None
     versions: dict[str, str | None] = Field(default_factory=dict)
     cpu: str | None = None

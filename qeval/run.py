@@ -21,6 +21,7 @@ from typing import Callable
 
 from .errors import QevalInputError
 from .executors import Executor, make_executor
+from .failures import failure_text
 from .measure.quality import _budget, load_suites
 from .paths import cache_root
 from .recipe import Recipe, check_context
@@ -32,8 +33,12 @@ from .source import hub_download_bytes
 from .storage import redact_options
 from .tiers import get_method
 
-__all__ = ["Interrupted", "Runner", "StageOutcome", "child_env", "estimate_disk_bytes", "new_run_dir", "preflight",
+__all__ = ["Interrupted", "Runner", "StageFailed", "StageOutcome", "child_env", "estimate_disk_bytes", "new_run_dir", "preflight",
            "stage_threads", "tier_fingerprint"]
+
+
+class StageFailed(RuntimeError):
+    """A run-wide stage (source, env, reference) failed: its reason, then its log's last lines."""
 
 
 def _git_commit() -> str | None:
@@ -100,6 +105,7 @@ class Runner(TierRunner):
         run.update({
             "recipe": stored,  # credentials in storage_options never reach run.json (nor the store)
             "recipe_path": str(self.recipe.path) if self.recipe.path else None,
+            "recipe_dir": str(self.recipe.base_dir),  # where the recipe's relative paths start
             "qeval_commit": _git_commit(),
             "versions": _versions(),
             "cpu": _cpu_model(),
@@ -118,7 +124,7 @@ class Runner(TierRunner):
 
         Raises:
             QevalInputError: the stage failed on bad input.
-            RuntimeError: the stage failed otherwise (nothing can be measured without it).
+            StageFailed: the stage failed otherwise (nothing can be measured without it).
         """
         if stage_done(self.layout, RUN_SCOPE, stage):
             return read_stage(self.layout, RUN_SCOPE, stage)
@@ -127,7 +133,7 @@ class Runner(TierRunner):
         if not out.ok:
             if out.input_error:
                 raise QevalInputError(out.reason or "bad input")
-            raise RuntimeError(f"stage {stage} failed: {out.reason}\n{out.log_tail or ''}")
+            raise StageFailed(f"stage {stage} failed: {failure_text(out.reason, out.log_tail)}")
         return read_stage(self.layout, RUN_SCOPE, stage)
 
     def check_resume(self) -> None:
@@ -177,7 +183,7 @@ class Runner(TierRunner):
         Raises:
             QevalInputError: too little free disk (names both figures).
         """
-        got = hub_download_bytes(self.recipe.model)
+        got = hub_download_bytes(self.recipe.model, self.recipe.base_dir)
         if not got or not got[0]:
             return
         need, folder = got
@@ -225,7 +231,7 @@ class Runner(TierRunner):
                 if not out.ok:
                     return f"preparing {ref}: {out.reason}"
             self.run_global("reference")
-        except (RuntimeError, QevalInputError) as e:
+        except (RuntimeError, QevalInputError) as e:  # StageFailed is one
             return str(e).splitlines()[0]
         return None
 

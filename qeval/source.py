@@ -24,7 +24,7 @@ from .hashing import checkpoint_sha256, file_sha256
 from .paths import sources_dir
 from .recipe import ModelSpec
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass
@@ -107,12 +107,31 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     os.replace(tmp, out_dir)
 
 
-def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
+def model_source_path(source: str, base: str | Path | None = None) -> Path | None:
+    """The local folder ``model.source`` names, or None when it is a hub id.
+
+    A value starting with ``/`` or ``~`` is that path; one starting with ``.`` is relative to
+    ``base`` (the recipe's folder; None: the current directory), and so is any value naming
+    something that exists there. Otherwise ``org/name`` is a hub id, and anything else a
+    local path (which may not exist: callers report it).
+    """
+    base = Path(base) if base is not None else Path.cwd()
+    if source.startswith(("/", "~")):
+        return Path(source).expanduser()
+    local = base / source
+    if source.startswith(".") or local.exists() or not _HUB_ID.match(source):
+        return local
+    return None
+
+
+def resolve_source(model: ModelSpec, *, convert: bool = True, base: str | Path | None = None) -> Source:
     """Resolve the recipe's model to a local BF16 checkpoint folder.
 
     Args:
         model: the recipe's ``model`` section.
         convert: build a missing GGUF conversion (imports torch); False raises instead.
+        base: the folder a relative local ``source`` starts from (the recipe's folder,
+            :attr:`qeval.recipe.Recipe.base_dir`; None: the current directory).
 
     Raises:
         QevalInputError: missing local folder / package, or a hub id that cannot be fetched.
@@ -130,14 +149,14 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
         return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package}/{gguf.name}", converted)
 
     src = model.source or ""
-    p = Path(src).expanduser()
-    if p.exists():
+    p = model_source_path(src, base)
+    if p is not None:
+        if not p.exists():
+            raise QevalInputError(f"model path {src!r} does not exist ({p})", field="model.source")
         if not (p / "config.json").is_file():
             raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder)",
                                   field="model.source")
         return Source(str(p.resolve()), checkpoint_sha256(p), src)
-    if not HUB_ID.match(src) or src.startswith((".", "/", "~")):
-        raise QevalInputError(f"model path {src!r} does not exist", field="model.source")
     try:
         from huggingface_hub import snapshot_download  # start-up time: only a hub source downloads
         folder = snapshot_download(src, revision=model.revision, allow_patterns=HUB_PATTERNS)
@@ -150,15 +169,14 @@ def resolve_source(model: ModelSpec, *, convert: bool = True) -> Source:
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
-def hub_download_bytes(model) -> tuple[int, Path] | None:
+def hub_download_bytes(model, base: str | Path | None = None) -> tuple[int, Path] | None:
     """Bytes the source stage will download for a hub id (the files matching what
     :func:`resolve_source` fetches, sizes from the hub's file metadata) and the folder they
     go to (the Hugging Face cache); ``(0, cache)`` when the snapshot is already there; None
     when the source is not a hub id or the hub cannot be asked (the download then reports
     its own error). huggingface_hub's ``model_info(files_metadata=True)`` gives the sizes."""
     src = model.source or ""
-    if model.gguf_package or Path(src).expanduser().exists() or not HUB_ID.match(src) \
-            or src.startswith((".", "/", "~")):
+    if model.gguf_package or model_source_path(src, base) is not None:  # a local folder (``base``: the recipe's)
         return None
     try:
         from huggingface_hub import HfApi, constants, snapshot_download  # start-up time: only a hub source asks

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from .engines import get_engine
+from .failures import failure_text, reason_from_log
 from .paths import torch_extensions_dir
 from .recipe import Recipe, stable_tier_dict
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
                       RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
+from .source import model_source_path
 from .storage import OPTIONS_ENV, run_rel, storage_for
 from .tiers import get_method
 
@@ -97,7 +99,7 @@ def child_env(recipe: Recipe) -> dict[str, str]:
                 "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": env.get("TRANSFORMERS_VERBOSITY", "error")})
     env.setdefault("GPTQMODEL_TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     env.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
-    is_hub = bool(recipe.model.source) and not Path(recipe.model.source).expanduser().exists()
+    is_hub = bool(recipe.model.source) and model_source_path(recipe.model.source, recipe.base_dir) is None
     if not is_hub:
         env["HF_HUB_OFFLINE"] = "1"
         env["HF_DATASETS_OFFLINE"] = "1"
@@ -170,6 +172,10 @@ class TierRunner:
             self.remote.upload_dir(self.run_dir, self.remote_rel, seen=self._pushed)
 
     # -- stage execution --------------------------------------------------------------
+    def worker_command(self, stage: str, tier: str) -> list[str]:
+        """The child process of one stage: ``python -m qeval.worker STAGE RUN_DIR TIER``."""
+        return [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
+
     def run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
                   fingerprint: str | None = None) -> StageOutcome:
         """Run one stage in a child process and wait for it (polling the log for progress).
@@ -183,7 +189,7 @@ class TierRunner:
         if err_file.exists():
             err_file.unlink()
         timeout = timeout or self.recipe.stage_timeout_s
-        cmd = [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
+        cmd = self.worker_command(stage, tier)
         t0 = time.time()
         with open(log, "ab") as lf:
             lf.write(f"--- {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
@@ -225,10 +231,13 @@ class TierRunner:
         if reason is None:
             if rc < 0:
                 sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-                hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
-                reason = f"{stage} process killed by {sig}{hint}"
+                how = f"killed by {sig}" + (" (out of memory?)" if -rc == signal.SIGKILL else "")
             else:
-                reason = f"{stage} process exited with code {rc}"
+                how = f"exited with code {rc}"
+            # no error file: the child died before writing it, e.g. gptqmodel's worker threads print
+            # the exception and call os._exit(1) (gptqmodel/utils/threadx.py, _abort_process)
+            logged = reason_from_log(log) if rc > 0 else None  # a signal is its own reason
+            reason = f"{logged} (from its log; the {stage} process {how})" if logged else f"{stage} process {how}"
         return StageOutcome(False, reason, _tail(log), input_error)
 
     def run_tier(self, tier: str, reference_failed: str | None = None) -> TierResult:
@@ -262,7 +271,7 @@ class TierRunner:
                 break
         if failed:
             res = self.finish(tier, STATUS_FAILED, error=failed.reason, log_tail=failed.log_tail)
-            self.on_event(tier, "failed", failed.reason or "")
+            self.on_event(tier, "failed", failure_text(failed.reason, failed.log_tail))
         else:
             res = self.finish(tier, STATUS_OK)
             self.on_event(tier, "done", "")

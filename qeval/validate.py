@@ -1,6 +1,6 @@
 """Recipe checks beyond its schema, before any model is loaded (``qeval validate`` and
-the start of ``qeval run``): the model source, depths against its context, every suite
-row, the storage URL, lm-eval task files, calibration text, and each tier method's own
+the start of ``qeval run``): the model source, depths against its context, every data
+file the recipe names, every suite row, lm-eval task files, the storage URL, and each tier method's own
 checks that need no model (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`)."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 
 from .errors import QevalInputError
+from .measure.lmeval import check_task
 from .measure.suites import load_suite
 from .osutil import stderr_fd_to
-from .recipe import check_context
-from .source import HUB_ID, find_package_gguf, gguf_context_length, model_max_context, resolve_source
+from .recipe import check_context, check_data_paths
+from .source import find_package_gguf, gguf_context_length, model_max_context, model_source_path, resolve_source
 from .storage import check_protocol, is_url
 from .tiers import get_method
 from .tiers.base import TierContext
@@ -19,8 +20,11 @@ from .tiers.base import TierContext
 
 def static_checks(recipe) -> None:
     """Checks that need no model load: the model source exists (local folder with
-    config.json, or an installed GGUF package), and every depth plus decode_tokens (and
-    the load depth plus output_tokens) fits the model's maximum context when it can be read. Hub ids are checked at run time.
+    config.json, relative to the recipe's folder, or an installed GGUF package); every data
+    file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
+    every suite row and lm-eval task file parses; every depth plus decode_tokens (and the
+    load depth plus output_tokens) fits the model's maximum context when it can be read.
+    Hub ids are checked at run time.
 
     Raises:
         QevalInputError: naming the recipe file, line and field.
@@ -35,19 +39,25 @@ def static_checks(recipe) -> None:
         maxctx = gguf_context_length(gguf)
     else:
         src = m.source or ""
-        p = Path(src).expanduser()
-        looks_local = src.startswith((".", "/", "~")) or p.exists() or not HUB_ID.match(src)
-        if looks_local:
+        p = model_source_path(src, recipe.base_dir)
+        if p is not None:
             if not p.exists():
-                raise recipe.error(("model", "source"), f"model path {src!r} does not exist")
+                raise recipe.error(("model", "source"), f"model path {src!r} does not exist ({p}; relative "
+                                                        "paths start at the recipe's folder)")
             if not (p / "config.json").is_file():
                 raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
+            try:
+                with open(p / "config.json", "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise recipe.error(("model", "source"), f"cannot read {p / 'config.json'}: {e.strerror or e}") from None
             maxctx = model_max_context(p)
     check_context(recipe, maxctx)
-    for i, s in enumerate(recipe.suites):
-        if not recipe.resolve_path(s.path).is_file():
-            raise recipe.error(("suites", i, "path"), f"suite file {s.path!r} not found")
+    check_data_paths(recipe)
+    for s in recipe.suites:
         load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
+    for t in recipe.quality.lm_eval_tasks:
+        check_task(recipe.resolve_path(t))  # the task's own data files: task file and field
     if is_url(recipe.storage):
         try:
             check_protocol(recipe.storage)
@@ -55,25 +65,20 @@ def static_checks(recipe) -> None:
             raise recipe.error(("storage",), e.message) from None
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
-    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m))
-    for i, t in enumerate(recipe.quality.lm_eval_tasks):
-        if not recipe.resolve_path(t).is_file():
-            raise recipe.error(("quality", "lm_eval_tasks", i), f"lm-eval task file {t!r} not found")
-    if any(get_method(t.method).needs_calibration for t in recipe.tiers):
-        if not recipe.resolve_path(recipe.calibration.path).is_file():
-            raise recipe.error(("calibration", "path"), f"calibration file {recipe.calibration.path!r} not found")
+    tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
 
 
-def _local_checkpoint(model) -> Path | None:
+def _local_checkpoint(model, base: Path | None = None) -> Path | None:
     """The recipe's checkpoint folder when it is on this machine without converting or
-    downloading anything (a local folder, or a GGUF package converted by an earlier run)."""
+    downloading anything (a local folder, relative to ``base``, or a GGUF package converted
+    by an earlier run)."""
     if model.gguf_package:
         try:
             return Path(resolve_source(model, convert=False).path)
         except QevalInputError:
             return None
-    p = Path(model.source or "").expanduser()
-    return p if (p / "config.json").is_file() else None
+    p = model_source_path(model.source or "", base)
+    return p if p is not None and (p / "config.json").is_file() else None
 
 
 def tier_shape_checks(recipe, checkpoint: Path | None) -> None:

@@ -8,7 +8,8 @@ hardware), ``reference`` (BF16 answers to every suite prompt), and per tier ``pr
 ``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
 ``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
-and exits 1. The parent (:mod:`qeval.run`) reads them.
+(:func:`qeval.failures.describe_exception`: type, message, the raising frame and, for an assertion, its
+failed condition) and exits 1. The parent (:mod:`qeval.run`) reads them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .calibration import calibration_fields, load_calibration_texts
 from .engines import get_engine
 from .engines.hf import pick_device
 from .errors import QevalInputError, TierUnavailable
+from .failures import describe_exception
 from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, PeakMemory, rss_bytes
@@ -40,19 +42,23 @@ from .storage import OPTIONS_ENV, publish_source, storage_for
 from .tiers import get_method
 from .tiers.base import TierContext
 
+
 def _progress(msg: str) -> None:
     print(f"[qeval] {msg}", flush=True)
 
 
 def load_recipe_from_run(run_dir: Path):
     """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``, and the
-    :class:`~qeval.results.RunInfo`."""
+    :class:`~qeval.results.RunInfo`; its relative paths start at the recipe's folder
+    recorded there (``recipe_dir``)."""
     run = read_run_info(RunLayout(run_dir))
     rd = dict(run.recipe)
     if os.environ.get(OPTIONS_ENV):  # the real storage options (run.json's are redacted)
         rd["storage_options"] = json.loads(os.environ[OPTIONS_ENV])
     r = Recipe.model_validate(rd)
     r._path = Path(run.recipe_path or "recipe.yaml")
+    if run.recipe_dir:
+        r._base = Path(run.recipe_dir)
     return r, run
 
 
@@ -87,7 +93,7 @@ def tier_context(recipe, run_dir: Path, device: str):
 def stage_source(recipe, run_dir: Path, tier: str | None) -> dict:
     """Resolve (convert once, then reuse) the BF16 source checkpoint; adds its max context (tokens)."""
     _progress("resolving source checkpoint")
-    src = resolve_source(recipe.model, convert=True)
+    src = resolve_source(recipe.model, convert=True, base=recipe.base_dir)
     out = src.to_dict()
     out["max_context"] = model_max_context(src.path)
     remote = storage_for(recipe)
@@ -203,7 +209,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     quant = method.quant_info(spec, ctx, artifact, engine)
     weight_bytes = quant.get("stored_bytes")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    text = recipe.resolve_path("datasets/depth_text.txt")
+    text = recipe.resolve_path(recipe.speed.depth_text)
     prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
     bw = read_stage(layout, RUN_SCOPE, "env").bandwidth_bytes_per_s
     n_decode = decode_tokens_for(spec, engine, recipe.speed.decode_tokens)
@@ -287,7 +293,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     ld = recipe.load
     depth = recipe.load_depth
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    base = depth_prompt_ids(tok, recipe.resolve_path("datasets/depth_text.txt"), max(4 * depth, 4096))
+    base = depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), max(4 * depth, 4096))
     out = load_sweep(engine, distinct_prompts(base, depth), concurrency=ld.concurrency, depth=depth,
                      output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
                      prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
@@ -347,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         write_stage_error(layout, tier, stage, StageError(error=str(e), type="input", traceback=traceback.format_exc()))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a tier failing alone: recorded, reported, others go on
-        write_stage_error(layout, tier, stage, StageError(error=f"{e.__class__.__name__}: {e}", type="exception",
-                                                          traceback=traceback.format_exc()))
+    except (Exception, SystemExit) as e:  # a tier failing alone: recorded, reported, others go on
+        # SystemExit too: a library calling sys.exit() inside a stage is a failure with a frame
+        info = describe_exception(e)
+        write_stage_error(layout, tier, stage, StageError(**info, type="exception", traceback=traceback.format_exc()))
         traceback.print_exc()
+        print(f"[qeval] failed: {info['error']}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -274,7 +274,7 @@ def test_overload_ladder_orders_by_users_at_slo_with_users_gained_memory_and_qua
              "q4kv": _loaded(1.2, 0.035, 8), "noload": tier(0.5, 30.0, 0.01),
              "bad": _loaded(0.5, 0.2, 16)}
     rep = _gate({"max_kld_mean": 0.05}, tiers)
-    lad = fallback_ladder(tiers, rep, "kld_mean")
+    lad = fallback_ladder(typed(tiers), rep, "kld_mean")
     assert lad.basis == "users_at_slo" and lad.load_depth == 256
     # fewest users first; q4 and q4kv tie on users: better KLD first
     assert lad.order == ["bf16", "int8", "q4", "q4kv"]
@@ -291,8 +291,8 @@ def test_overload_ladder_orders_by_users_at_slo_with_users_gained_memory_and_qua
 
 def test_pareto_can_take_users_at_slo_as_its_speed_objective():
     # int8 decodes faster alone but serves fewer users than q4 at the SLO
-    tiers = {"bf16": _loaded(4.0, None, 2, dec=10.0), "int8": _loaded(2.0, 0.01, 2, dec=30.0),
-             "q4": _loaded(2.0, 0.01, 6, dec=20.0), "noload": tier(5.0, 50.0, 0.001)}
+    tiers = typed({"bf16": _loaded(4.0, None, 2, dec=10.0), "int8": _loaded(2.0, 0.01, 2, dec=30.0),
+                   "q4": _loaded(2.0, 0.01, 6, dec=20.0), "noload": tier(5.0, 50.0, 0.001)})
     by_decode = pareto_front(tiers, D, "kld_mean", reference="bf16")
     assert by_decode.speed == "decode" and "int8" in by_decode.front and "q4" not in by_decode.front
     by_users = pareto_front(tiers, D, "kld_mean", reference="bf16", speed="users_at_slo")

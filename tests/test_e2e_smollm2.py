@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qeval.data import builtin_path, is_builtin
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +26,9 @@ def test_default_recipe_reduced(tmp_path):
     r["speed"].update(depths=[64, 256], main_depth=256, decode_tokens=8, repeats=1, warmup=1)
     for s in r["suites"]:
         # the first 3 items of each shipped suite; fidelity covers all 3, behaviour the first
-        rows = (REPO / s["path"]).read_text().splitlines()
-        small = tmp_path / Path(s["path"]).name
+        src = builtin_path(s["path"]) if is_builtin(s["path"]) else REPO / "recipes" / s["path"]
+        rows = src.read_text().splitlines()
+        small = tmp_path / src.name
         small.write_text("\n".join(rows[:3]) + "\n")
         s.update(path=str(small), limit=1, max_new_tokens=24)
     r["load"].update(concurrency=[1, 2], depth=64, output_tokens=8, requests_per_stream=1, prefill_chunk=32)

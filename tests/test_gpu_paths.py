@@ -459,7 +459,7 @@ def test_disk_check_names_the_reference_and_hub_download(tmp_path, monkeypatch):
     assert "reference log-probabilities 14.2" in str(e.value)
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 20 * GB))
     runner.check_disk(src)  # fits
-    monkeypatch.setattr(run_mod, "hub_download_bytes", lambda m: (30 * GB, tmp_path))
+    monkeypatch.setattr(run_mod, "hub_download_bytes", lambda m, base=None: (30 * GB, tmp_path))
     with pytest.raises(QevalInputError, match="downloading .* needs 27.9 GiB"):
         runner.check_download()
 

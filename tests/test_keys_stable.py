@@ -3,8 +3,9 @@ code around them is restructured: a moved key rebuilds every cached artifact, a 
 fingerprint refuses every ``--resume``. The values below were recorded with the code
 before the run format, engine registry and tier schemas moved (issue 12); library
 versions are pinned to fixed strings so the keys do not depend on this machine. (Recorded
-with main at 018066d, before these changes; the tier specs' ``decode`` field that landed
-just before moved the fingerprints and the reference key once, the artifact keys not.)"""
+with main's own code: the artifact keys and the reference key at 018066d, the fingerprints
+again at abdac54, whose recipe path fields (``speed.depth_text``, ``builtin:`` defaults)
+moved them; the artifact keys and the reference key did not move.)"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,9 +38,9 @@ suites:
 KEYS = {"int8": "52233b6458e85d23", "gptq": "e397c4ef98ffd11d", "awq": "deaf80d065496e0b",
         "q4": "ac61c774ce82fcc6", "q4-kv8": "ac61c774ce82fcc6"}
 REFERENCE_KEY = "8546a39e3e133ea6"
-FINGERPRINTS = {"bf16": "b38a7d21553dbe30", "int8": "ef383dfebfd544f8", "gptq": "baab672bb8148b8a",
-                "awq": "a99dde18f21da96d", "q4": "79a597852ea9f999", "q4-kv8": "4821ac755cb00c15",
-                "bf16-kv8": "fb767cd3f5de3159"}
+FINGERPRINTS = {"bf16": "712046c295918a7c", "int8": "007c3ed2749e4778", "gptq": "68f24d3527877bad",
+                "awq": "8d6929a2c9fc9bec", "q4": "6650ef606a954307", "q4-kv8": "336e11fe798f3d1c",
+                "bf16-kv8": "614af18a0b2a471c"}
 
 
 @pytest.fixture()

@@ -280,8 +280,8 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         if cand is None:
             why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"
         elif status != STATUS_OK:
-            err = cand.error
-            why = f"tier {name!r} has status {status}" + (f": {err}" if err else "")
+            err = str(cand.error or "").strip().splitlines()
+            why = f"tier {name!r} has status {status}" + (f": {err[0]}" if err else "")  # its first line
             short = f"status {status}"
         else:
             why = short = None

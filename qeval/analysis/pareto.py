@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from ..metrics import GIB, MEMORY_OBJECTIVE, METRICS, SPEED_OBJECTIVE, finite, objective
+from ..errors import QevalInputError
+from ..metrics import GIB, MEMORY_OBJECTIVE, METRICS, SPEED_OBJECTIVE, SPEED_OBJECTIVES, finite, objective
 from ..metrics import value as metric_value
 from ..results import STATUS_OK, TierResult
 
@@ -172,11 +173,11 @@ def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str =
         the first such in the given order.
 
     Raises:
-        QevalInputError: unknown ``quality_metric``.
+        QevalInputError: unknown ``quality_metric`` or ``speed``.
     """
     qdir = quality_direction(quality_metric)
-    if speed not in ("decode", "users_at_slo"):
-        raise QevalInputError(f"unknown speed objective {speed!r} (expected decode or users_at_slo)",
+    if speed not in SPEED_OBJECTIVES:
+        raise QevalInputError(f"unknown speed objective {speed!r} (expected {' or '.join(SPEED_OBJECTIVES)})",
                               field="pareto.speed")
     result = ParetoResult(depth=int(depth), quality_metric=quality_metric, speed=speed)
     points: dict[str, tuple[float, float, float]] = {}

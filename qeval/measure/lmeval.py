@@ -17,32 +17,45 @@ import yaml
 from ..errors import QevalInputError
 
 
+def check_task(path: Path) -> dict:
+    """Read a local lm-eval task YAML and make its data files absolute (relative ones start
+    at the YAML's folder, as lm-eval's own ``include`` paths do). Returns the task document.
+
+    Raises:
+        QevalInputError: a missing or malformed YAML, a task without ``task:``, a missing
+            data file (naming the task file and its ``dataset_kwargs.data_files`` field).
+    """
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise QevalInputError(f"cannot read lm-eval task: {e}".splitlines()[0], file=p,
+                              field="quality.lm_eval_tasks") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("task"), str):
+        raise QevalInputError("an lm-eval task YAML needs a 'task:' name", file=p, field="task")
+    files = (doc.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, dict):
+        for split, f in files.items():
+            q = Path(str(f)).expanduser()
+            if not q.is_absolute():
+                q = (p.parent / q).resolve()
+            if not q.is_file():
+                raise QevalInputError(f"data file {f!r} not found ({q})", file=p,
+                                      field=f"dataset_kwargs.data_files.{split}")
+            files[split] = str(q)
+    return doc
+
+
 def resolve_tasks(task_paths: list[Path], out_dir: Path) -> list[str]:
     """Copy task YAMLs into ``out_dir`` with data file paths made absolute; return task names.
 
     Raises:
-        QevalInputError: a missing or malformed YAML, a task without ``task:``, a missing data file.
+        QevalInputError: as :func:`check_task`.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
     for p in task_paths:
-        try:
-            doc = yaml.safe_load(Path(p).read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise QevalInputError(f"cannot read lm-eval task: {e}".splitlines()[0], file=p,
-                                  field="quality.lm_eval_tasks") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("task"), str):
-            raise QevalInputError("an lm-eval task YAML needs a 'task:' name", file=p, field="task")
-        files = (doc.get("dataset_kwargs") or {}).get("data_files")
-        if isinstance(files, dict):
-            for split, f in files.items():
-                q = Path(f)
-                if not q.is_absolute():
-                    q = (Path(p).parent / q).resolve()
-                if not q.is_file():
-                    raise QevalInputError(f"data file {f!r} not found", file=p,
-                                          field=f"dataset_kwargs.data_files.{split}")
-                files[split] = str(q)
+        doc = check_task(p)
         (out_dir / f"{doc['task']}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         names.append(doc["task"])
     return names

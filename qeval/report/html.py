@@ -91,7 +91,11 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
-        md += [f"- `{n}`: {t.status}: {t.error or 'no error recorded'}" for n, t in unfinished]
+        for n, t in unfinished:
+            md.append(f"- `{n}`: {t.status}: {t.error or 'no error recorded'}")
+            tail = [ln.replace("`", "'") for ln in str(t.log_tail or "").splitlines() if ln.strip()][-6:]
+            if tail:  # the last lines of the failed stage's log (all of it: logs/<tier>.<stage>.log)
+                md += ["", "  ```", *[f"  {ln}" for ln in tail], "  ```"]
         md.append("")
     md.append(f"Gate: {'PASS' if a.gate.passed else 'FAIL'} "
               f"({', '.join(f'{c.tier} {c.verdict}' for c in a.gate.candidates) or 'no candidates'}).")

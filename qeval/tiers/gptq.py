@@ -16,6 +16,10 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
 - The int4pack CPU kernel needs each layer's in_features divisible by the group size
   (group 128 on a 576-wide model quantizes but cannot generate): :meth:`check` refuses
   such a group size before any work, or picks one with ``group_size: auto``.
+- AWQ needs output features it can batch and pack (:func:`check_awq_out_features`): its
+  clip search asserts out_features % 64 == 0 on every clipped layer (a tiny llama's 32-wide
+  v_proj fails there), and its GEMM packing needs multiples of 8. gptqmodel's worker
+  threads then call ``os._exit(1)``; :meth:`check` refuses such a model before any work.
 - Quantization offloads finished layers to disk; the folder is a temporary sibling of the
   artifact, deleted afterwards (gptqmodel's default is a model-sized folder in /tmp).
   gptqmodel's own quantization log (``./logs/<method>_log_*.log`` in the current
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,13 +43,27 @@ from ..errors import QevalInputError, TierUnavailable
 from ..paths import torch_extensions_dir
 from ..weight_formats import GroupWise
 from .base import HfTierSpec, TierContext, TierMethod
-from .int8 import (check_no_pickle, decoder_linear_in_features, layer_tensors, lib_version, quant_summary,
+from .int8 import (check_no_pickle, decoder_linear_shapes, layer_tensors, lib_version, quant_summary,
                    source_parameter_count)
 
 # Group sizes gptqmodel's kernels accept (TorchLinear: -1 and powers of two 16..1024; the
 # CPU int4pack and most GPU kernels: 16..128).
 KERNEL_GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 AUTO_MAX_GROUP = 128
+
+# AWQ's constraints on out_features in gptqmodel 7.6 (read in its source; importing gptqmodel
+# to ask takes ~25 s, too slow for `qeval validate`; tests/test_tiers_quant.py checks these
+# against the installed gptqmodel):
+# - looper/awq_processor.py, AWQProcessor._compute_best_clip: output channels are searched in
+#   batches of 256 when out_features divides by 256, else 64, under
+#   ``assert org_w_shape[0] % oc_batch_size == 0``; _search_best_clip skips layers whose name
+#   (inside the decoder layer) contains one of ``avoid_clipping``.
+# - nn_modules/qlinear/torch_awq.py, AwqTorchLinear (the CPU quantization backend, AWQ_TORCH):
+#   SUPPORTS_OUT_FEATURES_DIVISIBLE_BY = [8] (the GEMM format packs 8 int4 values per int32
+#   along the output features); every layer.
+AWQ_CLIP_OUT_MULTIPLE = 64
+AWQ_CLIP_SKIPPED = ("q_", "k_", "query", "key", "Wqkv")
+AWQ_KERNEL_OUT_MULTIPLE = 8
 
 
 def _setup_env() -> None:
@@ -113,6 +132,45 @@ def resolve_group_size(spec: Any, in_features: dict[str, int]) -> int:
                                   f"sizes that work for this model: {works}, -1 (per channel) or 'auto'",
                                   field=field)
     return g
+
+
+def awq_clipped(name: str) -> bool:
+    """Whether gptqmodel's AWQ clip search runs on the Linear ``name`` (a full module name;
+    the search sees it relative to its decoder layer, ``self_attn.v_proj``)."""
+    inner = re.sub(r"^.*?\.\d+\.", "", name, count=1)
+    return not any(s in inner for s in AWQ_CLIP_SKIPPED)
+
+
+def check_awq_out_features(shapes: dict[str, tuple[int, int]], field: str) -> None:
+    """Refuse a model whose Linear output features gptqmodel's AWQ cannot take (see
+    :data:`AWQ_CLIP_OUT_MULTIPLE`, :data:`AWQ_KERNEL_OUT_MULTIPLE` for the source).
+
+    Args:
+        shapes: ``{module name: (in_features, out_features)}`` of the quantized Linears.
+        field: the recipe field the error names (``tiers.<name>.method``).
+
+    Raises:
+        QevalInputError: naming the first layer that fails, its output features, how many
+            layers share the problem, and the output sizes that work.
+    """
+    def first_bad(need: int, layers: list[str]) -> tuple[str, int, int] | None:
+        bad = [n for n in layers if shapes[n][1] % need]
+        return (bad[0], shapes[bad[0]][1], len(bad)) if bad else None
+
+    names = list(shapes)
+    clipped = [n for n in names if awq_clipped(n)]
+    for need, layers, what in (
+            (AWQ_KERNEL_OUT_MULTIPLE, names, "AWQ's GEMM packing (gptqmodel AwqTorchLinear)"),
+            (AWQ_CLIP_OUT_MULTIPLE, clipped, "AWQ's clip search (gptqmodel AWQProcessor._compute_best_clip, "
+                                             "batches of 64 or 256 output channels)")):
+        hit = first_bad(need, layers)
+        if hit:
+            name, n, count = hit
+            more = f" (and {count - 1} more layer{'s' if count > 2 else ''})" if count > 1 else ""
+            raise QevalInputError(
+                f"{what} needs each layer's output features to be a multiple of {need}; layer {name}{more} has "
+                f"{n}; sizes that work: multiples of {need} ({', '.join(str(need * k) for k in (1, 2, 4))}, ...). "
+                f"This model cannot be AWQ-quantized by gptqmodel; a gptq tier has no such limit", field=field)
 
 
 def _quant_layers(model: Any) -> list[Any]:
@@ -190,10 +248,13 @@ class _GptqModelMethod(TierMethod):
         if self.quant_method == "awq" and spec.desc_act:
             raise QevalInputError("desc_act applies to GPTQ only; remove it from this AWQ tier",
                                   field=f"tiers.{spec.name}.desc_act")
-        feats = decoder_linear_in_features(ctx.source_path, ctx.trust_remote_code)
-        if not feats:
+        shapes = decoder_linear_shapes(ctx.source_path, ctx.trust_remote_code)
+        if not shapes:
             raise QevalInputError("the model has no Linear layers to quantize", field=f"tiers.{spec.name}.method")
-        return {"group_size": resolve_group_size(spec, feats)}
+        group = resolve_group_size(spec, {n: i for n, (i, _) in shapes.items()})
+        if self.quant_method == "awq":
+            check_awq_out_features(shapes, field=f"tiers.{spec.name}.method")
+        return {"group_size": group}
 
     # -- build --------------------------------------------------------------------------
     def _calibration(self, ctx: TierContext) -> tuple[list[dict], int]:
@@ -282,7 +343,7 @@ class _GptqModelMethod(TierMethod):
         if not kernels:
             raise RuntimeError(f"{artifact} loaded without any quantized layer")
         engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels),
-                          decode=spec.decode)
+                          decode=getattr(spec, "decode", "auto"))
         engine.qmodel = gm  # keep gptqmodel's wrapper alive with the model
         return engine
 
@@ -446,4 +507,4 @@ class AwqMethod(_GptqModelMethod):
 METHODS = {"gptq": GptqMethod(), "awq": AwqMethod()}
 
 __all__ = ["GptqMethod", "AwqMethod", "GptqTier", "AwqTier", "W4Tier", "METHODS", "resolve_group_size", "working_group_sizes",
-           "dequantize_layer"]
+           "dequantize_layer", "check_awq_out_features", "awq_clipped"]

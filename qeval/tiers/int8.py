@@ -55,15 +55,16 @@ def source_parameter_count(source_path: str, trust_remote_code: bool = False) ->
     return sum(p.numel() for p in m.parameters())  # parameters() yields a tied Parameter once
 
 
-def decoder_linear_in_features(source_path: str, trust_remote_code: bool = False) -> dict[str, int]:
-    """``{module name: in_features}`` of the ``nn.Linear`` layers the quantizers convert
-    (every Linear except the output head)."""
+def decoder_linear_shapes(source_path: str, trust_remote_code: bool = False) -> dict[str, tuple[int, int]]:
+    """``{module name: (in_features, out_features)}`` of the ``nn.Linear`` layers the
+    quantizers convert (every Linear except the output head), from a meta-device model."""
     import torch  # start-up time: torch loads only in stage processes
 
     m = meta_model(source_path, trust_remote_code)
     out_emb = m.get_output_embeddings()
-    return {n: mod.in_features for n, mod in m.named_modules()
+    return {n: (mod.in_features, mod.out_features) for n, mod in m.named_modules()
             if isinstance(mod, torch.nn.Linear) and mod is not out_emb}
+
 
 
 def stored_bytes(model: Any) -> int:
