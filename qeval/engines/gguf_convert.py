@@ -130,6 +130,25 @@ def extract_converter(sdist: Path, dest: Path) -> int:
     return n
 
 
+def download_sdist(version: str, into: Path, *, timeout: float = 900.0, purpose: str = "its llama.cpp source") -> Path:
+    """Download the llama-cpp-python ``version`` sdist (about 75 MB) into folder ``into``
+    through pip (``pip download --no-deps --no-binary :all:``) and return its path.
+
+    Raises:
+        RuntimeError: pip failed (no network, version not on the index); the message
+            carries pip's last lines and names ``purpose``.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", str(into)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    sdists = sorted(into.glob("llama_cpp_python-*.tar.gz")) if into.is_dir() else []
+    if p.returncode != 0 or not sdists:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-8:])
+        raise RuntimeError(f"cannot download the llama-cpp-python {version} sdist for {purpose} "
+                           f"({' '.join(cmd)} exited {p.returncode}):\n{tail}")
+    return sdists[0]
+
+
 def ensure_converter(version: str | None = None, log: Callable[[str], None] = print,
                      timeout: float = 900.0) -> Path:
     """Folder of the converter matching llama-cpp-python ``version`` (default: installed),
@@ -150,19 +169,11 @@ def ensure_converter(version: str | None = None, log: Callable[[str], None] = pr
     log(f"fetching the llama.cpp HF-to-GGUF converter (llama-cpp-python {version} sdist) into {dest}")
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="qeval-llama-sdist-", dir=dest.parent) as td:
-        dl = Path(td) / "dl"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", str(dl)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        sdists = sorted(dl.glob("llama_cpp_python-*.tar.gz")) if dl.is_dir() else []
-        if p.returncode != 0 or not sdists:
-            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-8:])
-            raise RuntimeError(f"cannot download the llama-cpp-python {version} sdist for its GGUF converter "
-                               f"({' '.join(cmd)} exited {p.returncode}):\n{tail}")
+        sdist = download_sdist(version, Path(td) / "dl", timeout=timeout, purpose="its GGUF converter")
         stage = Path(td) / "converter"
         stage.mkdir()
-        n = extract_converter(sdists[0], stage)
-        (stage / _MARKER).write_text(f"{sdists[0].name} sha256={file_sha256(sdists[0])} files={n}\n")
+        n = extract_converter(sdist, stage)
+        (stage / _MARKER).write_text(f"{sdist.name} sha256={file_sha256(sdist)} files={n}\n")
         if converter_present(dest):  # another process won the race
             return dest
         shutil.rmtree(dest, ignore_errors=True)

@@ -1,0 +1,278 @@
+"""llama.cpp's own command-line tools, built from the source llama-cpp-python compiled.
+
+qeval measures GGUF tiers through llama-cpp-python; llama.cpp's ``llama-bench``,
+``llama-batched-bench`` and ``llama-server`` are the independent yardsticks
+(``benchmarks/against_llama_cpp.py``, serving checks). None of them ships in the
+llama-cpp-python wheel, and a system llama.cpp would be another version, so they are built
+here from ``vendor/llama.cpp`` of the llama-cpp-python sdist of the *installed* version
+(fetched through pip as :mod:`qeval.engines.gguf_convert` does), with the same portable
+CMake flags the Makefile gives llama-cpp-python (``LLAMA_CMAKE_ARGS``: the portable CPU
+flags, and the CUDA ones when the installed llama-cpp-python offloads to a GPU).
+
+Cache layout (``$QEVAL_CACHE``, default ``~/.cache/qeval``)::
+
+    llama_cpp_src/<version>/llama.cpp/        the whole vendored tree, kept
+    llama_tools/<version>-<flags hash>/bin/   llama-bench, llama-batched-bench, llama-server
+    llama_tools/<version>-<flags hash>/build.json   version, cmake arguments, seconds
+
+All three tools come from one CMake build (static, so the binaries need no library path),
+made only when :func:`tool_path` or :func:`build_tools` is called (never at install or test
+time): about 10 to 15 minutes on 2 cores. Concurrent callers wait on a file lock instead of
+building twice. ``QEVAL_LLAMA_CMAKE_ARGS`` replaces the portable flags (e.g.
+``-DGGML_CUDA=on`` on a CUDA machine); a different set of flags is a different cache entry.
+
+Command line::
+
+    python -m qeval.engines.llama_tools --build        # build when missing, print the paths
+    python -m qeval.engines.llama_tools llama-bench    # print one tool's path (builds if needed)
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..paths import cache_root
+from .gguf_convert import download_sdist, llama_cpp_version
+
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+"""The tool names :func:`tool_path` accepts (CMake target names, also the binary names)."""
+
+# Must equal the Makefile's LLAMA_CPU_FLAGS (tests/test_measure_truth.py checks it): the
+# tools should run the same kernels llama-cpp-python runs.
+PORTABLE_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+                       "-DGGML_F16C=ON -DGGML_AVX512=OFF")
+# The Makefile's LLAMA_CUDA_FLAGS (CUDA=1), added when the installed llama-cpp-python offloads to a GPU.
+CUDA_CMAKE_ARGS = "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native"
+CMAKE_ARGS_ENV = "QEVAL_LLAMA_CMAKE_ARGS"
+
+# Fixed for every build: a static Release build of the tools only, with no network at build
+# time (no curl, no web UI download) and no tests or examples.
+_FIXED_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
+               "-DLLAMA_USE_PREBUILT_UI=OFF")
+_MARKER = ".qeval-complete"
+
+
+def _gpu_build() -> bool:
+    """Whether the installed llama-cpp-python was built with GPU offload (a CUDA build)."""
+    try:
+        import llama_cpp  # optional dependency (extra 'gguf'); only to mirror its build
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except (ImportError, AttributeError, OSError):
+        return False
+
+
+def cmake_args() -> list[str]:
+    """The CMake arguments of a tools build: the fixed ones, then ``$QEVAL_LLAMA_CMAKE_ARGS``
+    (shell-split) or the Makefile's: :data:`PORTABLE_CMAKE_ARGS`, plus
+    :data:`CUDA_CMAKE_ARGS` when the installed llama-cpp-python offloads to a GPU."""
+    user = os.environ.get(CMAKE_ARGS_ENV)
+    if user is None:
+        user = PORTABLE_CMAKE_ARGS + (" " + CUDA_CMAKE_ARGS if _gpu_build() else "")
+    return list(_FIXED_ARGS) + shlex.split(user)
+
+
+def _cache() -> Path:
+    return cache_root()
+
+
+def source_dir(version: str | None = None) -> Path:
+    """Folder of the vendored llama.cpp tree of llama-cpp-python ``version`` (default: installed)."""
+    return _cache() / "llama_cpp_src" / (version or llama_cpp_version()) / "llama.cpp"
+
+
+def tools_dir(version: str | None = None, args: list[str] | None = None) -> Path:
+    """Cache folder of the tools for ``version`` built with CMake ``args`` (default :func:`cmake_args`):
+    ``llama_tools/<version>-<first 12 hex of sha256(args)>``."""
+    version = version or llama_cpp_version()
+    key = hashlib.sha256("\0".join(args if args is not None else cmake_args()).encode()).hexdigest()[:12]
+    return _cache() / "llama_tools" / f"{version}-{key}"
+
+
+def _tools_present(folder: Path) -> bool:
+    return (folder / _MARKER).is_file() and all(os.access(folder / "bin" / t, os.X_OK) for t in TOOLS)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_source(version: str | None = None, log: Callable[[str], None] = print,
+                  timeout: float = 900.0) -> Path:
+    """The vendored llama.cpp tree of llama-cpp-python ``version`` (default: installed),
+    extracted whole from its sdist on first use (the sdist is downloaded through pip and
+    not kept).
+
+    Raises:
+        RuntimeError: pip failed, or the sdist has no ``vendor/llama.cpp/CMakeLists.txt``.
+    """
+    version = version or llama_cpp_version()
+    dest = source_dir(version)
+    if (dest.parent / _MARKER).is_file() and (dest / "CMakeLists.txt").is_file():
+        return dest
+    with _locked(dest.parent.with_name(dest.parent.name + ".lock")):
+        if (dest.parent / _MARKER).is_file() and (dest / "CMakeLists.txt").is_file():
+            return dest  # another process extracted it while we waited
+        dest.parent.parent.mkdir(parents=True, exist_ok=True)
+        log(f"fetching the llama.cpp source of llama-cpp-python {version} (sdist) into {dest}")
+        with tempfile.TemporaryDirectory(prefix="qeval-llama-src-", dir=dest.parent.parent) as td:
+            sdist = download_sdist(version, Path(td) / "dl", timeout=timeout, purpose="llama.cpp's tools")
+            stage = Path(td) / "llama.cpp"
+            n = 0
+            with tarfile.open(sdist, "r:*") as tf:
+                for m in tf:
+                    parts = m.name.split("/")
+                    # <pkg>-<ver>/vendor/llama.cpp/<rel>
+                    if len(parts) < 4 or parts[1:3] != ["vendor", "llama.cpp"] or ".." in parts:
+                        continue
+                    if not (m.isfile() or m.isdir()):
+                        continue  # links and devices: the build needs none
+                    target = stage.joinpath(*parts[3:])
+                    if m.isdir():
+                        target.mkdir(parents=True, exist_ok=True)
+                        continue
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    src = tf.extractfile(m)
+                    assert src is not None
+                    with src, open(target, "wb") as f:
+                        shutil.copyfileobj(src, f)
+                    if m.mode & 0o111:
+                        target.chmod(0o755)
+                    n += 1
+            if not (stage / "CMakeLists.txt").is_file():
+                raise RuntimeError(f"{sdist.name} holds no vendor/llama.cpp/CMakeLists.txt")
+            shutil.rmtree(dest.parent, ignore_errors=True)
+            dest.parent.mkdir(parents=True)
+            os.replace(stage, dest)
+            (dest.parent / _MARKER).write_text(f"{sdist.name} files={n}\n")
+    return dest
+
+
+def build_tools(version: str | None = None, log: Callable[[str], None] = print,
+                timeout: float = 3600.0, jobs: int | None = None) -> Path:
+    """Build (when missing) llama-bench, llama-batched-bench and llama-server in one CMake
+    build of the vendored source of llama-cpp-python ``version`` (default: installed);
+    returns the folder whose ``bin/`` holds them.
+
+    Args:
+        timeout: seconds for configure plus build (s).
+        jobs: parallel compile jobs (default: ``os.cpu_count()``).
+
+    Raises:
+        RuntimeError: the sdist fetch, CMake configure or the build failed (the last log
+            lines in the message); nothing is left in the cache folder.
+    """
+    version = version or llama_cpp_version()
+    args = cmake_args()
+    out = tools_dir(version, args)
+    if _tools_present(out):
+        return out
+    with _locked(out.with_name(out.name + ".lock")):
+        if _tools_present(out):
+            return out
+        src = ensure_source(version, log=log)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        jobs = jobs or os.cpu_count() or 1
+        log(f"building {', '.join(TOOLS)} from llama-cpp-python {version}'s llama.cpp "
+            f"({' '.join(args[len(_FIXED_ARGS):])}); 10+ minutes on 2 cores")
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix=f"{out.name}-", dir=out.parent) as td:
+            build = Path(td) / "build"
+            logf = Path(td) / "build.log"
+            steps = [["cmake", "-S", str(src), "-B", str(build), *args],
+                     ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+                      "--target", *TOOLS]]
+            with open(logf, "w") as lf:
+                for cmd in steps:
+                    left = timeout - (time.time() - t0)
+                    try:
+                        p = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=max(left, 1))
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"llama.cpp tools build ran past {timeout:.0f} s") from None
+                    if p.returncode != 0:
+                        lf.flush()
+                        tail = "\n".join(logf.read_text(errors="replace").strip().splitlines()[-15:])
+                        raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {p.returncode}) building "
+                                           f"llama.cpp tools:\n{tail}")
+            stage = Path(td) / "out"
+            (stage / "bin").mkdir(parents=True)
+            for t in TOOLS:
+                shutil.copy2(build / "bin" / t, stage / "bin" / t)
+            info = {"llama_cpp_python": version, "cmake_args": args, "seconds": round(time.time() - t0, 1),
+                    "tools": list(TOOLS), "source": str(src)}
+            (stage / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+            (stage / _MARKER).write_text("ok\n")
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(stage, out)
+        log(f"llama.cpp tools ready in {out} ({time.time() - t0:.0f} s)")
+    return out
+
+
+def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = print) -> Path:
+    """Path of llama.cpp tool ``name`` (one of :data:`TOOLS`) matching the installed
+    llama-cpp-python, built on first call (see :func:`build_tools`).
+
+    Args:
+        build: when False, never build: a missing tool raises FileNotFoundError.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`TOOLS`.
+        FileNotFoundError: not built yet and ``build`` is False.
+        RuntimeError: llama-cpp-python is not installed, or fetching/building failed.
+    """
+    if name not in TOOLS:
+        raise ValueError(f"unknown llama.cpp tool {name!r}: expected one of {', '.join(TOOLS)}")
+    folder = tools_dir()
+    if not _tools_present(folder):
+        if not build:
+            raise FileNotFoundError(f"{name} is not built yet ({folder}); run python -m qeval.engines.llama_tools --build")
+        folder = build_tools(log=log)
+    return folder / "bin" / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qeval.engines.llama_tools",
+                                 description="Build llama.cpp's tools from the source of the installed "
+                                             "llama-cpp-python and print their paths.")
+    ap.add_argument("names", nargs="*", metavar="TOOL", help=f"print these tools' paths ({', '.join(TOOLS)})")
+    ap.add_argument("--build", action="store_true", help="build when missing and print every tool's path")
+    ap.add_argument("--version", dest="llama_version", help="llama-cpp-python version (default: installed)")
+    a = ap.parse_args(argv)
+    if not (a.build or a.names):
+        ap.error("give --build or tool names")
+    bad = [n for n in a.names if n not in TOOLS]
+    if bad:
+        ap.error(f"unknown tool {bad[0]!r}: expected one of {', '.join(TOOLS)}")
+    try:
+        folder = build_tools(a.llama_version, log=lambda s: print(s, file=sys.stderr))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for n in (a.names or TOOLS):
+        print(folder / "bin" / n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
