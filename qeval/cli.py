@@ -1,4 +1,4 @@
-"""Command line: ``qeval run | validate | report | gate | plan | compare``.
+"""Command line: ``qeval run | validate | report | gate | plan | compare | show``.
 
 Exit codes: 0 ok (gate candidates pass), 1 a gate candidate failed, 2 bad input (one
 line on stderr naming file, line and field; no traceback), 130 interrupted.
@@ -22,7 +22,9 @@ from .executors import make_executor
 from .paths import staging_dir
 from .recipe import load_recipe
 from .report.outputs import build_outputs, plan_text
-from .results import RUN_SCOPE, RunLayout, stage_done
+from .report.review import item_changes_markdown, tier_review
+from .report.show import show as show_review
+from .results import RUN_SCOPE, RunLayout, get_path, load_run, stage_done
 from .run import Interrupted, Runner, StageFailed, new_run_dir, preflight
 from .source import model_source_path
 from .storage import RemoteStorage, is_url, localize_source, storage_for
@@ -339,8 +341,37 @@ def compare(run_a: str = typer.Argument(..., help="baseline run folder (or its U
             run_b: str = typer.Argument(..., help="new run folder (or its URL)")) -> None:
     """Compare the same tiers of two runs side by side, with deltas."""
     try:
-        rows = compare_runs(_run_folder(run_a)[0], _run_folder(run_b)[0])
+        a, b = _run_folder(run_a)[0], _run_folder(run_b)[0]
+        rows = compare_runs(a, b)
         out.print(compare_markdown(rows, run_a, run_b), highlight=False)
+        out.print(item_changes_markdown(a, b, [r.tier for r in rows]), highlight=False)
+    except QevalInputError as e:
+        _fail(e)
+
+
+@app.command()
+def show(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL"),
+         tier: str = typer.Argument(..., help="a tier of the run"),
+         item: Optional[str] = typer.Option(None, "--item", help="only this item (suite/id, or the id alone)"),
+         flips: bool = typer.Option(False, "--flips", help="only the items that flipped against the reference"),
+         failing: bool = typer.Option(False, "--failing", help="only the items that fail on the tier"),
+         ) -> None:
+    """A tier's flipped and failing items beside the reference's answers, their checks and
+    KLD, and the positions of highest KLD (the report's review section, in the terminal)."""
+    try:
+        local = _run_folder(run_dir)[0]
+        run, tiers = load_run(local)
+        if tier not in tiers:
+            raise QevalInputError(f"no tier {tier!r} in this run (tiers: {', '.join(tiers) or 'none'})",
+                                  file=local, field="TIER")
+        ref = get_path(run.recipe, "gate", "reference") or "bf16"
+        review = tier_review(local, tier, ref)
+        if review is None:
+            raise QevalInputError(f"tier {tier!r} has no stored answers (status {tiers[tier].status})",
+                                  file=local, field="TIER")
+        if item is not None and not review.find(item):
+            raise QevalInputError(f"tier {tier!r} answered no item {item!r}", file=local, field="--item")
+        show_review(Console(soft_wrap=False), review, item=item, flips=flips, failing=failing)
     except QevalInputError as e:
         _fail(e)
 

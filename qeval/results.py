@@ -17,7 +17,10 @@ each path)::
     logs/<scope>.<stage>.log    each stage's stdout/stderr (the tail goes into a failure)
     reference/segments.json     BF16 reference answers (token ids, texts, checks)
     reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
-    answers/<tier>.json         a tier's free-running answers with check results
+    answers/<tier>.json         AnswerRow list: a tier's free-running answers with check results
+                                and the prompt they answer
+    review/<tier>.json          ReviewFile: per-item KLD and the positions of highest KLD
+                                with both sides' top tokens (qeval.measure.review)
     lm_eval_tasks/<tier>/       resolved lm-eval task YAMLs
     table.md, table.csv         the tier table
     gate.json, report.html      decisions (analysis stage); junit.xml on request
@@ -199,6 +202,9 @@ class RunLayout:
     def answers(self, tier: str) -> Path:
         return self.root / "answers" / f"{tier}.json"
 
+    def review(self, tier: str) -> Path:
+        return self.root / "review" / f"{tier}.json"
+
     def lm_eval_tasks(self, tier: str) -> Path:
         return self.root / "lm_eval_tasks" / tier
 
@@ -216,7 +222,7 @@ class RunLayout:
         """Filter over relative paths: one tier's files (its stages, logs, answers, result)."""
         def inc(rel: str) -> bool:
             name = rel.split("/", 1)[-1]
-            return rel in (f"tiers/{tier}.json", f"answers/{tier}.json") or (
+            return rel in (f"tiers/{tier}.json", f"answers/{tier}.json", f"review/{tier}.json") or (
                 rel.startswith(("stages/", "logs/")) and name.startswith(f"{tier}."))
         return inc
 
@@ -451,6 +457,52 @@ class Artifact(_Closed):
     key: str | None = None
     path: str | None = None
     reused: bool | None = None
+
+
+class AnswerRow(_Open):
+    """One answered turn in ``answers/<tier>.json`` (and, with token ids, in
+    ``reference/segments.json``): ``item`` is ``<suite>/<id>``; ``checks`` the pass/fail of
+    each check, ``check_details`` their one-line reasons; ``finished`` False when the answer
+    hit its token budget; ``system``/``prompt`` the text it answers (None in runs before
+    they were stored). Suite kinds may add keys (a long-context ``depth``)."""
+    item: str
+    turn: int = 0
+    text: str = ""
+    finished: bool = True
+    checks: list[bool] = Field(default_factory=list)
+    check_details: list[str] = Field(default_factory=list)
+    system: str | None = None
+    prompt: str | None = None
+
+
+class ItemKld(_Closed):
+    """KL(P_ref || P_tier) in nats over one answered turn's positions: mean and max."""
+    item: str
+    turn: int
+    kld_mean: float | None = None
+    kld_max: float | None = None
+    n_tokens: int = 0
+
+
+class WorstPosition(_Closed):
+    """One of the positions of highest KLD: the text before it, the reference token it
+    predicts, and both sides' most likely tokens as ``[token text, probability]``."""
+    item: str
+    turn: int
+    position: int
+    kld: float
+    context: str
+    target: str
+    ref_top: list[tuple[str, float]]
+    tier_top: list[tuple[str, float]]
+
+
+class ReviewFile(_Closed):
+    """``review/<tier>.json`` (:mod:`qeval.measure.review`): per-item KLD, and the positions
+    of highest KLD over all items, largest first."""
+    tier: str
+    items: list[ItemKld] = Field(default_factory=list)
+    worst: list[WorstPosition] = Field(default_factory=list)
 
 
 class Timings(_Closed):
@@ -726,3 +778,40 @@ def get_path(obj: Any, *keys: Any) -> Any:
         else:
             return None
     return cur
+
+
+def _list_of(path: Path, model: type[M]) -> list[M]:
+    data = read_json(path)
+    if not isinstance(data, list):
+        raise QevalInputError("expected a JSON list", file=path)
+    return [parse_model(row, model, f"{path}[{i}]") for i, row in enumerate(data)]
+
+
+def read_answers(layout: RunLayout, tier: str) -> list[AnswerRow] | None:
+    """``answers/<tier>.json`` (None when the tier has none).
+
+    Raises:
+        QevalInputError: malformed, or a row not fitting :class:`AnswerRow`.
+    """
+    p = layout.answers(tier)
+    return _list_of(p, AnswerRow) if p.is_file() else None
+
+
+def read_reference_answers(layout: RunLayout) -> list[AnswerRow] | None:
+    """The reference's answered turns from ``reference/segments.json`` (None when absent).
+
+    Raises:
+        QevalInputError: malformed, or a row not fitting :class:`AnswerRow`.
+    """
+    p = layout.reference_segments
+    return _list_of(p, AnswerRow) if p.is_file() else None
+
+
+def read_review(layout: RunLayout, tier: str) -> ReviewFile | None:
+    """``review/<tier>.json`` (None when the tier has none).
+
+    Raises:
+        QevalInputError: malformed, or not fitting :class:`ReviewFile`.
+    """
+    p = layout.review(tier)
+    return read_model(p, ReviewFile) if p.is_file() else None

@@ -28,12 +28,13 @@ import numpy as np
 from ..hashing import file_sha256
 from ..artifacts import get_or_build
 from ..recipe import stable_tier_dict
-from ..results import RUN_SCOPE, RunLayout, atomic_write_json, read_stage, stage_done
+from ..results import RUN_SCOPE, ReviewFile, RunLayout, atomic_write_json, read_stage, stage_done
 from ..storage import storage_for
 from ..tiers import get_method
 from .behaviour import summarise_behaviour
 from .fidelity import ROUND, FidelityAccumulator
 from .lmeval import run_lm_eval
+from .review import ReviewCollector
 from .suites import load_suite, run_checks
 
 
@@ -324,8 +325,9 @@ def choose_quality_engine(recipe, spec, measured_decode: float | None, has_dequa
 
 
 def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window: int,
-             progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Teacher-forced fidelity of ``engine`` on the reference segments (see fidelity.py)."""
+             progress: Callable[[str], None] = lambda s: None, review: ReviewCollector | None = None) -> dict:
+    """Teacher-forced fidelity of ``engine`` on the reference segments (see fidelity.py);
+    ``review`` also collects per-item KLD and the highest-KLD positions (review.py)."""
     acc = FidelityAccumulator()
     groups = conversations(segments)
     for i, group in enumerate(groups):
@@ -335,6 +337,8 @@ def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window
             ref = np.asarray(ref_logprobs[s["offset"] + j: s["offset"] + j + m])
             targets = np.asarray(s["answer_ids"][j:j + m], dtype=np.int64)
             acc.add(ref, logp, targets, np.arange(j, j + m))
+            if review is not None:
+                review.add(s, j, acc.kld[-1], ref, logp)
     return acc.summary()
 
 
@@ -366,7 +370,8 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     segments = json.loads(layout.reference_segments.read_text())
     ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
     t0 = time.time()
-    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress)
+    review = ReviewCollector()
+    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0
     ref_by_key = {(s["item"], s["turn"]): s for s in segments}
     t0 = time.time()
@@ -389,7 +394,13 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
         progress("lm-eval tasks")
         lm_eval = run_lm_eval(engine, tok, [recipe.resolve_path(p) for p in recipe.quality.lm_eval_tasks],
                               layout.lm_eval_tasks(tier), recipe.quality.lm_eval_limit)
-    atomic_write_json(layout.answers(tier), [{k: s[k] for k in ("item", "turn", "text", "finished", "checks",
-                                                          "check_details")} for s in mine])
+    prompts = {(f"{sp.name}/{it.id}", t): (it.system, turn.user)
+               for sp, items in load_suites(recipe) for it in items for t, turn in enumerate(it.turns)}
+    atomic_write_json(layout.answers(tier), [
+        {**{k: s[k] for k in ("item", "turn", "text", "finished", "checks", "check_details")},
+         "system": prompts.get((s["item"], s["turn"]), (None, None))[0],
+         "prompt": prompts.get((s["item"], s["turn"]), (None, None))[1]} for s in mine])
+    atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
+        lambda ids: tok.decode(ids, skip_special_tokens=False), lambda i: tok.decode([i], skip_special_tokens=False))))
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval}}

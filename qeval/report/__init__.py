@@ -11,7 +11,8 @@ from ..results import RunLayout, atomic_write_json, atomic_write_text
 from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, _analyse, _tables_text, default_budget_bytes, render_report,
                    slow_path_flags, write_report, write_tables)
 from .table import COLUMNS, SlowPath, TierTable, markdown_table, tier_table
-from .junit import junit_xml, write_junit
+from .junit import gate_offenders, junit_xml, write_junit
+from .review import run_reviews
 
 __all__ = ["COLUMNS", "DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "Outputs", "SlowPath", "TierTable",
            "default_budget_bytes", "junit_xml", "markdown_table", "rebuild_outputs", "render_report",
@@ -66,9 +67,10 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
     gate_doc["ladder"] = a.ladder.to_dict()
     gate_doc["slow_path"] = {n: s.text for n, s in slow.items()}
     atomic_write_json(layout.gate_json, gate_doc)
-    atomic_write_text(layout.report_html, render_report(run, a, spec))
+    reviews = run_reviews(layout.root, list(a.tiers), a.reference)
+    atomic_write_text(layout.report_html, render_report(run, a, spec, reviews=reviews))
     jpath = None
     if junit:
         jpath = layout.junit_xml if junit is True else Path(junit)
-        write_junit(a.gate, jpath)
+        write_junit(a.gate, jpath, offenders=gate_offenders(a.gate, reviews))
     return Outputs(layout.table_md, layout.table_csv, layout.gate_json, layout.report_html, jpath, a.gate)

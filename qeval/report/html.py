@@ -35,6 +35,7 @@ from ..errors import QevalInputError
 from ..recipe import ReportSpec
 from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, load_run
 from . import plots
+from .review import REPORT_LIMIT, TierReview, run_reviews
 from .table import LOAD_HEADERS, SlowPath, _f, _gib, load_caption, load_table, markdown_table, tier_table
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
@@ -138,8 +139,10 @@ def _data_uri(png: bytes | None) -> str | None:
 
 def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
                   budget_bytes: int | None = None, users: int = DEFAULT_USERS,
-                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> str:
-    """The HTML text of the report for an analysed run (see :func:`write_report`)."""
+                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                  reviews: dict[str, TierReview] | None = None) -> str:
+    """The HTML text of the report for an analysed run (see :func:`write_report`);
+    ``reviews``: per tier, its flipped and failing items (:func:`qeval.report.review.run_reviews`)."""
     import jinja2  # start-up time: only the report renders HTML
 
     spec = spec or ReportSpec()
@@ -231,6 +234,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         capacity_legend=plan_legend(cap), plots=plot_list,
         depths=a.depths, build=tab.html["build"], depth_headers=tab.html_depth_headers,
         quality=tab.html["quality"], table_rows=rows,
+        reviews=list((reviews or {}).values()), review_limit=REPORT_LIMIT,
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
 
@@ -266,7 +270,10 @@ def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,
     latency-vs-concurrency plots (SLO drawn), capacity table, plots
     (quality vs memory with marker size = decode tokens/s; decode tokens/s vs depth; KLD by
     position bucket), the full tier table with "slow path at long context" flags, and the
-    tiers that failed or were not built with their errors and log tails.
+    tiers that failed or were not built with their errors and log tails, and per tier the
+    items a reviewer reads: flipped and failing items with both answers side by side (first
+    divergence marked, checks of both sides, budget exhaustion, item KLD) and the positions
+    of highest KLD with both sides' top tokens.
 
     Args:
         run_dir: run folder.
@@ -284,7 +291,9 @@ def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,
     """
     layout = RunLayout(run_dir)
     run, a, spec = _analyse(layout.root, recipe_dict)
-    text = render_report(run, a, spec, budget_bytes=budget_bytes, users=users, overhead_bytes=overhead_bytes)
+    reviews = run_reviews(layout.root, list(a.tiers), a.reference)
+    text = render_report(run, a, spec, budget_bytes=budget_bytes, users=users, overhead_bytes=overhead_bytes,
+                         reviews=reviews)
     atomic_write_text(layout.report_html, text)
     return layout.report_html
 

@@ -1,7 +1,9 @@
 """JUnit XML for the release gate, so CI systems show each rule as a test.
 
 One ``<testcase>`` per (candidate tier, rule), including the ``status`` check every
-candidate gets; a failing rule carries a ``<failure>`` with the rule's message.
+candidate gets; a failing rule carries a ``<failure>`` with the rule's message and, for a
+quality rule, the items that most explain it (:func:`qeval.report.review.offending_items`),
+so a CI system that renders JUnit shows what failed.
 ``classname`` is ``qeval.gate.<tier>``, ``name`` the rule.
 """
 from __future__ import annotations
@@ -10,11 +12,33 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from ..analysis.gate import GateReport
+from ..metrics import GATE_RULES
 from ..results import atomic_write_text
+from .review import TierReview, offending_items
+
+#: Offending items named per failing rule.
+OFFENDERS = 5
 
 
-def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate") -> str:
-    """The gate verdict as a JUnit XML document (string, UTF-8 declaration included)."""
+def gate_offenders(gate_report: GateReport, reviews: dict[str, TierReview]) -> dict[tuple[str, str], list[str]]:
+    """``{(tier, rule): [one-line item descriptions]}`` for each failing rule of each
+    candidate that has stored answers (:func:`qeval.report.review.offending_items`)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for c in gate_report.candidates:
+        for r in c.rules:
+            rule = GATE_RULES.get(r.rule)
+            if not r.passed and rule is not None:
+                items = offending_items(reviews.get(c.tier), rule.metric, OFFENDERS)
+                if items:
+                    out[(c.tier, r.rule)] = items
+    return out
+
+
+def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate",
+              offenders: dict[tuple[str, str], list[str]] | None = None) -> str:
+    """The gate verdict as a JUnit XML document (string, UTF-8 declaration included);
+    ``offenders`` (:func:`gate_offenders`) adds a failing rule's worst items to its message."""
+    offenders = offenders or {}
     cases = [(c, r) for c in gate_report.candidates for r in c.rules]
     failures = sum(1 for _, r in cases if not r.passed)
     root = ET.Element("testsuites", name=suite_name, tests=str(len(cases)), failures=str(failures),
@@ -27,9 +51,12 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate") -> str:
     for c, r in cases:
         tc = ET.SubElement(suite, "testcase", classname=f"qeval.gate.{c.tier}", name=r.rule, time="0")
         if not r.passed:
-            f = ET.SubElement(tc, "failure", message=r.message, type="GateRuleFailed")
+            worst = offenders.get((c.tier, r.rule), [])
+            msg = r.message + (f"; worst items: {'; '.join(worst[:3])}" if worst else "")
+            f = ET.SubElement(tc, "failure", message=msg, type="GateRuleFailed")
             f.text = (f"tier {c.tier}: rule {r.rule} failed\nvalue: {r.value}\n"
-                      f"threshold: {r.threshold}\n{r.message}")
+                      f"threshold: {r.threshold}\n{r.message}"
+                      + ("\nworst items:" + "".join(f"\n  {w}" for w in worst) if worst else ""))
         else:
             out = ET.SubElement(tc, "system-out")
             out.text = r.message
@@ -37,8 +64,9 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate") -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_junit(gate_report: GateReport, path: str | Path) -> Path:
+def write_junit(gate_report: GateReport, path: str | Path,
+                offenders: dict[tuple[str, str], list[str]] | None = None) -> Path:
     """Write :func:`junit_xml` to ``path`` atomically; returns the path."""
     p = Path(path)
-    atomic_write_text(p, junit_xml(gate_report))
+    atomic_write_text(p, junit_xml(gate_report, offenders=offenders))
     return p
