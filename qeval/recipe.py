@@ -537,6 +537,8 @@ def _cross_checks(recipe: Recipe) -> None:
     for i, t in enumerate(recipe.tiers):
         if t.engine is not None:
             _check_engine(recipe, i, t)
+        if t.serve is not None:
+            _check_serve(recipe, i, t)
     snames = [s.name for s in recipe.suites]
     for i, n in enumerate(snames):
         if n in snames[:i]:
@@ -585,9 +587,25 @@ def _check_engine(recipe: Recipe, i: int, spec: Any) -> None:
                                                    f"(engines for {spec.method}: {', '.join(method.engines())})")
 
 
+def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
+    """A served tier: llama-server serves GGUF files, vLLM needs CUDA; ``parallel`` defaults
+    to the largest ``load.concurrency`` (1 without a load stage), so the server batches
+    every stream of the load sweep."""
+    method = get_method(spec.method)
+    fmt = method.artifact_format if method is not None else None
+    if spec.serve.server == "llama-server" and fmt != "gguf":
+        raise recipe.error(("tiers", i, "serve"), f"llama-server serves GGUF files; method {spec.method} writes "
+                                                  f"{fmt} artifacts (serve them with vllm)")
+    if spec.serve.server == "vllm" and recipe.device == "cpu":
+        raise recipe.error(("tiers", i, "serve"), "vLLM serves on CUDA only and the recipe's device is cpu "
+                                                  "(use llama-server for a GGUF tier, or device: cuda)")
+    if spec.serve.parallel is None:
+        spec.serve.parallel = max(recipe.load.concurrency) if recipe.load.enabled else 1
+
+
 #: Tier fields added after fingerprints and reference keys existed: left out of them while
 #: at their default, so a recipe that does not set them keeps its fingerprints and keys.
-LATER_TIER_FIELDS = ("engine",)
+LATER_TIER_FIELDS = ("engine", "endpoint", "serve")
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:

@@ -29,7 +29,7 @@ from .results import (RUN_SCOPE, TIER_STAGES, RunInfo, RunLayout, TierResult, re
                       write_run_info)
 from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, stage_threads,
                      tier_fingerprint)
-from .source import hub_download_bytes
+from .source import hub_download_bytes, model_source_path
 from .storage import redact_options
 from .tiers import get_method
 
@@ -166,6 +166,7 @@ class Runner(TierRunner):
             self.check_download()
         src = self.run_global("source")
         check_context(self.recipe, src.max_context)
+        check_endpoints(self.recipe, Path(src.path))  # the tokenizer check where preflight had no tokenizer
         self.check_disk(Path(src.path))
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,
@@ -265,6 +266,37 @@ def preflight(recipe: Recipe) -> None:
         if not has_cuda:
             raise recipe.error(("device",), "the recipe asks for device cuda, but this machine has no CUDA "
                                             "device visible to torch (use device: auto or cpu)")
+    local = model_source_path(recipe.model.source, recipe.base_dir) if recipe.model.source else None
+    check_endpoints(recipe, local if local is not None and (local / "config.json").is_file() else None)
+
+
+_CHECKED: set[tuple[str, bool]] = set()
+
+
+def check_endpoints(recipe: Recipe, tokenizer: Path | None) -> None:
+    """Every ``endpoint:`` tier's server, before any of its stages: reachable, the API key
+    (from its environment variable) accepted, a model served, and, given the source
+    ``tokenizer`` folder, the same token counts on the depth prompts
+    (:func:`qeval.engines.openai.preflight_endpoint`). Each check runs once per process.
+
+    Raises:
+        QevalInputError: one line naming the recipe file, the tier's line and field.
+    """
+    from .engines.openai import EndpointError, depth_texts, preflight_endpoint  # start-up time: httpx
+    texts: list[str] | None = None
+    for i, t in enumerate(recipe.tiers):
+        if t.endpoint is None or (t.name, tokenizer is not None) in _CHECKED:
+            continue
+        if tokenizer is not None and texts is None:
+            from transformers import AutoTokenizer  # start-up time: only endpoint tiers need it here
+            texts = depth_texts(AutoTokenizer.from_pretrained(str(tokenizer)),
+                                recipe.resolve_path(recipe.speed.depth_text), recipe.speed.depths)
+        try:
+            preflight_endpoint(t.endpoint, tokenizer=tokenizer, texts=texts or ())
+        except EndpointError as e:  # TokenizerMismatch is one
+            field = (e.field or "endpoint").split(".")
+            raise recipe.error(("tiers", i, *field), e.message) from None
+        _CHECKED.add((t.name, tokenizer is not None))
 
 
 LOGPROB_BYTES = 2  # reference/logprobs.npy is float16 (measure/fidelity.py ROUND)

@@ -85,7 +85,19 @@ def tier_context(recipe, run_dir: Path, device: str):
     return TierContext(source_path=src.path, source_sha256=src.sha256, device=device,
                        dtype=recipe.model.dtype, threads=threads, calibration=calib,
                        calibration_fields=calibration_fields(recipe), log=_progress,
-                       trust_remote_code=recipe.model.trust_remote_code)
+                       trust_remote_code=recipe.model.trust_remote_code, run_dir=str(run_dir),
+                       depth_text=str(recipe.resolve_path(recipe.speed.depth_text)),
+                       depths=tuple(recipe.speed.depths), max_context=served_context(recipe, src.max_context))
+
+
+def served_context(recipe, max_context: int | None) -> int:
+    """Tokens per sequence a served tier's server holds: the deepest speed prompt plus its
+    decode, the load prompt plus its output, and at least 2048 for the suites'
+    conversations, at most the model's context."""
+    n = max(max(recipe.speed.depths) + recipe.speed.decode_tokens + 1, 2048)
+    if recipe.load.enabled:
+        n = max(n, recipe.load_depth + recipe.load.output_tokens + 1)
+    return min(n, max_context) if max_context else n
 
 
 # ---- stages -----------------------------------------------------------------------------
@@ -157,6 +169,8 @@ def _peak_counters(memory_counter: str, device: str, baseline: int | None):
     (llama.cpp): NVML only; without it the tier stops (:class:`~qeval.errors.TierUnavailable`,
     saying what to install).
     """
+    if memory_counter == "server":  # replaced by the engine's own counter once its server runs
+        return PeakMemory("cpu", baseline), {}
     if device != "cuda":
         return PeakMemory(device, baseline), {}
     if memory_counter != "torch":
@@ -200,6 +214,8 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     t0 = time.time()
     engine = method.load(spec, ctx, artifact)
     load_s = time.time() - t0
+    if counter == "server":  # the model lives in the server process: its counter starts with it
+        peak = engine.peak_counter()
     if engine.device != device:  # never measure one device and label it another
         raise TierUnavailable(f"tier {tier} asked for {device} but its engine ({engine.backend}) runs on "
                               f"{engine.device}")
@@ -234,6 +250,8 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     for c in (getattr(peak, "primary", peak), second):
         if c is not None:
             c.close()
+    if counter == "server":
+        engine.close()  # stop and reap the tier's server now, not at interpreter exit
     return {
         "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
         "kv_cache": spec.kv_cache, "flash_attn": engine.flash_attn,
@@ -285,7 +303,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     engine_device = getattr(engine, "device", device)
     kind = engine_device if engine_device != "cuda" else \
         ("cuda" if engine.capabilities.memory_counter == "torch" else "nvml")
-    peak = PeakMemory(kind, baseline)
+    peak = engine.peak_counter() if engine.capabilities.memory_counter == "server" else PeakMemory(kind, baseline)
     held = peak.read()
     env = read_stage(layout, RUN_SCOPE, "env")
     budget, budget_src = kv_budget_bytes(recipe, env, engine_device, held)

@@ -19,7 +19,7 @@ def test_registry_finds_the_engine_modules():
     for name in engine_names():
         cls = get_engine(name)
         assert cls.name == name and isinstance(cls.capabilities, Capabilities) and cls.formats
-    assert engines_for_format("hf") == ("hf",) and engines_for_format("gguf") == ("llamacpp",)
+    assert engines_for_format("hf") == ("hf", "openai") and engines_for_format("gguf") == ("llamacpp", "openai")
     with pytest.raises(KeyError, match="unknown engine 'nope'.*hf"):
         get_engine("nope")
 
@@ -32,16 +32,16 @@ def test_capabilities_are_declared_not_probed():
 
 
 def test_each_method_has_a_default_engine_first():
-    assert get_method("bf16").engines() == ("hf",) and get_method("int8").engines() == ("hf",)
-    assert get_method("gptq").engines() == ("hf",) and get_method("awq").engines() == ("hf",)
-    assert get_method("gguf").engines() == ("llamacpp",)
+    assert get_method("bf16").engines() == ("hf", "openai") and get_method("int8").engines() == ("hf", "openai")
+    assert get_method("gptq").engines() == ("hf", "openai") and get_method("awq").engines() == ("hf", "openai")
+    assert get_method("gguf").engines() == ("llamacpp", "openai")
     r = parse_recipe("name: x\nmodel: {source: /m}\ntiers: [{name: a, method: gguf}, {name: b, method: bf16, "
                      "engine: hf}]\ngate: {reference: b}\n")
     assert [get_method(t.method).engine_name(t) for t in r.tiers] == ["llamacpp", "hf"]
 
 
 @pytest.mark.parametrize("tier, want", [
-    ("{name: b, method: bf16, engine: llamacpp}", "engine 'llamacpp' cannot serve method bf16 (engines for bf16: hf)"),
+    ("{name: b, method: bf16, engine: llamacpp}", "engine 'llamacpp' cannot serve method bf16 (engines for bf16: hf, openai)"),
     ("{name: b, method: gguf, engine: vllm}", "unknown engine 'vllm' (known: "),
 ])
 def test_recipe_engine_errors_name_the_line_and_field(tmp_path, tier, want):

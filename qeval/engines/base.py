@@ -69,8 +69,10 @@ class Capabilities:
         batch: ``generate_batch(prompts, max_new_tokens, stop_ids=, pad_id=)``, several
             answers at once without timings: free-running answers use it when present.
         memory_counter: where the engine's memory shows: ``"torch"`` (torch's allocator:
-            ``torch.cuda.max_memory_allocated`` on CUDA, the process's VmHWM on CPU) or
-            ``"process"`` (outside torch: VmHWM on CPU, NVML device memory on CUDA).
+            ``torch.cuda.max_memory_allocated`` on CUDA, the process's VmHWM on CPU),
+            ``"process"`` (outside torch: VmHWM on CPU, NVML device memory on CUDA) or
+            ``"server"`` (another process: the engine's ``peak_counter()`` after it opened,
+            e.g. a served model's RSS with its children, or NVML for its pid).
         kv_bytes: after :meth:`Engine.generate`, ``last_cache_bytes`` holds the bytes of the
             KV cache it filled (the sweep's KV bytes per token come from it).
         lm_eval: ``engine.model`` is a transformers model lm-evaluation-harness's HFLM wraps.
@@ -80,7 +82,7 @@ class Capabilities:
     score: bool = True
     generate: bool = True
     batch: bool = False
-    memory_counter: Literal["torch", "process"] = "torch"
+    memory_counter: Literal["torch", "process", "server"] = "torch"
     kv_bytes: bool = True
     lm_eval: bool = False
     serve: str | None = None
@@ -100,6 +102,10 @@ class EngineOptions:
         backend: a label for the kernel that runs the weights (None: the engine's own).
         decode: the transformers engine's timed decode loop (``auto``, ``eager``, ``static``;
             :func:`qeval.engines.hf.resolve_decode_mode`); other engines have one loop.
+        server: for engines that reach a model over HTTP (``openai``): the tier's
+            ``endpoint`` or ``serve`` settings, ``log`` (the server log's path),
+            ``tokenizer`` (the source folder), ``check_texts`` (depth prompts as text),
+            ``max_context`` (tokens); None for in-process engines.
     """
     device: str
     dtype: str = "bfloat16"
@@ -109,6 +115,7 @@ class EngineOptions:
     trust_remote_code: bool = False
     backend: str | None = None
     decode: str = "auto"
+    server: dict | None = None
 
 
 class Engine(Protocol):

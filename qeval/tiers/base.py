@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
+from ..engines.openai import depth_texts
+from ..engines.servers import EndpointSpec, ServeSpec
+from ..results import RunLayout
 from ..weight_formats import Dense
 
 
@@ -26,17 +29,24 @@ class TierSpec(BaseModel):
         kv_cache: ``model`` (the engine's default KV cache dtype) or ``int8``.
         quality_engine: per-tier override of ``quality.engine``.
         engine: the engine that serves the tier (default: the method's).
+        endpoint: with ``engine: openai``, a server that already runs
+            (:class:`~qeval.engines.servers.EndpointSpec`: ``url``, ``api_key_env``).
+        serve: with ``engine: openai``, the server qeval starts on the tier's artifact
+            (:class:`~qeval.engines.servers.ServeSpec`: ``llama-server`` or ``vllm``).
     """
     model_config = ConfigDict(extra="forbid", frozen=False)
     #: Fields that are engine settings, not part of the artifact: two tiers differing only in
     #: them share one artifact (a GGUF file with and without the int8 KV cache).
-    engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine")
+    engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine", "endpoint", "serve")
     name: str
     kv_cache: Literal["model", "int8"] = Field(
         "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
     quality_engine: Literal["auto", "real", "dequantized"] | None = None
     engine: str | None = Field(None, description="the engine that serves the tier (hf: transformers, "
-                               "llamacpp: llama.cpp); default: the method's own")
+                               "llamacpp: llama.cpp, openai: an OpenAI-compatible server); default: the method's own")
+    endpoint: EndpointSpec | None = Field(None, description="engine openai: a running server {url, api_key_env}")
+    serve: ServeSpec | None = Field(None, description="engine openai: the server qeval starts on the artifact "
+                                    "(llama-server | vllm)")
 
     @field_validator("name")
     @classmethod
@@ -45,6 +55,16 @@ class TierSpec(BaseModel):
             raise ValueError(f"tier name {v!r} must be letters, digits, '-', '_', '.', '+' "
                              "(no path separators, no '..')")
         return v
+
+    @model_validator(mode="after")
+    def _server_settings(self) -> "TierSpec":
+        if self.endpoint is not None and self.serve is not None:
+            raise ValueError("set one of endpoint: (a running server) and serve: (qeval starts one), not both")
+        if (self.endpoint is not None or self.serve is not None) and self.engine != "openai":
+            raise ValueError("endpoint: and serve: need engine: openai")
+        if self.engine == "openai" and self.endpoint is None and self.serve is None:
+            raise ValueError("engine openai needs endpoint: {url: ..., api_key_env: ...} or serve: llama-server | vllm")
+        return self
 
 
 class HfTierSpec(TierSpec):
@@ -79,6 +99,10 @@ class TierContext:
         calibration_fields: what identifies the calibration set (path hash, samples, seq_len).
         log: a one-line logger.
         trust_remote_code: from the recipe (default False).
+        run_dir: the run folder (served tiers log their server in its ``logs/``).
+        depth_text: the recipe's depth text file and ``depths`` its speed depths (a served
+            tier checks the server's token counts on them).
+        max_context: the longest sequence a served tier's server holds (tokens).
     """
     source_path: str
     source_sha256: str
@@ -89,6 +113,10 @@ class TierContext:
     calibration_fields: dict = field(default_factory=dict)
     log: Callable[[str], None] = print
     trust_remote_code: bool = False
+    run_dir: str | None = None
+    depth_text: str | None = None
+    depths: tuple[int, ...] = ()
+    max_context: int | None = None
 
 
 class TierMethod:
@@ -143,7 +171,8 @@ class TierMethod:
         """How :meth:`load` asks the engine to open the artifact."""
         return EngineOptions(device=ctx.device, dtype=ctx.dtype, threads=ctx.threads, kv_cache=spec.kv_cache,
                              flash_attn=getattr(spec, "flash_attn", None), trust_remote_code=ctx.trust_remote_code,
-                             backend=self.backend_label(spec, ctx), decode=getattr(spec, "decode", "auto"))
+                             backend=self.backend_label(spec, ctx), decode=getattr(spec, "decode", "auto"),
+                             server=server_options(spec, ctx))
 
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
         """Load the artifact (or the source when ``needs_artifact`` is False) on the tier's
@@ -224,3 +253,20 @@ class TierMethod:
             QevalInputError: the spec cannot be applied to this model (e.g. a group size).
         """
         return Dense(dtype)
+
+
+def server_options(spec: Any, ctx: TierContext) -> dict | None:
+    """:attr:`EngineOptions.server` of a tier with ``endpoint:`` or ``serve:`` (None
+    otherwise): its settings, the server log ``logs/<tier>.server.log`` of the run folder,
+    the source tokenizer, the depth prompts as text (the token-count check) and the
+    longest sequence (tokens)."""
+    if getattr(spec, "endpoint", None) is None and getattr(spec, "serve", None) is None:
+        return None
+    texts: list[str] = []
+    if ctx.depth_text and ctx.depths:
+        from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
+        texts = depth_texts(AutoTokenizer.from_pretrained(ctx.source_path), ctx.depth_text, ctx.depths)
+    log = str(RunLayout(ctx.run_dir).log(spec.name, "server")) if ctx.run_dir else None
+    return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
+            "serve": spec.serve.model_dump() if spec.serve else None,
+            "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "max_context": ctx.max_context}
