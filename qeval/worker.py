@@ -87,17 +87,17 @@ def tier_context(recipe, run_dir: Path, device: str):
                        calibration_fields=calibration_fields(recipe), log=_progress,
                        trust_remote_code=recipe.model.trust_remote_code, run_dir=str(run_dir),
                        depth_text=str(recipe.resolve_path(recipe.speed.depth_text)),
-                       depths=tuple(recipe.speed.depths), max_context=served_context(recipe, src.max_context))
+                       depths=tuple(recipe.speed.depths), served_tokens=served_tokens(recipe, src.max_context))
 
 
-def served_context(recipe, max_context: int | None) -> int:
-    """Tokens per sequence a served tier's server holds: the deepest speed prompt plus its
-    decode, the load prompt plus its output, and at least 2048 for the suites'
-    conversations, at most the model's context."""
+def served_tokens(recipe, max_context: int | None) -> dict:
+    """What a served tier's server must hold (tokens): ``sequence``, the deepest speed
+    prompt plus its decode and at least 2048 for the suites' conversations (at most the
+    model's context); ``load_sequence``, one load request (0 without a load stage);
+    ``model``, the model's context."""
     n = max(max(recipe.speed.depths) + recipe.speed.decode_tokens + 1, 2048)
-    if recipe.load.enabled:
-        n = max(n, recipe.load_depth + recipe.load.output_tokens + 1)
-    return min(n, max_context) if max_context else n
+    load = recipe.load_depth + recipe.load.output_tokens + 1 if recipe.load.enabled else 0
+    return {"sequence": min(n, max_context) if max_context else n, "load_sequence": load, "model": max_context}
 
 
 # ---- stages -----------------------------------------------------------------------------
@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         info = describe_exception(e)
         write_stage_error(layout, tier, stage, StageError(**info, type="exception", traceback=traceback.format_exc()))
         traceback.print_exc()
+        if getattr(e, "log_tail", None):  # e.g. a tier's server that died: its log's last lines, in the row's tail
+            print(f"--- log tail of what failed ---\n{e.log_tail}", file=sys.stderr, flush=True)
         print(f"[qeval] failed: {info['error']}", file=sys.stderr, flush=True)
         return 1
 

@@ -131,6 +131,34 @@ def test_topk_row_keeps_the_top_k_and_spreads_the_rest():
     assert np.allclose(p[[1, 3, 4, 5]], 0.2 / 4)
 
 
+def test_topk_kld_is_exact_for_k_equal_vocab_and_a_lower_bound_below():
+    from qeval.engines.openai import topk_row
+    from qeval.measure.fidelity import FidelityAccumulator, kld_rows, topk_kld_rows
+    rng = np.random.default_rng(0)
+    v = 50
+
+    def logsm(x):
+        return x - np.log(np.exp(x).sum(1, keepdims=True))
+    ref = logsm(rng.normal(size=(30, v)) * 2)
+    tier = logsm(ref + rng.normal(size=(30, v)) * 0.5)
+    full = kld_rows(ref, tier)
+    assert np.allclose(topk_kld_rows(ref, tier, v), full, atol=1e-9)  # nothing left in the bucket: exact
+    for k in (1, 5, 20):
+        est = topk_kld_rows(ref, tier, k)
+        assert (est <= full + 1e-9).all() and est.mean() > 0  # coarse-graining: a lower bound
+    # rows a server gives (top-k at their ids, the rest spread evenly) yield the same estimate
+    served = np.stack([topk_row([(int(i), float(tier[r, i])) for i in np.argsort(-tier[r])[:5]], v)
+                       for r in range(30)])
+    assert np.allclose(topk_kld_rows(ref, served, 5), topk_kld_rows(ref, tier, 5), atol=1e-5)
+    acc = FidelityAccumulator(topk=5)
+    acc.add(ref, served, ref.argmax(1), np.arange(30))
+    s = acc.summary()
+    assert s["kld_topk"] == 5 and s["kld_estimate"].startswith("top-5 (remaining mass in one bucket")
+    assert s["kld_mean"] == pytest.approx(topk_kld_rows(ref.astype(np.float16), served.astype(np.float16), 5).mean(),
+                                          rel=1e-3)
+    assert FidelityAccumulator().summary() == {"n_tokens": 0}
+
+
 def test_generate_streams_token_ids_with_chunk_times_and_stops_on_a_stop_token(fake, tiny_llama):
     from qeval.engines.openai import OpenAIEngine
     f = fake(answer=[5, 6, 7, 8])
@@ -222,17 +250,17 @@ def test_vllm_is_refused_off_cuda_in_one_line(tiny_llama):
 
 
 def test_server_commands():
-    from qeval.engines.servers import llama_server_command, resolve_ctx_per_slot, vllm_command
-    cmd = llama_server_command("/b/llama-server", "/m.gguf", port=5, threads=2, parallel=4, ctx_per_slot=512,
+    from qeval.engines.servers import llama_server_command, round_ctx, vllm_command
+    cmd = llama_server_command("/b/llama-server", "/m.gguf", port=5, threads=2, parallel=4, ctx_size=2048,
                                kv_cache="int8", flash_attn=True)
     s = " ".join(cmd)
-    assert "--host 127.0.0.1 --port 5" in s and "-np 4 -c 2048 --no-kv-unified" in s and "-fa on" in s
+    assert "--host 127.0.0.1 --port 5" in s and "-np 4 -c 2048 --kv-unified" in s and "-fa on" in s
     assert "-ctk q8_0 -ctv q8_0" in s and "-ngl 0" in s and "-t 2 -tb 2" in s
-    v = " ".join(vllm_command("vllm", "/ckpt", "gptqmodel", port=7, parallel=8, ctx_per_slot=4096,
+    v = " ".join(vllm_command("vllm", "/ckpt", "gptqmodel", port=7, parallel=8, max_model_len=4096,
                               gpu_memory_utilization=0.85, tokenizer="/src"))
     assert v.startswith("vllm serve /ckpt --host 127.0.0.1 --port 7") and "--max-num-seqs 8" in v
     assert "--gpu-memory-utilization 0.85" in v and "--no-enable-prefix-caching" in v and "--max-model-len 4096" in v
-    assert resolve_ctx_per_slot([300, 1000]) == 1024 and resolve_ctx_per_slot([5000], 4096) == 4096
+    assert round_ctx(1000) == 1024 and round_ctx(5000, 4096) == 4096 and round_ctx(256) == 256
 
 
 # ---- llama-server on the tiny model's GGUF (slow) ----------------------------------------------
@@ -259,7 +287,7 @@ def served(tmp_path_factory):
 def _serve(tiny, log, parallel=2):
     from qeval.engines.openai import OpenAIEngine
     return OpenAIEngine.open("gguf", tiny["f16"], _options(
-        serve={"server": "llama-server", "parallel": parallel, "ctx_per_slot": 512}, log=str(log),
+        serve={"server": "llama-server", "parallel": parallel, "ctx_size": 1024}, log=str(log),
         tokenizer=str(tiny["src"]), check_texts=[tiny["tok"].decode(tiny["ids"][:40])]))
 
 
@@ -310,3 +338,139 @@ def test_a_server_killed_mid_request_is_the_error_with_its_log_tail(served, tmp_
         assert "server.log" in str(e.value) and e.value.log_tail
     finally:
         eng.close()
+
+
+# ---- a whole run with served tiers (slow) -----------------------------------------------------
+
+def _kill_when_measuring(log: Path, found: dict, stop: threading.Event) -> None:
+    """Kill the tier's llama-server once its measure stage is timing decodes."""
+    import re
+    while not stop.is_set():
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = re.search(r"llama-server ready \(pid (\d+)\)", text)
+        if m and "[qeval] depth" in text:
+            found["pid"] = int(m.group(1))
+            os.kill(found["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_alone(served, tmp_path):
+    import psutil
+    from qeval.engines.llama_tools import tool_path
+    from qeval.engines.servers import ManagedServer, free_port, llama_server_command
+    port = free_port()
+    remote = ManagedServer(llama_server_command(tool_path("llama-server"), served["f16"], port=port, threads=1,
+                                                parallel=2, ctx_size=4096, args=["--api-key", SECRET]),
+                           port=port, log_path=tmp_path / "remote-server.log", name="llama-server").start(120)
+    tiers = f"""  - {{name: ref, method: bf16}}
+  - {{name: srv, method: gguf, type: Q8_0, engine: openai, serve: llama-server}}
+  - {{name: srv-killed, method: gguf, type: Q8_0, engine: openai, serve: llama-server}}
+  - {{name: remote, method: bf16, engine: openai, endpoint: {{url: {remote.url}/v1, api_key_env: QEVAL_TEST_KEY}}}}
+"""
+    recipe = write_recipe(tmp_path / "tiny.yaml", served["src"], tiers=tiers,
+                          extra="gate: {reference: ref, rules: {max_kld_mean: 10.0}}")
+    text = recipe.read_text().replace("model: {source: " + str(served["src"]) + "}",
+                                      "model: {source: " + str(served["src"]) + ", dtype: float32}")
+    text = text.replace("speed: {depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}",
+                        "speed: {depths: [16, 48], decode_tokens: 8, repeats: 25, warmup: 0}")
+    recipe.write_text(text)
+    out = tmp_path / "results"
+    from qeval.paths import cache_root
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for built in ("llama_tools", "llama_cpp_src"):  # llama-server as built for this machine (cached by flags)
+        if (cache_root() / built).exists():
+            (cache / built).symlink_to(cache_root() / built)
+    env = dict(os.environ, QEVAL_TEST_KEY=SECRET, QEVAL_CACHE=str(cache), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found: dict = {}
+    stop = threading.Event()
+    try:
+        while run_dir_of(out) is None and proc.poll() is None:
+            time.sleep(0.1)
+        assert run_dir_of(out) is not None, proc.communicate()[0][-3000:]
+        watcher = threading.Thread(target=_kill_when_measuring, daemon=True,
+                                   args=(run_dir_of(out) / "logs" / "srv-killed.measure.log", found, stop))
+        watcher.start()
+        stdout, _ = proc.communicate(timeout=1500)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+        remote.stop()
+    run = run_dir_of(out)
+    assert proc.returncode in (0, 1), stdout[-3000:]
+    res = {t: json.loads((run / "tiers" / f"{t}.json").read_text()) for t in ("ref", "srv", "srv-killed", "remote")}
+    # the killed server fails its tier alone, with its reason and the server's log tail in the row
+    assert found.get("pid"), stdout[-2000:]
+    bad = res["srv-killed"]
+    assert bad["status"] == "failed" and "killed by SIGKILL mid-stage" in bad["error"], bad["error"]
+    assert "--- log tail of what failed ---" in bad["log_tail"] and "srv-killed.server.log" in bad["error"]
+    server_log = (run / "logs" / "srv-killed.server.log").read_text().splitlines()
+    assert server_log[-1].strip() and server_log[-1].strip() in bad["log_tail"]
+    # the served tier: speed from the stream, load through the server, quality from its top-k
+    srv = res["srv"]
+    assert srv["status"] == "ok" and srv["engine"] == "openai" and srv["backend"] == "llama-server-cpu"
+    assert all(srv["speed"][d]["decode_tokens_per_s"] for d in ("16", "48"))
+    assert srv["memory"]["kind"] == "server_rss_sampled" and srv["memory"]["peak_bytes"]["48"] > 10 * 2**20
+    assert [p["concurrency"] for p in srv["load"]["points"]] == [1, 2] and srv["load"]["scheduling"] == ["server"]
+    fid = srv["quality"]["fidelity"]
+    assert fid["kld_mean"] < 0.5 and fid["same_top_rate"] > 0.8, fid
+    assert res["ref"]["status"] == "ok" and res["remote"]["status"] == "ok"
+    assert res["remote"]["backend"] == "endpoint (llama.cpp)" and res["remote"]["quality"]["fidelity"]["kld_mean"] < 0.1
+    # the API key: read from the environment, never written to the run folder (run.json, logs, results)
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert SECRET.encode() not in f.read_bytes(), f
+    assert SECRET not in stdout
+    # every server qeval started is stopped and reaped
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "llama-server" in " ".join(p.info["cmdline"] or [])
+                 and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
+
+
+@pytest.mark.slow
+def test_top_k_kld_from_llama_server_agrees_with_the_full_vocabulary_kld(served, tmp_path):
+    """The server's top-20 log-probabilities are llama.cpp's own, and the top-k KLD estimate
+    of a Q4_K_M file against the F16 reference stays within the stated bound of the full
+    KLD the in-process engine gives: a lower bound, and at least TOPK_SHARE of it."""
+    from qeval.engines.llamacpp import LlamaCppEngine, quantize_gguf
+    from qeval.measure.fidelity import kld_rows, topk_kld_rows
+    ids = served["ids"][:90]
+    first = 40
+
+    def rows(engine):
+        try:
+            return np.concatenate([lp for _, lp in engine.iter_logprobs(ids, 64, first)])
+        finally:
+            engine.close()
+    ref = rows(LlamaCppEngine(served["f16"], threads=1))
+    q4 = tmp_path / "q4.gguf"
+    quantize_gguf(served["f16"], q4, "Q4_K_M")
+    full = rows(LlamaCppEngine(q4, threads=1))
+    from qeval.engines.openai import OpenAIEngine
+    eng = OpenAIEngine.open("gguf", q4, _options(serve={"server": "llama-server", "parallel": 1, "ctx_size": 512},
+                                                 log=str(tmp_path / "s.log"), tokenizer=str(served["src"])))
+    assert eng.score_topk == 20
+    top = rows(eng)
+    assert top.shape == full.shape == ref.shape == (len(ids) - 1 - first, 49152)
+    k = 20
+    idx = np.argsort(-top, axis=1)[:, :k]
+    # the top-k are llama.cpp's: the same ids' log-probabilities as in process
+    assert np.abs(np.take_along_axis(top, idx, 1) - np.take_along_axis(full, idx, 1)).max() < 2e-3
+    assert (top.argmax(1) == full.argmax(1)).mean() > 0.95
+    kld_full = kld_rows(ref, full).mean()
+    kld_top = topk_kld_rows(ref, top, k).mean()
+    kld_top_inproc = topk_kld_rows(ref, full, k).mean()
+    print(f"KLD full {kld_full:.5f}, top-{k} estimate from the server {kld_top:.5f}, in process {kld_top_inproc:.5f}")
+    assert kld_full > 1e-4  # Q4_K_M differs measurably from F16
+    assert kld_top == pytest.approx(kld_top_inproc, rel=0.05, abs=1e-5)  # the estimate is the server's data
+    assert kld_top <= kld_full * 1.01 + 1e-6  # coarse-graining never increases KL
+    assert kld_top >= TOPK_SHARE * kld_full, (kld_top, kld_full)
+
+
+#: The stated bound: on the tiny model the top-20 estimate keeps at least this share of the full KLD.
+TOPK_SHARE = 0.05

@@ -136,6 +136,9 @@ class Engine(Protocol):
             sampling defaults qeval set aside.
         kv_requant_period: tokens between re-quantizations of a quantized KV cache (None:
             never re-quantized), so the speed sweep times whole periods.
+        score_topk: optional; k when :meth:`iter_logprobs` rows hold only a server's top-k
+            (the fidelity KLD is then the top-k estimate, :mod:`qeval.measure.fidelity`);
+            absent or None: the full vocabulary.
     """
     name: ClassVar[str]
     formats: ClassVar[tuple[str, ...]]

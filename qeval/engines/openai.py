@@ -50,7 +50,7 @@ from .base import Capabilities, EngineOptions, Generation, MemoryInfo
 from .llama_tools import tool_path
 from .llamacpp import default_flash_attn, gguf_file
 from .servers import (EndpointSpec, ManagedServer, ServeSpec, ServerFailed, free_port, llama_server_command,
-                      resolve_ctx_per_slot, server_peak_counter, vllm_binary, vllm_command)
+                      round_ctx, server_peak_counter, vllm_binary, vllm_command)
 
 DEFAULT_TOPK = 20
 
@@ -158,6 +158,9 @@ class Client:
             RuntimeError: an HTTP error status (with the server's message, cut to 300 characters).
         """
         r = self.http.post(path, json=body)
+        if r.status_code in (401, 403):  # llama-server lets /v1/models through without a key; not this
+            raise EndpointError(f"{self.base_url} refused the API key (HTTP {r.status_code})",
+                                field="endpoint.api_key_env")
         if r.status_code != 200:
             raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -259,21 +262,22 @@ class OpenAIEngine:
             raise ValueError("the openai engine needs exactly one of endpoint: and serve:")
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
                    tokenizer=s.get("tokenizer"), check_texts=s.get("check_texts") or (),
-                   max_context=s.get("max_context"))
+                   tokens=s.get("tokens") or {})
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
                  serve: ServeSpec | None, log_path: str | None, tokenizer: str | None,
-                 check_texts: Sequence[str] = (), max_context: int | None = None) -> None:
+                 check_texts: Sequence[str] = (), tokens: dict | None = None) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         self.server: ManagedServer | None = None
         self.flash_attn: bool | None = None
         self.sampling = {"decode": "argmax (temperature 0, top_k 1)", "ignored_file_defaults": {}}
         self.topk = DEFAULT_TOPK
+        self.score_topk = self.topk  # the fidelity stage's KLD is the top-k estimate
         self.last_cache_bytes = None
         self.device = options.device
         self.tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
         if serve is not None:
-            url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), max_context)
+            url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {})
             key, timeout = None, 600.0
         else:
             url, key, timeout = endpoint.url, api_key(endpoint), endpoint.timeout_s
@@ -282,17 +286,23 @@ class OpenAIEngine:
             self.client.connect(endpoint.model if endpoint else None)
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
             self.vocab_size = len(self.tok) if self.tok is not None else 0
-            self.tokenizer_check = check_tokenizer(self.client, self.tok, check_texts) if self.tok else []
+            try:
+                self.tokenizer_check = check_tokenizer(self.client, self.tok, check_texts) if self.tok else []
+            except Exception as e:  # noqa: BLE001 - a server dying here is the reason
+                self._alive(e)
         except BaseException:
             self.close()
             raise
 
     # -- the server ----------------------------------------------------------------------
     def _start(self, fmt: str, path: Path | None, options: EngineOptions, serve: ServeSpec, log: Path,
-               max_context: int | None) -> str:
+               tokens: dict) -> str:
+        """Start the managed server; ``tokens``: ``sequence`` (the longest sequence),
+        ``load_sequence`` (one load request) and ``model`` (the model's context)."""
         port = free_port()
         parallel = serve.parallel or 1
-        ctx = serve.ctx_per_slot or resolve_ctx_per_slot([max_context or 2048], max_context)
+        seq = int(tokens.get("sequence") or 2048)
+        pool = max(seq, parallel * int(tokens.get("load_sequence") or 0))
         if serve.server == "llama-server":
             if fmt != "gguf":
                 raise ValueError(f"llama-server serves GGUF artifacts, not {fmt!r}")
@@ -300,7 +310,7 @@ class OpenAIEngine:
                 else bool(options.flash_attn)
             binary = tool_path("llama-server", log=lambda m: print(f"[qeval] {m}", flush=True))
             cmd = llama_server_command(binary, gguf_file(path), port=port, threads=options.threads, parallel=parallel,
-                                       ctx_per_slot=ctx, kv_cache=options.kv_cache, flash_attn=self.flash_attn,
+                                       ctx_size=serve.ctx_size or round_ctx(pool), kv_cache=options.kv_cache, flash_attn=self.flash_attn,
                                        device=options.device, args=serve.args)
             name = "llama-server"
         else:
@@ -311,7 +321,8 @@ class OpenAIEngine:
             if binary is None:
                 raise TierUnavailable("vllm is not installed: pip install vllm (best in its own environment; "
                                       "set QEVAL_VLLM to its executable)")
-            cmd = vllm_command(binary, path, fmt, port=port, parallel=parallel, ctx_per_slot=ctx,
+            cmd = vllm_command(binary, path, fmt, port=port, parallel=parallel,
+                               max_model_len=serve.ctx_size or round_ctx(seq, tokens.get("model")),
                                gpu_memory_utilization=serve.gpu_memory_utilization,
                                kv_cache=options.kv_cache, args=serve.args)
             name = "vllm"
@@ -499,10 +510,9 @@ def _spread(times: list[float], n: int) -> list[float]:
 
 
 def _print_tail(e: ServerFailed) -> None:
-    """The server's log tail into this stage's log (the tier row's log tail shows it)."""
+    """The one-line reason into this stage's log (the stage worker prints the server log's
+    tail, :attr:`ServerFailed.log_tail`, after the traceback, where the row's tail shows it)."""
     print(f"[qeval] {e}", file=sys.stderr, flush=True)
-    if e.log_tail:
-        print("--- server log tail ---\n" + e.log_tail, file=sys.stderr, flush=True)
 
 
 def check_tokenizer(client: Client, tok: Any, texts: Sequence[str]) -> list[dict]:
@@ -521,6 +531,8 @@ def check_tokenizer(client: Client, tok: Any, texts: Sequence[str]) -> list[dict
         want = len(tok(text)["input_ids"])
         try:
             d = client.post("/v1/completions", client.body(text, 1, stream=False, logprobs=0))
+        except EndpointError:
+            raise
         except RuntimeError as e:
             raise EndpointError(f"{client.base_url} refused a completion: {e}", field="endpoint.url") from None
         got = int((d.get("usage") or {}).get("prompt_tokens") or -1)
@@ -533,9 +545,12 @@ def check_tokenizer(client: Client, tok: Any, texts: Sequence[str]) -> list[dict
 
 
 def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list[str]:
-    """The depth prompts as text: the first ``d`` tokens of the depth text decoded, per depth."""
+    """The depth prompts as text: the first ``d`` tokens of the depth text decoded, per
+    depth, with runs of whitespace collapsed to one space: llama.cpp and transformers
+    split a run of newlines differently on the very same vocabulary (``"\\n\\n"`` one
+    token or two), which is no sign of another tokenizer (qeval sends token ids, never text)."""
     from ..measure.speed import depth_prompt_ids  # start-up time: the speed module is only needed here
-    return [tok.decode(depth_prompt_ids(tok, depth_text, int(d))) for d in depths]
+    return [" ".join(tok.decode(depth_prompt_ids(tok, depth_text, int(d))).split()) for d in depths]
 
 
 def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = None,
@@ -554,6 +569,7 @@ def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = Non
     try:
         client.connect(spec.model)
         checked = []
+        client.post("/v1/completions", client.body("Hello", 1, stream=False, logprobs=0))  # the key, on a route that needs it
         if tokenizer is not None:
             from transformers import AutoTokenizer  # start-up time: only endpoint tiers check a tokenizer here
             checked = check_tokenizer(client, AutoTokenizer.from_pretrained(str(tokenizer)), texts)

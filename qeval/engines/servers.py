@@ -90,16 +90,18 @@ class ServeSpec(_Strict):
             checkpoints; CUDA only).
         parallel: concurrent sequences the server batches (llama-server ``--parallel``
             slots, vLLM ``--max-num-seqs``); None: the recipe's largest ``load.concurrency``.
-        ctx_per_slot: tokens per sequence (llama-server ``--ctx-size`` is this x
-            ``parallel``, each slot owning its share; vLLM ``--max-model-len``); None: the
-            longest speed or load sequence of the recipe, rounded up to 256.
+        ctx_size: llama-server ``--ctx-size``: KV cells its slots share (``--kv-unified``);
+            vLLM ``--max-model-len``: tokens per sequence (vLLM pages its KV cache inside
+            ``gpu_memory_utilization``). None: from the recipe: the longest speed sequence,
+            or for llama-server ``parallel`` x the load sequence when that is more, rounded
+            up to 256.
         gpu_memory_utilization: vLLM ``--gpu-memory-utilization`` (share of GPU memory).
         startup_timeout_s: seconds for the server to answer its health route.
         args: extra command-line arguments, appended as they are.
     """
     server: Literal["llama-server", "vllm"]
     parallel: int | None = Field(None, gt=0)
-    ctx_per_slot: int | None = Field(None, gt=0)
+    ctx_size: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     startup_timeout_s: float = Field(600.0, gt=0)
     args: list[str] = Field(default_factory=list)
@@ -255,16 +257,16 @@ class ManagedServer:
 # ---- commands ----------------------------------------------------------------------------
 
 def llama_server_command(binary: str | Path, gguf: str | Path, *, port: int, threads: int, parallel: int,
-                         ctx_per_slot: int, kv_cache: str = "model", flash_attn: bool = False,
+                         ctx_size: int, kv_cache: str = "model", flash_attn: bool = False,
                          device: str = "cpu", args: Sequence[str] = ()) -> list[str]:
     """llama-server on one GGUF file as qeval measures it: 127.0.0.1, ``threads`` for
-    decode and batches, ``parallel`` slots each owning ``ctx_per_slot`` cells
-    (``--no-kv-unified``, as :mod:`qeval.engines.llamacpp_load` sizes its pool), flash
+    decode and batches, ``parallel`` slots sharing one KV pool of ``ctx_size`` cells
+    (``--kv-unified``: one deep speed prompt or N load streams fit the same server), flash
     attention set explicitly, the int8 KV cache as ``q8_0`` K and V, every layer on the
     GPU for ``device="cuda"``, no prompt-cache RAM and no web UI."""
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
-           "--no-kv-unified", "-fa", "on" if flash_attn else "off", "-ngl", "999" if device == "cuda" else "0",
+           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(ctx_size),
+           "--kv-unified", "-fa", "on" if flash_attn else "off", "-ngl", "999" if device == "cuda" else "0",
            "--cache-ram", "0", "--no-webui", "--no-context-shift"]
     if kv_cache == "int8":
         cmd += ["-ctk", "q8_0", "-ctv", "q8_0"]
@@ -283,15 +285,15 @@ def vllm_binary() -> str | None:
     return shutil.which("vllm")
 
 
-def vllm_command(binary: str, artifact: str | Path, fmt: str, *, port: int, parallel: int, ctx_per_slot: int,
+def vllm_command(binary: str, artifact: str | Path, fmt: str, *, port: int, parallel: int, max_model_len: int,
                  gpu_memory_utilization: float, tokenizer: str | None = None, kv_cache: str = "model",
                  served_name: str = "qeval", args: Sequence[str] = ()) -> list[str]:
     """``vllm serve <artifact>`` on 127.0.0.1: ``--max-num-seqs`` = ``parallel``,
-    ``--max-model-len`` = ``ctx_per_slot``, ``--gpu-memory-utilization``, prefix caching off
+    ``--max-model-len``, ``--gpu-memory-utilization``, prefix caching off
     (repeated speed prompts would hit it), the source's tokenizer, an int8 KV cache as
     ``--kv-cache-dtype fp8`` (vLLM has no int8 KV cache; the row's backend says so)."""
     cmd = [binary, "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", served_name, "--max-num-seqs", str(parallel), "--max-model-len", str(ctx_per_slot),
+           "--served-model-name", served_name, "--max-num-seqs", str(parallel), "--max-model-len", str(max_model_len),
            "--gpu-memory-utilization", str(gpu_memory_utilization), "--no-enable-prefix-caching",
            "--disable-log-requests"]
     q = VLLM_QUANTIZATION.get(fmt)
@@ -382,11 +384,8 @@ def server_peak_counter(pid: int, device: str) -> Any:
     return ServerRss(pid)
 
 
-def resolve_ctx_per_slot(lengths: Sequence[int], cap: int | None = None) -> int:
-    """Tokens per server slot: the longest of ``lengths`` rounded up to 256 (llama.cpp pads
-    per-sequence contexts to 256 cells), at most ``cap`` (the model's context) when given."""
-    n = max(int(x) for x in lengths) if lengths else 256
-    n = -(-n // 256) * 256
+def round_ctx(n: int, cap: int | None = None) -> int:
+    """``n`` tokens rounded up to 256 (llama.cpp pads contexts to 256 cells), at most ``cap``
+    (the model's context) when given."""
+    n = -(-max(int(n), 1) // 256) * 256
     return min(n, int(cap)) if cap else n
-
-

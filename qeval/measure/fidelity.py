@@ -9,6 +9,12 @@ Definitions (docs/design.md; llama.cpp ``perplexity --kl-divergence`` convention
   error of the mean NLL difference propagated (delta method).
 - Delta p = p_tier(ref token) - p_ref(ref token): mean and RMS.
 - Drift: KLD by position bucket inside long outputs (position counted from the first answer token).
+- Top-k estimate (engines that see only the top ``k`` log-probabilities of a server:
+  ``engine.score_topk``): KL between the two distributions coarse-grained to the tier's
+  top ``k`` tokens plus one bucket holding the remaining mass of each,
+  sum_{v in S} p_ref(v) log(p_ref(v)/p_tier(v)) + R_ref log(R_ref / R_tier), with S the
+  tier's top k, R = 1 - sum_S p. Coarse-graining never increases KL (data-processing
+  inequality), so it is a lower bound of the full KLD; ``kld_estimate`` names it with k.
 
 Log-probabilities are stored and compared in float16 (``ROUND``): the reference's are kept
 on disk in float16, and the tier's are rounded the same way, so a tier identical to the
@@ -27,6 +33,23 @@ DEFAULT_BUCKETS = ((0, 255), (256, 1023), (1024, None))
 
 def bucket_name(lo: int, hi: int | None) -> str:
     return f"{lo}-{hi}" if hi is not None else f"{lo}+"
+
+
+def topk_kld_rows(ref_logp: np.ndarray, tier_logp: np.ndarray, k: int) -> np.ndarray:
+    """Per-row top-``k`` KL estimate (nats; module notes): the tier's top ``k`` tokens of
+    each ``[m, vocab]`` row, the remaining mass of both distributions in one bucket."""
+    r = ref_logp.astype(np.float64)
+    t = tier_logp.astype(np.float64)
+    k = max(1, min(int(k), t.shape[1]))
+    top = np.argpartition(-t, k - 1, axis=1)[:, :k]
+    rs = np.take_along_axis(r, top, axis=1)
+    ts = np.take_along_axis(t, top, axis=1)
+    p = np.exp(rs)
+    head = np.where(p > 0, p * (rs - ts), 0.0).sum(axis=1)
+    r_rest = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
+    t_rest = np.clip(1.0 - np.exp(ts).sum(axis=1), 1e-30, 1.0)
+    tail = np.where(r_rest > 0, r_rest * (np.log(np.maximum(r_rest, 1e-300)) - np.log(t_rest)), 0.0)
+    return np.maximum(head + tail, 0.0)
 
 
 def kld_rows(ref_logp: np.ndarray, tier_logp: np.ndarray) -> np.ndarray:
@@ -48,8 +71,11 @@ class FidelityAccumulator:
 
     Feed it with :meth:`add` (``[m, vocab]`` reference and tier log-probabilities, the
     ``[m]`` reference token ids those rows predict, and each row's position inside its answer).
+    ``topk``: the tier's rows are a server's top-k (the rest of their mass spread evenly):
+    KLD is the top-k estimate (:func:`topk_kld_rows`), labelled so in the summary.
     """
     buckets: tuple = DEFAULT_BUCKETS
+    topk: int | None = None
     kld: list = field(default_factory=list)
     same_top: list = field(default_factory=list)
     nll_ref: list = field(default_factory=list)
@@ -62,7 +88,7 @@ class FidelityAccumulator:
         ref = ref_logp.astype(ROUND)
         tier = tier_logp.astype(ROUND)
         rows = np.arange(len(target_ids))
-        self.kld.append(kld_rows(ref, tier))
+        self.kld.append(topk_kld_rows(ref, tier, self.topk) if self.topk else kld_rows(ref, tier))
         self.same_top.append(ref.argmax(axis=1) == tier.argmax(axis=1))
         lr = ref[rows, target_ids].astype(np.float64)
         lt = tier[rows, target_ids].astype(np.float64)
@@ -102,4 +128,6 @@ class FidelityAccumulator:
             "delta_p_mean": float(dp.mean()),
             "delta_p_rms": float(math.sqrt(float((dp ** 2).mean()))),
             "kld_by_bucket": by_bucket,
+            "kld_estimate": f"top-{self.topk} (remaining mass in one bucket; a lower bound)" if self.topk else None,
+            "kld_topk": self.topk,
         }

@@ -328,7 +328,7 @@ def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window
              progress: Callable[[str], None] = lambda s: None, review: ReviewCollector | None = None) -> dict:
     """Teacher-forced fidelity of ``engine`` on the reference segments (see fidelity.py);
     ``review`` also collects per-item KLD and the highest-KLD positions (review.py)."""
-    acc = FidelityAccumulator()
+    acc = FidelityAccumulator(topk=getattr(engine, "score_topk", None))  # engines seeing all logits set none
     groups = conversations(segments)
     for i, group in enumerate(groups):
         progress(f"fidelity: sequence {i + 1}/{len(groups)}")

@@ -102,7 +102,9 @@ class TierContext:
         run_dir: the run folder (served tiers log their server in its ``logs/``).
         depth_text: the recipe's depth text file and ``depths`` its speed depths (a served
             tier checks the server's token counts on them).
-        max_context: the longest sequence a served tier's server holds (tokens).
+        served_tokens: what a served tier's server must hold (tokens): ``sequence`` (the
+            longest speed or quality sequence), ``load_sequence`` (one load request) and
+            ``model`` (the model's context).
     """
     source_path: str
     source_sha256: str
@@ -116,7 +118,7 @@ class TierContext:
     run_dir: str | None = None
     depth_text: str | None = None
     depths: tuple[int, ...] = ()
-    max_context: int | None = None
+    served_tokens: dict = field(default_factory=dict)
 
 
 class TierMethod:
@@ -259,7 +261,7 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
     """:attr:`EngineOptions.server` of a tier with ``endpoint:`` or ``serve:`` (None
     otherwise): its settings, the server log ``logs/<tier>.server.log`` of the run folder,
     the source tokenizer, the depth prompts as text (the token-count check) and the
-    longest sequence (tokens)."""
+    sequence lengths its server must hold (:attr:`TierContext.served_tokens`)."""
     if getattr(spec, "endpoint", None) is None and getattr(spec, "serve", None) is None:
         return None
     texts: list[str] = []
@@ -269,4 +271,4 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
     log = str(RunLayout(ctx.run_dir).log(spec.name, "server")) if ctx.run_dir else None
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
             "serve": spec.serve.model_dump() if spec.serve else None,
-            "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "max_context": ctx.max_context}
+            "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "tokens": dict(ctx.served_tokens)}
