@@ -222,7 +222,8 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     if not engine.capabilities.generate:
         raise RuntimeError(f"the {engine.name} engine cannot generate: the speed sweep needs timed decoding")
     after_load = peak.read()
-    quant = method.quant_info(spec, ctx, artifact, engine)
+    quant = method.stored_info(spec, ctx, artifact) if counter == "server" else \
+        method.quant_info(spec, ctx, artifact, engine)  # a served model is not in this process: its files
     weight_bytes = quant.get("stored_bytes")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     text = recipe.resolve_path(recipe.speed.depth_text)

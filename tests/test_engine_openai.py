@@ -242,6 +242,19 @@ def test_bad_endpoint_settings_exit_2_in_one_line_before_any_stage(case, fake, t
     assert run_dir_of(tmp_path / "results") is None  # before any stage: no run folder at all
 
 
+def test_a_served_tier_counts_its_weights_from_the_files(tiny_llama):
+    from qeval.tiers import get_method
+    from qeval.tiers.base import TierContext, safetensors_sizes
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    n = sum(p.numel() for p in model.parameters())  # tied embeddings counted once, as stored
+    assert safetensors_sizes(tiny_llama) == (2 * n, n)  # BF16: 2 bytes per weight
+    spec = get_method("bf16").spec(name="r", method="bf16")
+    info = get_method("bf16").stored_info(spec, TierContext(source_path=str(tiny_llama), source_sha256="x",
+                                                            device="cpu"), None)
+    assert info["stored_bytes"] == 2 * n and info["bits_per_weight"] == 16.0 and info["stored_from"] == "files"
+
+
 def test_vllm_is_refused_off_cuda_in_one_line(tiny_llama):
     from qeval.engines.openai import OpenAIEngine
     from qeval.errors import TierUnavailable

@@ -245,6 +245,18 @@ class TierMethod:
         """Stored bytes and bits per weight of the loaded tier."""
         return {}
 
+    def stored_info(self, spec: Any, ctx: TierContext, artifact: Path | None) -> dict:
+        """Stored bytes and bits per weight from the files alone, for a tier whose model
+        lives in another process (a served tier): the tensor bytes of the artifact's
+        safetensors as stored (packed integers as stored), over the source checkpoint's
+        parameter count (:func:`safetensors_sizes`). GGUF reads its file instead."""
+        folder = Path(artifact) if (self.needs_artifact and artifact) else Path(ctx.source_path)
+        stored, _ = safetensors_sizes(folder)
+        _, params = safetensors_sizes(Path(ctx.source_path))
+        return {"stored_bytes": stored, "parameters": params, "bits_per_weight": 8 * stored / params if params else None,
+                "bits_per_weight_quantized": None, "group_size": getattr(spec, "group_size", None),
+                "stored_from": "files"}
+
     def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> Any:
         """The :class:`qeval.weight_formats.WeightFormat` this tier's artifact stores, for
         estimates from a config (``qeval plan``) before anything is built. ``shape`` is the
@@ -272,3 +284,25 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
             "serve": spec.serve.model_dump() if spec.serve else None,
             "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "tokens": dict(ctx.served_tokens)}
+
+
+#: Bytes per element of the safetensors dtypes (the format's own names).
+_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_sizes(folder: Path) -> tuple[int, int]:
+    """``(tensor bytes, tensor elements)`` over every ``*.safetensors`` file of ``folder``,
+    from the files' headers (the safetensors library's ``safe_open``; nothing loaded)."""
+    from safetensors import safe_open  # start-up time: reads headers only when a served tier needs them
+    nbytes = nelem = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= int(d)
+                nelem += n
+                nbytes += n * _ST_BYTES.get(sl.get_dtype(), 4)
+    return nbytes, nelem

@@ -153,6 +153,10 @@ class GgufMethod(TierMethod):
         """The llama.cpp file type ``spec.type`` (each tensor at the type llama.cpp picks)."""
         return GgufMix(str(spec.type).strip().upper())
 
+    def stored_info(self, spec: Any, ctx: TierContext, artifact: Path | None) -> dict:
+        """From the GGUF file, as :meth:`quant_info` (it reads the file, not the engine)."""
+        return self.quant_info(spec, ctx, artifact, None)
+
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         """Effective storage of the GGUF file: ``stored_bytes`` (tensor data), ``parameters``,
         ``bits_per_weight`` (all tensors), ``bits_per_weight_quantized`` (2-D weights),
