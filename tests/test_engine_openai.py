@@ -432,6 +432,8 @@ def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_a
     assert [p["concurrency"] for p in srv["load"]["points"]] == [1, 2] and srv["load"]["scheduling"] == ["server"]
     fid = srv["quality"]["fidelity"]
     assert fid["kld_mean"] < 0.5 and fid["same_top_rate"] > 0.8, fid
+    assert fid["kld_topk"] == 20 and fid["kld_estimate"].startswith("top-20")
+    assert "(top-20 est.)" in next(ln for ln in (run / "table.md").read_text().splitlines() if "| srv |" in ln)
     assert res["ref"]["status"] == "ok" and res["remote"]["status"] == "ok"
     assert res["remote"]["backend"] == "endpoint (llama.cpp)" and res["remote"]["quality"]["fidelity"]["kld_mean"] < 0.1
     # the API key: read from the environment, never written to the run folder (run.json, logs, results)

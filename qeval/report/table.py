@@ -114,6 +114,9 @@ def _kld(r: Row) -> Cell:
     text = "-" if kld is None else (f"{kld:.4f}" + (f" ± {se:.4f}" if se is not None else ""))
     if r.is_ref and r.ok and r.fid.kld_mean is None:
         text = "0 (reference)"
+    k = r.fid.kld_topk
+    if kld is not None and k:  # a server's top-k: the estimate, a lower bound (qeval.measure.fidelity)
+        text += f" (top-{k} est.)"
     return text, {"kld_mean": kld, "kld_se": se}
 
 
