@@ -233,7 +233,9 @@ def test_recipe_tiers(monkeypatch, capsys):
     plan = _plan(monkeypatch, capsys, "--recipe", str(REPO / "recipes" / "qwen14b.yaml"), "--model", str(QWEN25_14B),
                  "--gpu", "h100-sxm", "--context", "8192")
     rows = _rows(plan)
-    assert list(rows) == ["bf16", "int8", "gptq", "awq", "gguf-q4_k_m", "gguf-q4_k_m-kv8", "bf16-kv8"]
+    assert list(rows) == ["bf16", "int8", "gptq", "awq", "gguf-q4_k_m", "gguf-q4_k_m-kv8", "bf16-kv8",
+                          "gptq-vllm", "awq-vllm", "int8-vllm", "gguf-q4_k_m-server"]
+    assert rows["gptq-vllm"]["format"] == rows["gptq"]["format"]  # a served tier stores the same weights
     assert rows["gptq"]["format"] == "gptq-w4g128" and rows["gguf-q4_k_m-kv8"]["kv_bytes_per_token"]["value"] == 104_448
     assert _v(rows["bf16"], "fits") is True  # 29.5 GB + 8 x 8K x 196,608 B fits 80 GiB x 0.95
 
