@@ -92,7 +92,9 @@ def describe_plan(recipe) -> str:
         lines.append("suites")
         for s in recipe.suites:
             lines.append(f"  - {s.name:<16} {s.kind:<11} {s.path}  max_new_tokens={s.max_new_tokens}"
-                         f"  limit={s.limit or 'all'}")
+                         f"  limit={s.limit or 'all'}"
+                         + (f"  depths={s.depths}  fidelity_tokens={s.fidelity_tokens}" if s.kind == "long_context"
+                            else ""))
     lines.append("files    (relative paths start at the recipe's folder)")
     for loc, value, what in recipe.data_paths():
         resolved = recipe.resolve_path(value)

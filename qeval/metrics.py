@@ -20,6 +20,7 @@ from .results import get_path
 
 GIB = 2 ** 30
 DEPTH = "{depth}"  # placeholder in a path for the context depth (tokens), a string key
+LC = ("quality", "long_context", "depths", DEPTH)  # a long_context suite's figures at one document depth
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,17 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("pass_ci_high", ("quality", "behaviour", "pass_ci_high"), "share", "max", "pass rate 95% upper bound"),
     Metric("flip_rate", ("quality", "behaviour", "flip_rate"), "share", "min", "flip rate"),
     Metric("users_at_slo", ("load", "users_at_slo"), "users", "max", "users at SLO"),
+    # long-context suite, per document depth (DEPTH: the long_context depth in tokens; the gate's is gate.depth)
+    Metric("lc_recall", LC + ("recall",), "share", "max", "long-context recall"),
+    Metric("lc_recall_ci_low", LC + ("recall_ci_low",), "share", "max", "long-context recall 95% lower bound"),
+    Metric("lc_recall_ci_high", LC + ("recall_ci_high",), "share", "max", "long-context recall 95% upper bound"),
+    Metric("lc_flip_rate", LC + ("flip_rate",), "share", "min", "long-context flip rate"),
+    Metric("lc_kld_mean", LC + ("fidelity", "kld_mean"), "nats", "min", "KLD mean over the last document tokens",
+           reference_value=0.0),
+    Metric("lc_same_top_rate", LC + ("fidelity", "same_top_rate"), "share", "max",
+           "same-top rate over the last document tokens", reference_value=1.0),
+    Metric("lc_ppl_ratio", LC + ("fidelity", "ppl_ratio"), "ratio", "min", "PPL ratio over the last document tokens",
+           reference_value=1.0),
     Metric("budget_exhausted_rate", ("quality", "behaviour", "budget_exhausted_rate"), "share", "min",
            "budget exhaustion rate"),
 )}
@@ -183,6 +195,10 @@ GATE_RULES: dict[str, GateRule] = {r.name: r for r in (
     GateRule("max_ppl_ratio", "ppl_ratio", "max", gt=0),
     GateRule("min_pass_rate_rel", "pass_ci_low", "min", "of_reference", reference_metric="pass_rate", ge=0,
              description="candidate pass rate's 95% lower bound >= this x reference pass rate"),
+    GateRule("min_recall_rel", "lc_recall_ci_low", "min", "of_reference", reference_metric="lc_recall", ge=0,
+             description="long-context recall's 95% lower bound at the gate depth >= this x the reference's "
+                         "recall there (the gate depth must be a long_context depth)",
+             missing_hint="no long-context result at the gate depth"),
     GateRule("max_flip_rate", "flip_rate", "max", ge=0, le=1),
     GateRule("max_peak_memory_gib", "peak_bytes", "max", scale=GIB, gt=0),
     GateRule("max_peak_memory_rel", "peak_bytes", "max", "ratio", gt=0),

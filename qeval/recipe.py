@@ -184,15 +184,42 @@ class CalibrationSpec(_Strict):
     seq_len: int = Field(512, gt=0)
 
 
+SUITE_KINDS = ("long_output", "multi_turn", "long_context")
+
+
 class SuiteSpec(_Strict):
     """A prompt suite (JSONL, schema in datasets/README.md); ``path`` is relative to the
-    recipe's folder, or ``builtin:long_output`` / ``builtin:multi_turn``."""
+    recipe's folder, or ``builtin:long_output`` / ``builtin:multi_turn`` / ``builtin:long_context``.
+
+    ``long_context`` suites render every item at each of ``depths`` (tokens; each depth plus
+    ``max_new_tokens`` must fit the model's context) and score teacher-forced fidelity over
+    the last ``fidelity_tokens`` document tokens at each depth; ``limit`` takes the first N
+    items for both (each costs a prefill at every depth per tier).
+    """
     name: str
     path: DataPath
-    kind: Literal["long_output", "multi_turn"]
+    kind: Literal[SUITE_KINDS]  # type: ignore[valid-type]
     max_new_tokens: int = Field(512, gt=0, description="cap on every answer; an item's own "
                                 "max_new_tokens applies when smaller")
-    limit: int | None = Field(None, gt=0, description="free-running behaviour on the first N items only")
+    limit: int | None = Field(None, gt=0, description="free-running behaviour on the first N items only "
+                              "(long_context: the first N items for everything)")
+    depths: list[int] | None = Field(None, description="long_context only: document depths in tokens")
+    fidelity_tokens: int = Field(256, gt=0, description="long_context only: teacher-forced KLD, same-top and "
+                                 "PPL ratio over the last N document tokens at each depth")
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("depths must list at least one depth")
+        for d in v:
+            if d <= 0:
+                raise ValueError(f"depth {d} must be a positive number of tokens")
+        if len(set(v)) != len(v):
+            raise ValueError("depths must be distinct")
+        return sorted(v)
 
 
 class QualitySpec(_Strict):
@@ -315,6 +342,11 @@ class Recipe(_Strict):
     def load_depth(self) -> int:
         """Prompt tokens per request of the load sweep: ``load.depth`` or ``speed.main_depth``."""
         return int(self.load.depth or self.speed.main_depth)  # type: ignore[arg-type]
+
+    @property
+    def long_context_depths(self) -> list[int]:
+        """Every depth (tokens) of the recipe's long_context suites, ascending."""
+        return sorted({d for s in self.suites if s.kind == "long_context" for d in (s.depths or [])})
 
     @property
     def gate_candidates(self) -> list[str]:
@@ -543,6 +575,17 @@ def _cross_checks(recipe: Recipe) -> None:
     for i, n in enumerate(snames):
         if n in snames[:i]:
             raise recipe.error(("suites", i, "name"), f"duplicate suite name {n!r}")
+    for i, s in enumerate(recipe.suites):
+        if s.kind == "long_context":
+            if s.depths is None:
+                raise recipe.error(("suites", i, "kind"), "a long_context suite needs depths (tokens)")
+            if s.fidelity_tokens >= s.depths[0]:
+                raise recipe.error(("suites", i, "fidelity_tokens"), f"fidelity_tokens {s.fidelity_tokens} must be "
+                                   f"below the shallowest depth {s.depths[0]}")
+        else:
+            for f in ("depths", "fidelity_tokens"):
+                if f in s.model_fields_set:
+                    raise recipe.error(("suites", i, f), f"{f} is only for kind long_context")
     sp = recipe.speed
     if sp.main_depth not in sp.depths:
         raise recipe.error(("speed", "main_depth"), f"main_depth {sp.main_depth} is not one of depths {sp.depths}")
@@ -554,6 +597,13 @@ def _cross_checks(recipe: Recipe) -> None:
             raise recipe.error(("gate", "candidates", i), f"{c!r} is not a tier (tiers: {', '.join(names)})")
     if g.depth is not None and g.depth not in sp.depths:
         raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
+    if g.rules.min_recall_rel is not None:
+        lc = recipe.long_context_depths
+        if not lc:
+            raise recipe.error(("gate", "rules", "min_recall_rel"), "min_recall_rel needs a long_context suite")
+        if recipe.gate_depth not in lc:
+            raise recipe.error(("gate", "rules", "min_recall_rel"), f"the gate depth {recipe.gate_depth} is not one "
+                               f"of the long_context depths {lc}")
 
 
 def check_context(recipe: Recipe, max_context: int | None) -> None:

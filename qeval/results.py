@@ -18,8 +18,13 @@ each path)::
     logs/<tier>.server.log      a served tier's server (engine openai, serve:): its output, per start
     reference/segments.json     BF16 reference answers (token ids, texts, checks)
     reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
+    reference/long_context.json  with a long_context suite: the reference's answers and checks per
+                                item and depth (prompt digest, where the document ends, offset)
+    reference/long_context_logprobs.npy  log-probabilities of the last fidelity_tokens document
+                                tokens of each item and depth, float16 ``[rows, vocab]``
     answers/<tier>.json         AnswerRow list: a tier's free-running answers with check results
-                                and the prompt they answer
+                                and the prompt they answer (long-context answers carry their
+                                ``depth`` and no prompt)
     review/<tier>.json          ReviewFile: per-item KLD and the positions of highest KLD
                                 with both sides' top tokens (qeval.measure.review)
     lm_eval_tasks/<tier>/       resolved lm-eval task YAMLs
@@ -74,7 +79,17 @@ not measured::
                                 "rouge_l", "chrf", "first_divergence_mean", "identical_rate",
                                 "n_items", "n_answers"},
                   "fidelity_seconds": float, "behaviour_seconds": float,
-                  "lm_eval": {"<task>": {"<metric>": float}} | {"skipped": str} | None},
+                  "lm_eval": {"<task>": {"<metric>": float}} | {"skipped": str} | None,
+                  "long_context": {              # LongContext; only with a long_context suite
+                      "depths": {"<depth>": {"recall", "recall_ci_low", "recall_ci_high", "n_questions",
+                                             "n_items", "by_kind": {"lookup": float, ...},
+                                             "flips_pass_to_fail", "flips_fail_to_pass", "flip_rate",
+                                             "budget_exhausted_rate",
+                                             "fidelity": {"kld_mean", "kld_se", "kld_median", "kld_p99",
+                                                          "kld_max", "same_top_rate", "ppl_ratio",
+                                                          "ppl_ratio_se", "delta_p_mean", "delta_p_rms",
+                                                          "n_tokens"} | None}},   # None for the reference
+                      "fidelity_tokens": {"<suite>": int}, "seconds": float} | None},
       "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
                "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static" | "server"],
                "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
@@ -172,6 +187,16 @@ class RunLayout:
     @property
     def reference_logprobs(self) -> Path:
         return self.reference_dir / "logprobs.npy"
+
+    @property
+    def reference_long_context(self) -> Path:
+        """``reference/long_context.json`` (only with a long_context suite)."""
+        return self.reference_dir / "long_context.json"
+
+    @property
+    def reference_long_context_logprobs(self) -> Path:
+        """``reference/long_context_logprobs.npy`` (only with a long_context suite)."""
+        return self.reference_dir / "long_context_logprobs.npy"
 
     @property
     def table_md(self) -> Path:
@@ -296,6 +321,8 @@ class ReferenceStage(_StageBase):
     reference_seconds: float | None = None
     stop_ids: list[int] = Field(default_factory=list)
     backend: str | None = None
+    long_context_segments: int | None = None
+    long_context_seconds: float | None = None
     reused: bool | None = None
     artifact: str | None = None
 
@@ -406,8 +433,37 @@ class Behaviour(_Closed):
     n_answers: int | None = None
 
 
+class LongContextDepth(_Closed):
+    """Long-context figures of one tier at one document depth
+    (:func:`qeval.measure.long_context.summarise_long_context`): recall (share of questions
+    answered exactly) with its percentile-bootstrap 95 % interval, questions and items
+    counted, recall by question kind, flips against the reference per question (None for the
+    reference), budget exhaustion, and fidelity over the last document tokens (None for the
+    reference: KLD 0, same-top 1 and PPL ratio 1 by definition)."""
+    recall: float | None = None
+    recall_ci_low: float | None = None
+    recall_ci_high: float | None = None
+    n_questions: int | None = None
+    n_items: int | None = None
+    by_kind: dict[str, float] = Field(default_factory=dict)
+    flips_pass_to_fail: int | None = None
+    flips_fail_to_pass: int | None = None
+    flip_rate: float | None = None
+    budget_exhausted_rate: float | None = None
+    fidelity: Fidelity | None = None
+
+
+class LongContext(_Closed):
+    """A tier's long-context section: ``depths`` keyed by depth in tokens (a string),
+    ``fidelity_tokens`` per suite (how many document tokens were scored), seconds it took."""
+    depths: dict[str, LongContextDepth] = Field(default_factory=dict)
+    fidelity_tokens: dict[str, int] = Field(default_factory=dict)
+    seconds: float | None = None
+
+
 class Quality(_Closed):
-    """Quality of one tier: which engine computed it, fidelity, behaviour, lm-eval scores."""
+    """Quality of one tier: which engine computed it, fidelity, behaviour, lm-eval scores,
+    long-context recall and fidelity by depth."""
     engine: str | None = None
     backend: str | None = None
     fidelity: Fidelity | None = None
@@ -415,6 +471,7 @@ class Quality(_Closed):
     fidelity_seconds: float | None = None
     behaviour_seconds: float | None = None
     lm_eval: dict[str, Any] | None = None
+    long_context: LongContext | None = None
 
 
 class QualityStage(_StageBase):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import QevalInputError
 from .measure.lmeval import check_task
+from .measure.long_context import check_depths_fit, load_long_context
 from .measure.suites import load_suite
 from .osutil import stderr_fd_to
 from .recipe import check_context, check_data_paths
@@ -22,8 +23,9 @@ def static_checks(recipe) -> None:
     """Checks that need no model load: the model source exists (local folder with
     config.json, relative to the recipe's folder, or an installed GGUF package); every data
     file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
-    every suite row and lm-eval task file parses; every depth plus decode_tokens (and the
-    load depth plus output_tokens) fits the model's maximum context when it can be read.
+    every suite row (long_context items and their filler too) and lm-eval task file parses;
+    every depth plus decode_tokens (the load depth plus output_tokens, every long_context
+    depth plus its suite's max_new_tokens) fits the model's maximum context when it can be read.
     Hub ids are checked at run time.
 
     Raises:
@@ -54,8 +56,12 @@ def static_checks(recipe) -> None:
             maxctx = model_max_context(p)
     check_context(recipe, maxctx)
     check_data_paths(recipe)
-    for s in recipe.suites:
-        load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))  # bad rows: file:line
+    for s in recipe.suites:  # bad rows: file:line
+        if s.kind == "long_context":
+            load_long_context(recipe.resolve_path(s.path), s.name)
+        else:
+            load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
+    check_depths_fit(recipe, maxctx)
     for t in recipe.quality.lm_eval_tasks:
         check_task(recipe.resolve_path(t))  # the task's own data files: task file and field
     if is_url(recipe.storage):

@@ -103,6 +103,9 @@ def test_unknown_quality_metric():
 REF = tier(4.0, 10.0, None, pass_rate=0.80, load={"users_at_slo": 2})
 CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.70, pass_rate=0.78,
             flip_rate=0.10, budget_exhausted_rate=0.05, load={"users_at_slo": 4})
+REF["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.90}, "4096": {"recall": 0.5}}}
+CAND["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.85, "recall_ci_low": 0.75},
+                                              "4096": {"recall": 0.0, "recall_ci_low": 0.0}}}
 
 # rule: (threshold that passes, threshold that fails) for CAND against REF
 RULE_CASES = {
@@ -110,6 +113,7 @@ RULE_CASES = {
     "min_same_top_rate": (0.90, 0.95),
     "max_ppl_ratio": (1.05, 1.01),
     "min_pass_rate_rel": (0.80, 0.90),        # 0.70 >= 0.64 ; 0.70 < 0.72
+    "min_recall_rel": (0.80, 0.90),           # at the gate depth: 0.75 >= 0.72 ; 0.75 < 0.81
     "max_flip_rate": (0.15, 0.05),
     "max_peak_memory_gib": (2.5, 1.5),
     "max_peak_memory_rel": (0.6, 0.4),        # 2 GiB / 4 GiB = 0.5
@@ -156,6 +160,7 @@ MISSING = {  # rule -> a CAND copy without the figure it needs
     "min_same_top_rate": ("quality", "fidelity", "same_top_rate"),
     "max_ppl_ratio": ("quality", "fidelity", "ppl_ratio"),
     "min_pass_rate_rel": ("quality", "behaviour", "pass_ci_low"),
+    "min_recall_rel": ("quality", "long_context", "depths", str(D), "recall_ci_low"),
     "max_flip_rate": ("quality", "behaviour", "flip_rate"),
     "max_peak_memory_gib": ("memory", "peak_bytes", str(D)),
     "max_peak_memory_rel": ("memory", "peak_bytes", str(D)),
@@ -179,7 +184,21 @@ def test_missing_metric_fails_closed(rule):
     assert r.rule == rule and "missing" in r.message and r.value is None
 
 
-@pytest.mark.parametrize("rule", ["min_pass_rate_rel", "max_peak_memory_rel", "min_decode_rel"])
+def test_recall_rel_is_judged_at_the_gate_depth():
+    res = _gate({"min_recall_rel": 0.8}).candidate("cand").rules[1]
+    assert res.value == 0.75 and res.threshold == pytest.approx(0.72)
+    assert f"at depth {D}" in res.message and "reference recall 0.9" in res.message
+    # the candidate's recall at 4096 is 0 and does not count at the gate depth 1024; at 4096 it fails
+    deep = evaluate_gate(None, {"bf16": REF, "cand": CAND}, {"reference": "bf16", "rules": {"min_recall_rel": 0.8}},
+                         4096).candidate("cand")
+    assert not deep.passed and deep.rules[1].value == 0.0
+    ref = json.loads(json.dumps(REF))
+    del ref["quality"]["long_context"]["depths"][str(D)]
+    r = _gate({"min_recall_rel": 0.8}, {"bf16": ref, "cand": CAND}).candidate("cand").rules[1]
+    assert not r.passed and "lacks long-context recall at depth 1024" in r.message
+
+
+@pytest.mark.parametrize("rule", ["min_pass_rate_rel", "max_peak_memory_rel", "min_decode_rel", "min_recall_rel"])
 def test_relative_rule_without_reference_fails(rule):
     res = _gate({rule: RULE_CASES[rule][0]}, {"cand": CAND}).candidate("cand")
     assert not res.passed and "reference tier 'bf16' has no result" in res.failed_rules[0].message

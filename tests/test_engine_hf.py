@@ -82,6 +82,21 @@ def test_int8_kv_cache_is_smaller_past_the_residual_window(tiny_llama):
     assert q8.kv_bytes_per_token(depth) < 0.8 * dense.kv_bytes_per_token(depth)
 
 
+def test_int8_kv_cache_takes_any_prompt_length(tiny_llama):
+    """HQQ groups the whole K/V tensor: with 2 KV heads x 16 dims (32 elements a token) groups
+    of 64 failed at odd lengths (long-context prompts are a few tokens short of their depth)."""
+    pytest.importorskip("hqq")
+    model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
+    q8 = HFEngine(model, "cpu", kv_cache="int8")
+    assert q8.kv_group_size() == 32
+    def ids(n: int) -> list[int]:
+        return [5 + i % 400 for i in range(n)]
+    for n in (637, 301):
+        g = q8.generate(ids(n), 3, ignore_stop=True)
+        assert len(g.token_ids) == 3
+    assert len(q8.generate_batch([ids(301), ids(95)], 2)) == 2
+
+
 def test_stored_bytes_count_tied_weights_once(tiny_llama):
     model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -99,3 +114,25 @@ def test_cache_nbytes_counts_keys_and_values(engine):
     with torch.inference_mode():
         engine.model(input_ids=torch.tensor([[1, 2, 3, 4]]), **{engine._cache_kw: cache}, use_cache=True)
     assert cache_nbytes(cache) == 4 * engine.kv_bytes_per_token(4)
+
+
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny_llama, kv):
+    """Long-context scoring in the generation prefill: exactly iter_logprobs' rows for the
+    scored span (same chunks, same cache), then greedy decoding on that cache."""
+    if kv == "int8":
+        pytest.importorskip("hqq")
+    model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
+    eng = HFEngine(model, "cpu", kv_cache=kv)
+    ids = [5 + (7 * i) % 400 for i in range(301)]
+    g, rows = eng.generate_scored(ids, 200, 261, 5, window=16)
+    want = list(eng.iter_logprobs(ids[:261], 16, 199))
+    assert [j for j, _ in rows] == [s - 199 for s, _ in want] and sum(len(x) for _, x in rows) == 61
+    for (_, a), (_, b) in zip(rows, want):
+        assert np.array_equal(a, b)
+    assert len(g.token_ids) == 5
+    if kv == "model":  # in float32 chunking does not move the argmax: the answer is generate()'s
+        e32 = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+        assert e32.generate_scored(ids, 200, 261, 5, window=16)[0].token_ids == e32.generate(ids, 5).token_ids
+    with pytest.raises(ValueError):
+        eng.generate_scored(ids, 0, 10, 2)

@@ -335,3 +335,23 @@ def test_tier_prepare_load_and_quant_info(tiny, tmp_path):
             assert 8.0 < q["bits_per_weight"] < 8.6
         finally:
             eng.close()
+
+
+@pytest.mark.slow
+def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny):
+    """Long-context scoring in the generation prefill: the rows are iter_logprobs' rows for
+    the scored span, and the answer is greedy on the same cache."""
+    from qeval.engines.llamacpp import LlamaCppEngine
+    ids = (tiny["ids"] * 3)[:300]
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        g, rows = eng.generate_scored(ids, 200, 260, 6, window=32)
+        want = list(eng.iter_logprobs(ids[:260], 32, 199))
+        assert [j for j, _ in rows] == [s - 199 for s, _ in want] and sum(len(x) for _, x in rows) == 60
+        assert max(np.abs(a - b).max() for (_, a), (_, b) in zip(rows, want)) < 1e-4
+        logp = _all_logp(eng, ids + g.token_ids, 256)
+        assert list(logp[len(ids) - 1:].argmax(-1)[:6]) == g.token_ids
+        with pytest.raises(ValueError):
+            eng.generate_scored(ids, 0, 10, 2)
+    finally:
+        eng.close()

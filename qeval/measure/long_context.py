@@ -654,3 +654,158 @@ def _token_starts(tokenizer: Any, chat: str, ids: list[int]) -> list[int]:
         last = max(last, len(tokenizer.decode(ids[:i])))
         out.append(last)
     return out
+
+
+# ---- running the suite: answers, fidelity at depth, per-depth summary ---------------------
+
+def recipe_long_context(recipe) -> list[tuple[Any, list[LongContextItem]]]:
+    """``[(suite spec, items)]`` for the recipe's long_context suites: the first ``limit``
+    items of each file (all when unset), loaded and validated."""
+    out = []
+    for s in recipe.suites:
+        if s.kind == "long_context":
+            items = load_long_context(recipe.resolve_path(s.path), s.name)
+            out.append((s, items[: s.limit] if s.limit else items))
+    return out
+
+
+def filler_files(recipe) -> list[Path]:
+    """The filler files the recipe's long_context items name (for cache keys), sorted."""
+    files: set[Path] = set()
+    for s in recipe.suites:
+        if s.kind != "long_context":
+            continue
+        path = recipe.resolve_path(s.path)
+        for _line, row in jsonl_rows(path, what="long_context file"):
+            if isinstance(row, dict) and isinstance(row.get("filler"), str):
+                f = Path(row["filler"])
+                files.add((f if f.is_absolute() else path.parent / f).resolve())
+    return sorted(files)
+
+
+def check_depths_fit(recipe, max_context: int | None) -> None:
+    """Every long_context depth plus its suite's ``max_new_tokens`` within ``max_context``
+    (tokens; None: not known, nothing checked).
+
+    Raises:
+        QevalInputError: naming the recipe's ``suites[i].depths[j]``.
+    """
+    if not max_context:
+        return
+    for i, s in enumerate(recipe.suites):
+        for j, d in enumerate((s.depths or []) if s.kind == "long_context" else []):
+            if d + s.max_new_tokens > max_context:
+                raise recipe.error(("suites", i, "depths", j), f"depth {d} + max_new_tokens {s.max_new_tokens} "
+                                   f"exceeds the model's maximum context of {max_context} tokens")
+
+
+def _prompt_digest(ids: list[int]) -> str:
+    import hashlib
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def answer_long_context(engine: Any, tokenizer: Any, stop: list[int], suites: list[tuple[Any, list]],
+                        progress=lambda s: None, window: int = 256, on_scores=None) -> list[dict]:
+    """Greedy answers of ``engine`` to every item at every depth of its suite, and the
+    teacher-forced log-probabilities of the last ``fidelity_tokens`` document tokens.
+
+    Each prompt is prefilled once: through ``engine.generate_scored`` when the engine
+    declares it (``capabilities.scored_generate``; the document tail is scored in that
+    prefill), else :func:`document_logprobs` plus
+    ``engine.generate``; the reference and every tier take the same path. ``on_scores(seg,
+    rendered, rows)`` receives each segment's ``[(j, logp)]`` rows (see
+    :func:`document_logprobs`) as they come, so only one document's rows are held at once.
+
+    Returns one segment per (item, depth): ``item`` (suite/id), ``suite``, ``kind``
+    (``long_context``), ``depth``, ``prompt_tokens``, ``prompt_sha`` (digest of the prompt
+    ids), ``doc_end`` (token index where the questions start), ``score_tokens``,
+    ``answer_ids``, ``finished``, ``text``, ``checks`` (one bool per question),
+    ``check_details``, ``question_kinds``.
+    """
+    segments: list[dict] = []
+    for spec, items in suites:
+        w = spec.fidelity_tokens
+        for d in spec.depths:
+            for i, it in enumerate(items):
+                progress(f"{spec.name}: depth {d}, item {i + 1} of {len(items)}")
+                r = render(it, tokenizer, d)
+                if engine.capabilities.scored_generate:
+                    g, rows = engine.generate_scored(r.prompt_ids, r.doc_end - w, r.doc_end, spec.max_new_tokens,
+                                                     stop_ids=stop, window=window)
+                else:
+                    rows = list(document_logprobs(engine, r.prompt_ids, r.doc_end, w, window))
+                    g = engine.generate(r.prompt_ids, spec.max_new_tokens, stop_ids=stop)
+                ids, fin = list(g.token_ids), bool(g.finished)
+                body = ids[:-1] if (fin and ids and ids[-1] in stop) else ids
+                text = tokenizer.decode(body, skip_special_tokens=True)
+                res = check_answers(it, text)
+                seg = {"item": f"{spec.name}/{it.id}", "suite": spec.name, "kind": "long_context",
+                       "depth": d, "prompt_tokens": r.n_tokens, "prompt_sha": _prompt_digest(r.prompt_ids),
+                       "doc_end": r.doc_end, "score_tokens": w, "answer_ids": ids, "finished": fin, "text": text,
+                       "checks": [c.passed for c in res],
+                       "check_details": [f"{q.id} {c.kind}: {c.detail}" for q, c in zip(it.questions, res)],
+                       "question_kinds": [q.kind for q in it.questions]}
+                segments.append(seg)
+                if on_scores is not None:
+                    on_scores(seg, r, rows)
+                del rows
+    return segments
+
+
+def document_logprobs(engine: Any, prompt_ids: list[int], doc_end: int, n_tokens: int, window: int):
+    """Teacher-forced log-probabilities of the last ``n_tokens`` document tokens (those
+    before ``doc_end``) with the whole document before them in the cache, as llama.cpp's
+    perplexity tool scores the tail of a long context.
+
+    Yields ``(j, logp)``: ``logp`` ``[m, vocab]`` rows predict document tokens
+    ``doc_end - n_tokens + j ...``; the target ids are ``prompt_ids[doc_end - n_tokens:doc_end]``.
+    """
+    first = doc_end - n_tokens - 1
+    for start, logp in engine.iter_logprobs(list(prompt_ids[:doc_end]), window, first):
+        yield start - first, logp
+
+
+def summarise_long_context(segments: list[dict], ref_by_key: dict[tuple, dict] | None,
+                           fidelity: dict[int, dict] | None, n_boot: int = 1000) -> dict:
+    """Per-depth recall, flips and fidelity of one tier's long-context answers.
+
+    Args:
+        segments: the tier's segments from :func:`answer_long_context`.
+        ref_by_key: the reference's segments keyed by ``(item, depth)`` (None for the reference itself).
+        fidelity: per depth, a :meth:`~qeval.measure.fidelity.FidelityAccumulator.summary` (or None).
+
+    Returns:
+        ``{"depths": {"<depth>": {recall, recall_ci_low, recall_ci_high (percentile bootstrap
+        95 % interval resampling items, as for the other suites), n_questions, n_items,
+        by_kind {kind: share passed}, flips_pass_to_fail, flips_fail_to_pass, flip_rate
+        (Dutta et al. 2024, arXiv:2407.09141), budget_exhausted_rate, fidelity}}}``.
+    """
+    from .behaviour import bootstrap_ci
+
+    out: dict[str, dict] = {}
+    for d in sorted({s["depth"] for s in segments}):
+        segs = [s for s in segments if s["depth"] == d]
+        rate, lo, hi = bootstrap_ci([s["checks"] for s in segs], n_boot)
+        kinds: dict[str, list[bool]] = {}
+        for s in segs:
+            for k, c in zip(s["question_kinds"], s["checks"]):
+                kinds.setdefault(k, []).append(bool(c))
+        p2f = f2p = compared = 0
+        for s in segs:
+            ref = (ref_by_key or {}).get((s["item"], d))
+            if ref is None:
+                continue
+            for mine, theirs in zip(s["checks"], ref["checks"]):
+                compared += 1
+                p2f += bool(theirs and not mine)
+                f2p += bool(mine and not theirs)
+        row = {"recall": rate, "recall_ci_low": lo, "recall_ci_high": hi,
+               "n_questions": sum(len(s["checks"]) for s in segs), "n_items": len(segs),
+               "by_kind": {k: sum(v) / len(v) for k, v in kinds.items()},
+               "flips_pass_to_fail": p2f if ref_by_key is not None else None,
+               "flips_fail_to_pass": f2p if ref_by_key is not None else None,
+               "flip_rate": (p2f + f2p) / compared if compared else None,
+               "budget_exhausted_rate": sum(not s["finished"] for s in segs) / len(segs),
+               "fidelity": (fidelity or {}).get(d)}
+        out[str(d)] = row
+    return {"depths": out}

@@ -8,7 +8,11 @@ computed once and read by every tier.
 
 Tier quality: teacher-forced fidelity on exactly the reference ids (every item), and
 free-running behaviour (the first ``limit`` items of each suite) with checks, flips,
-divergence and similarity against the reference. A tier on a slow kernel may compute
+divergence and similarity against the reference. Long-context suites: the reference pass
+also answers every item at every depth (``reference/long_context.json``) and stores the
+log-probabilities of the last ``fidelity_tokens`` document tokens of each
+(``reference/long_context_logprobs.npy``); each tier answers the same prompts and is scored
+on the same document tokens, per depth (:mod:`qeval.measure.long_context`). A tier on a slow kernel may compute
 quality on its weights dequantized into a dense model (``quality.engine: dequantized``,
 or ``auto`` below ``dequantize_below_tokens_per_s`` measured decode); speed is always
 measured with the real kernel. The tier row records which engine produced the figures.
@@ -29,12 +33,15 @@ from ..hashing import file_sha256
 from ..artifacts import get_or_build
 from ..recipe import stable_tier_dict
 from ..results import RUN_SCOPE, ReviewFile, RunLayout, atomic_write_json, read_stage, stage_done
+from ..source import model_max_context
 from ..storage import storage_for
 from ..tiers import get_method
 from .behaviour import summarise_behaviour
 from .fidelity import ROUND, FidelityAccumulator
 from .lmeval import run_lm_eval
 from .review import ReviewCollector
+from .long_context import (answer_long_context, check_depths_fit, filler_files, recipe_long_context,
+                           summarise_long_context)
 from .suites import load_suite, run_checks
 
 
@@ -105,9 +112,12 @@ def continuation_ids(tokenizer: Any, system: str | None, user: str, answer_ids: 
 
 
 def load_suites(recipe) -> list[tuple[Any, list]]:
-    """``[(suite spec, items)]`` for every suite in the recipe (items validated)."""
+    """``[(suite spec, items)]`` for every conversation suite in the recipe (items validated);
+    long_context suites are run by :mod:`qeval.measure.long_context`."""
     out = []
     for s in recipe.suites:
+        if s.kind == "long_context":
+            continue
         items = load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
         out.append((s, items))
     return out
@@ -238,9 +248,11 @@ def reference_fields(recipe, ctx) -> dict:
     library versions."""
     suites = [{**s.model_dump(mode="json"), "sha256": file_sha256(recipe.resolve_path(s.path))}
               for s in recipe.suites]
+    fillers = {str(p.name): file_sha256(p) for p in filler_files(recipe)}
     q = recipe.quality
     return {"kind": "reference", "source_sha256": ctx.source_sha256,
             "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")), "suites": suites,
+            **({"filler_sha256": fillers} if fillers else {}),
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
             "versions": {p: version(p) for p in ("torch", "transformers")}}
@@ -255,8 +267,11 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
                                             log=progress, remote=storage_for(recipe))
     layout = RunLayout(run_dir)
     layout.reference_dir.mkdir(parents=True, exist_ok=True)
-    for dst in (layout.reference_segments, layout.reference_logprobs):
+    for dst in (layout.reference_segments, layout.reference_logprobs, layout.reference_long_context,
+                layout.reference_long_context_logprobs):
         name = dst.name
+        if not (folder / name).exists():  # the long-context files exist only with such a suite
+            continue
         tmp = dst.with_name(f".{name}.tmp")
         tmp.unlink(missing_ok=True)
         try:
@@ -270,10 +285,17 @@ def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] =
 
 def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callable[[str], None] = print) -> dict:
     """Run the reference tier on every suite item; write ``segments.json`` (ids, texts,
-    checks) and ``logprobs.npy`` (float16 ``[answer tokens, vocab]``) into ``out_dir``."""
+    checks) and ``logprobs.npy`` (float16 ``[answer tokens, vocab]``) into ``out_dir``; with
+    a long_context suite also ``long_context.json`` (answers and checks per item and depth)
+    and ``long_context_logprobs.npy`` (float16 ``[fidelity_tokens per item and depth, vocab]``).
+
+    Raises:
+        QevalInputError: a long_context depth plus its max_new_tokens exceeds the model's context.
+    """
     from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     t0 = time.time()
+    check_depths_fit(recipe, model_max_context(ctx.source_path))
     ref_spec = recipe.tier(recipe.gate.reference)
     method = get_method(ref_spec.method)
     engine = method.load(ref_spec, ctx, None if not method.needs_artifact else _artifact(run_dir, ref_spec.name))
@@ -284,8 +306,7 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
                           short_budget=recipe.quality.fidelity_max_new_tokens)
     gen_s = time.time() - t0
     total = sum(len(s["answer_ids"]) for s in segments)
-    mm = np.lib.format.open_memmap(out_dir / "logprobs.npy", mode="w+", dtype=ROUND,
-                                   shape=(total, engine.vocab_size))
+    mm = _logprob_file(out_dir / "logprobs.npy", total, engine.vocab_size)
     off = 0
     for s in segments:
         s["offset"] = off
@@ -295,12 +316,98 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
         progress(f"reference log-probabilities: sequence {i + 1}/{len(groups)}")
         for s, j, logp in iter_answer_logprobs(engine, group, recipe.quality.window):
             mm[s["offset"] + j: s["offset"] + j + len(logp)] = logp.astype(ROUND)
-    mm.flush()
+    _flush(mm)
     del mm
     atomic_write_json(out_dir / "segments.json", segments)
-    return {"segments": len(segments), "answer_tokens": total, "vocab": engine.vocab_size,
-            "generate_seconds": gen_s, "reference_seconds": time.time() - t0, "stop_ids": stop,
-            "backend": engine.backend}
+    info = {"segments": len(segments), "answer_tokens": total, "vocab": engine.vocab_size,
+            "generate_seconds": gen_s, "stop_ids": stop, "backend": engine.backend}
+    lc = recipe_long_context(recipe)
+    if lc:
+        t1 = time.time()
+        rows = sum(len(items) * len(spec.depths) * spec.fidelity_tokens for spec, items in lc)
+        mm = _logprob_file(out_dir / "long_context_logprobs.npy", rows, engine.vocab_size)
+        off = [0]
+
+        def store(seg: dict, _r, scored: list) -> None:
+            seg["offset"] = off[0]
+            for j, logp in scored:
+                mm[off[0] + j: off[0] + j + len(logp)] = logp.astype(ROUND)
+            off[0] += seg["score_tokens"]
+
+        lc_segments = answer_long_context(engine, tok, stop, lc, progress, recipe.quality.window, store)
+        _flush(mm)
+        del mm
+        atomic_write_json(out_dir / "long_context.json", lc_segments)
+        info.update({"long_context_segments": len(lc_segments), "long_context_seconds": time.time() - t1})
+    info["reference_seconds"] = time.time() - t0
+    return info
+
+
+def _flush(mm: np.ndarray) -> None:
+    if isinstance(mm, np.memmap):
+        mm.flush()
+
+
+def _logprob_file(path: Path, rows: int, vocab: int):
+    """A float16 ``[rows, vocab]`` .npy memmap (an empty array when ``rows`` is 0, which
+    cannot be memory-mapped)."""
+    if rows == 0:
+        np.save(path, np.zeros((0, vocab), dtype=ROUND))
+        return np.zeros((0, vocab), dtype=ROUND)
+    return np.lib.format.open_memmap(path, mode="w+", dtype=ROUND, shape=(rows, vocab))
+
+
+def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop: list[int], is_reference: bool,
+                         progress: Callable[[str], None] = lambda s: None) -> tuple[dict | None, list[dict]]:
+    """Long-context recall, flips and fidelity at depth of ``engine`` against the stored
+    reference (``reference/long_context.json`` and ``long_context_logprobs.npy`` of the run
+    folder ``layout``).
+
+    Returns:
+        ``(summary, segments)``: :func:`~qeval.measure.long_context.summarise_long_context`
+        plus ``fidelity_tokens`` and ``seconds`` (None without a long_context suite), and the
+        tier's answer segments. The reference tier's answers are the reference pass itself
+        and its fidelity is not rescored (KLD 0 and PPL ratio 1 by definition).
+    """
+    lc = recipe_long_context(recipe)
+    path = layout.reference_long_context
+    if not lc or not path.exists():
+        return None, []
+    t0 = time.time()
+    ref_segments = json.loads(path.read_text())
+    if is_reference:
+        summary = summarise_long_context(ref_segments, None, None, recipe.quality.bootstrap)
+        mine = ref_segments
+    else:
+        ref_lp = np.load(layout.reference_long_context_logprobs, mmap_mode="r")
+        ref_by_key = {(s["item"], s["depth"]): s for s in ref_segments}
+        accs: dict[int, FidelityAccumulator] = {}
+
+        def score(seg: dict, r, scored: list) -> None:
+            ref = ref_by_key.get((seg["item"], seg["depth"]))
+            if ref is None:
+                return
+            if ref["prompt_sha"] != seg["prompt_sha"] or ref["score_tokens"] != seg["score_tokens"]:
+                raise RuntimeError(f"{seg['item']} at depth {seg['depth']}: the rendered prompt differs from the "
+                                   "reference pass's (tokenizer or suite files changed)")
+            w = seg["score_tokens"]
+            targets = np.asarray(r.prompt_ids[r.doc_end - w:r.doc_end], dtype=np.int64)
+            acc = accs.setdefault(seg["depth"], FidelityAccumulator())
+            for j, logp in scored:
+                m = len(logp)
+                acc.add(np.asarray(ref_lp[ref["offset"] + j: ref["offset"] + j + m]), logp, targets[j:j + m],
+                        np.arange(j, j + m))
+
+        mine = answer_long_context(engine, tok, stop, lc, progress, recipe.quality.window, score)
+        fid = {}
+        for d, acc in accs.items():
+            f = acc.summary()
+            f.pop("kld_by_bucket", None)  # positions inside one window: no drift to show
+            fid[d] = f
+        summary = summarise_long_context(mine, ref_by_key, fid, recipe.quality.bootstrap)
+    summary["fidelity_tokens"] = {spec.name: spec.fidelity_tokens for spec, _ in lc}
+    summary["seconds"] = time.time() - t0
+    return summary, mine
 
 
 def _artifact(run_dir: Path, tier: str) -> Path | None:
@@ -374,6 +481,8 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0
     ref_by_key = {(s["item"], s["turn"]): s for s in segments}
+    stop = (read_stage(layout, RUN_SCOPE, "reference").stop_ids if stage_done(layout, RUN_SCOPE, "reference")
+            else None) or stop_token_ids(tok, ctx.source_path)
     t0 = time.time()
     if tier == recipe.gate.reference:
         # the reference's free-running answers are the reference pass itself
@@ -384,11 +493,12 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
             limited.update(ids[: spec_s.limit] if spec_s.limit else ids)
         mine = [s for s in segments if s["item"] in limited]
     else:
-        stop = read_stage(layout, RUN_SCOPE, "reference").stop_ids or stop_token_ids(tok, ctx.source_path)
         mine = answer_all(engine, tok, stop, load_suites(recipe), recipe.quality.batch_size, progress,
                           limit_items=True)
     beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
     beh_s = time.time() - t0
+    long_context, lc_mine = long_context_quality(engine, tok, recipe, layout, stop, tier == recipe.gate.reference,
+                                                 progress)
     lm_eval = None
     if recipe.quality.lm_eval_tasks:
         progress("lm-eval tasks")
@@ -399,8 +509,10 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     atomic_write_json(layout.answers(tier), [
         {**{k: s[k] for k in ("item", "turn", "text", "finished", "checks", "check_details")},
          "system": prompts.get((s["item"], s["turn"]), (None, None))[0],
-         "prompt": prompts.get((s["item"], s["turn"]), (None, None))[1]} for s in mine])
+         "prompt": prompts.get((s["item"], s["turn"]), (None, None))[1]} for s in mine]
+        + [{k: s[k] for k in ("item", "depth", "text", "finished", "checks", "check_details")} for s in lc_mine])
     atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
         lambda ids: tok.decode(ids, skip_special_tokens=False), lambda i: tok.decode([i], skip_special_tokens=False))))
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
-                        "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval}}
+                        "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
+                        "long_context": long_context}}

@@ -80,6 +80,15 @@ def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, Ru
 
 def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     tab = tier_table(a, slow)
+    if tab.lc_depths:
+        plot_list.append({"title": "Long context by depth",
+                          "src": _data_uri(plots.long_context_png(a.tiers, tab.lc_depths, a.reference)),
+                          "caption": "Long-context recall (left) and KLD over the last document tokens (right) "
+                                     "against document depth, per tier; int8-KV tiers dashed."})
+    lc_rows = [{"cells": cells, "cls": "front" if cells[0] in a.pareto.front else ""}
+               for cells in tab.html["long_context"]["rows"]]
+    lc_tokens = sorted({str(v) for t in a.tiers.values()
+                        for v in (get_path(t, "quality", "long_context", "fidelity_tokens") or {}).values()})
     name = a.recipe.get("name", "run")
     md = [f"# {name}: tiers", "",
           f"Pareto front and gate at depth {a.depth} tokens; quality metric `{a.quality_metric}`; "
@@ -198,6 +207,15 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
          "caption": "KLD mean by position bucket inside long outputs (drift), per tier."},
     ]
     tab = tier_table(a, slow)
+    if tab.lc_depths:
+        plot_list.append({"title": "Long context by depth",
+                          "src": _data_uri(plots.long_context_png(a.tiers, tab.lc_depths, a.reference)),
+                          "caption": "Long-context recall (left) and KLD over the last document tokens (right) "
+                                     "against document depth, per tier; int8-KV tiers dashed."})
+    lc_rows = [{"cells": cells, "cls": "front" if cells[0] in a.pareto.front else ""}
+               for cells in tab.html["long_context"]["rows"]]
+    lc_tokens = sorted({str(v) for t in a.tiers.values()
+                        for v in (get_path(t, "quality", "long_context", "fidelity_tokens") or {}).values()})
     row_cls = []
     for name, t in a.tiers.items():
         if t.status != STATUS_OK:
@@ -235,6 +253,9 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         depths=a.depths, build=tab.html["build"], depth_headers=tab.html_depth_headers,
         quality=tab.html["quality"], table_rows=rows,
         reviews=list((reviews or {}).values()), review_limit=REPORT_LIMIT,
+        lc_depths=tab.lc_depths, lc_depth_headers=tab.html_lc_depth_headers,
+        lc_tail_headers=tab.html["long_context"]["headers"][1 + len(tab.html_lc_depth_headers):],
+        lc_rows=lc_rows, lc_tokens=" / ".join(lc_tokens) or "N",
         generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
 
@@ -269,11 +290,12 @@ def write_report(run_dir: str | Path, recipe_dict: dict | None = None, *,
     sweep, the fallback ladder by memory), the load table with throughput- and
     latency-vs-concurrency plots (SLO drawn), capacity table, plots
     (quality vs memory with marker size = decode tokens/s; decode tokens/s vs depth; KLD by
-    position bucket), the full tier table with "slow path at long context" flags, and the
-    tiers that failed or were not built with their errors and log tails, and per tier the
-    items a reviewer reads: flipped and failing items with both answers side by side (first
-    divergence marked, checks of both sides, budget exhaustion, item KLD) and the positions
-    of highest KLD with both sides' top tokens.
+    position bucket; long-context recall and KLD vs document depth), the full tier table with
+    "slow path at long context" flags, the long-context table by document depth (int8-KV
+    tiers against their base tier), and the tiers that failed or were not built with their
+    errors and log tails, and per tier the items a reviewer reads: flipped and failing items
+    with both answers side by side (first divergence marked, checks of both sides, budget
+    exhaustion, item KLD) and the positions of highest KLD with both sides' top tokens.
 
     Args:
         run_dir: run folder.

@@ -9,7 +9,8 @@ import io
 import re
 
 from ..analysis.pareto import GIB, ParetoResult, decode_at
-from ..metrics import objective
+from ..metrics import metric, objective
+from ..metrics import value as metric_value
 from ..results import STATUS_OK, TierResult, get_path
 
 _DPI = 100
@@ -208,4 +209,49 @@ def load_latency_png(tiers: dict[str, TierResult], slo: dict | None) -> bytes | 
         ax.set_ylim(bottom=0)
         ax.set_title(f"{what.split(' (')[0]} vs concurrency", fontsize=10)
         ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def long_context_png(tiers: dict[str, TierResult], depths: list[int], reference: str | None = None) -> bytes | None:
+    """Two panels against document depth (x, tokens, log scale): long-context recall in %
+    (metric ``lc_recall``) and KLD mean in nats over the last document tokens (``lc_kld_mean``;
+    the reference's is 0 by definition). One line per ok tier; tiers with an int8 KV cache
+    are dashed."""
+    color_of = {n: _color(i) for i, n in enumerate(tiers)}
+    series: dict[str, tuple[list, list]] = {}
+    for name, t in tiers.items():
+        if t.status != STATUS_OK:
+            continue
+        rec, kld = [], []
+        for d in depths:
+            r = metric_value(t, "lc_recall", d)
+            k = metric_value(t, "lc_kld_mean", d, is_reference=name == reference and r is not None)
+            if r is not None:
+                rec.append((d, 100 * r))
+            if k is not None:
+                kld.append((d, k))
+        if rec or kld:
+            series[name] = (rec, kld)
+    if not series:
+        return None
+    fig = _figure()
+    axes = (fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2))
+    for name, (rec, kld) in series.items():
+        style = "--" if tiers[name].kv_cache == "int8" else "-"
+        for ax, pts in zip(axes, (rec, kld)):
+            if pts:
+                ax.plot([d for d, _ in pts], [v for _, v in pts], style, marker="o", label=name,
+                        color=color_of[name])
+    for ax, m in zip(axes, ("lc_recall", "lc_kld_mean")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(depths))
+        ax.set_xticklabels([str(d) for d in depths])
+        ax.set_xlabel("document depth (tokens)")
+        ax.set_ylabel(("recall (% of questions)" if m == "lc_recall" else metric(m).axis_label), fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylim(0, 100)
+    axes[0].set_title("Long-context recall vs depth", fontsize=10)
+    axes[1].set_title("Fidelity at depth: KLD vs depth", fontsize=10)
+    axes[0].legend(fontsize=7, loc="best")
     return _png(fig)

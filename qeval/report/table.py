@@ -1,5 +1,6 @@
 """The tier table: its columns, defined once (:data:`COLUMNS`), give ``table.md``,
-``table.csv`` and the three tables of ``report.html`` (build, speed by depth, quality).
+``table.csv`` and the tables of ``report.html`` (build, speed by depth, quality, and with a
+long_context suite long context by document depth).
 
 Figures come from the metric table (:mod:`qeval.metrics`). CSV units: ``*_gib`` GiB
 (2**30 bytes), ``*_s`` seconds, ``*_tokens_per_s`` tokens/s, ``*_rate``/``*_share`` shares
@@ -15,7 +16,8 @@ from ..metrics import GIB, finite
 from ..metrics import value as metric_value
 from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path
 
-Section = Literal["build", "speed", "quality"]
+Section = Literal["build", "speed", "quality", "long_context"]
+SECTIONS: tuple[Section, ...] = ("build", "speed", "quality", "long_context")
 
 
 @dataclass
@@ -76,7 +78,8 @@ class Column:
         cell: ``cell(row)`` (per-depth: ``cell(row, depth)``) -> (text, {csv field: value}).
         section: the HTML table it is in (None: Markdown only).
         md: whether ``table.md`` has it.
-        per_depth: one column per speed depth.
+        per_depth: one column per depth: each speed depth, or with ``depths="long_context"``
+            each long-context document depth any tier has (:func:`long_context_depths`).
         html_header: its header in the HTML tables when it differs.
         html_cell: its HTML text when it differs from the Markdown one.
         numeric: right-aligned in HTML (figures); text columns are left-aligned.
@@ -86,6 +89,7 @@ class Column:
     section: Section | None
     md: bool = True
     per_depth: bool = False
+    depths: Literal["speed", "long_context"] = "speed"
     html_header: str | None = None
     html_cell: Callable[[Row], str] | None = None
     numeric: bool = False
@@ -175,9 +179,89 @@ def kv_base_tier(tiers: dict[str, TierResult], name: str) -> str | None:
     return None
 
 
+# ---- long context by document depth ----------------------------------------------------
+
+def long_context_depths(tiers: dict[str, TierResult]) -> list[int]:
+    """Document depths (tokens) with a long-context result in any tier
+    (``quality.long_context.depths``), ascending."""
+    found: set[int] = set()
+    for t in tiers.values():
+        ds = get_path(t, "quality", "long_context", "depths")
+        if isinstance(ds, dict):
+            found.update(int(d) for d in ds if str(d).isdigit())
+    return sorted(found)
+
+
+LC_FIGURES = ("lc_recall", "lc_recall_ci_low", "lc_recall_ci_high", "lc_flip_rate", "lc_kld_mean",
+              "lc_same_top_rate", "lc_ppl_ratio")
+
+
+def long_context_at(t: TierResult | None, depth: int, is_reference: bool = False) -> dict[str, Any]:
+    """A tier's long-context figures at ``depth`` (tokens), read through the metric table:
+    ``{lc_recall, lc_recall_ci_low, lc_recall_ci_high, lc_flip_rate, lc_kld_mean,
+    lc_same_top_rate, lc_ppl_ratio, flips_pass_to_fail, flips_fail_to_pass}`` (None when
+    absent). The reference is not rescored against itself: where it has recall at that
+    depth its KLD is 0, same-top 1 and PPL ratio 1 by definition."""
+    has = metric_value(t, "lc_recall", depth) is not None
+    out: dict[str, Any] = {m: metric_value(t, m, depth, is_reference=is_reference and has) for m in LC_FIGURES}
+    row = get_path(t, "quality", "long_context", "depths", str(depth))
+    out["flips_pass_to_fail"] = get_path(row, "flips_pass_to_fail")
+    out["flips_fail_to_pass"] = get_path(row, "flips_fail_to_pass")
+    return out
+
+
+def kv_long_context_change(tiers: dict[str, TierResult], name: str, base: str, reference: str,
+                           depths: list[int]) -> str | None:
+    """``@d recall ±x pp, KLD ±y; ...``: an int8-KV tier's long-context recall
+    (percentage points) and KLD over the last document tokens (nats) minus its base tier's at
+    each depth, or None without figures."""
+    parts = []
+    for d in depths:
+        mine = long_context_at(tiers.get(name), d, name == reference)
+        theirs = long_context_at(tiers.get(base), d, base == reference)
+        bits = []
+        if mine["lc_recall"] is not None and theirs["lc_recall"] is not None:
+            bits.append(f"recall {100 * (mine['lc_recall'] - theirs['lc_recall']):+.1f} pp")
+        if mine["lc_kld_mean"] is not None and theirs["lc_kld_mean"] is not None:
+            bits.append(f"KLD {mine['lc_kld_mean'] - theirs['lc_kld_mean']:+.3g}")
+        if bits:
+            parts.append(f"@{d} " + ", ".join(bits))
+    return "; ".join(parts) if parts else None
+
+
+def _lc(r: Row, d: int) -> dict[str, Any]:
+    return long_context_at(r.t, d, r.is_ref and r.ok)
+
+
+def _lc_recall(r: Row, d: int) -> Cell:
+    lc = _lc(r, d)
+    pr, lo, hi = lc["lc_recall"], lc["lc_recall_ci_low"], lc["lc_recall_ci_high"]
+    text = "-" if pr is None else (f"{100 * pr:.1f}" + (
+        f" [{100 * lo:.1f}, {100 * hi:.1f}]" if lo is not None and hi is not None else ""))
+    return text, {f"recall_{d}": pr, f"recall_ci_low_{d}": lo, f"recall_ci_high_{d}": hi}
+
+
+def _lc_flips(r: Row, d: int) -> Cell:
+    lc = _lc(r, d)
+    flip, p2f, f2p = lc["lc_flip_rate"], lc["flips_pass_to_fail"], lc["flips_fail_to_pass"]
+    text = "-" if flip is None else f"{100 * flip:.0f}%" + (
+        f" ({p2f}↓ {f2p}↑)" if isinstance(p2f, int) and isinstance(f2p, int) else "")
+    return text, {f"recall_flip_rate_{d}": flip}
+
+
+def _kv_lc_text(r: Row) -> str | None:
+    base = kv_base_tier(r.a.tiers, r.name)
+    if base is None or not r.ok:
+        return None
+    return kv_long_context_change(r.a.tiers, r.name, base, r.a.reference, long_context_depths(r.a.tiers))
+
+
 def _notes(r: Row) -> Cell:
     notes = [r.slow.text] if r.slow else []
     base = kv_base_tier(r.a.tiers, r.name)
+    lc_change = _kv_lc_text(r)
+    if lc_change:
+        notes.append(f"int8 KV vs {base} at long context: {lc_change}")
     if base is not None and r.ok:
         d = max(r.a.depths)
         other = r.a.tiers[base]
@@ -268,6 +352,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("budget exh. %", lambda r: (_f(r.v("budget_exhausted_rate"), ".1f", 100),
                                        {"budget_exhausted_rate": r.v("budget_exhausted_rate")}), "quality",
            numeric=True),
+    Column("recall % [95% CI]", _lc_recall, "long_context", per_depth=True, depths="long_context", numeric=True),
+    Column("recall flips", _lc_flips, "long_context", md=False, per_depth=True, depths="long_context",
+           html_header="flips", numeric=True),
+    Column("KLD", lambda r, d: (_f(_lc(r, d)["lc_kld_mean"], ".4f"), {f"lc_kld_mean_{d}": _lc(r, d)["lc_kld_mean"]}),
+           "long_context", per_depth=True, depths="long_context", numeric=True),
+    Column("same-top %", lambda r, d: (_f(_lc(r, d)["lc_same_top_rate"], ".1f", 100),
+                                       {f"lc_same_top_rate_{d}": _lc(r, d)["lc_same_top_rate"]}),
+           "long_context", md=False, per_depth=True, depths="long_context", numeric=True),
+    Column("PPL ratio", lambda r, d: (_f(_lc(r, d)["lc_ppl_ratio"], ".4f"), {f"lc_ppl_ratio_{d}": _lc(r, d)["lc_ppl_ratio"]}),
+           None, md=False, per_depth=True, depths="long_context", numeric=True),
+    Column("int8 KV vs base", lambda r: (_kv_lc_text(r) or "", {}), "long_context", md=False),
     Column("quality engine", lambda r: (str(get_path(r.t, "quality", "engine") or "-"),
                                         {"quality_engine": get_path(r.t, "quality", "engine")}), "quality"),
     Column("lm-eval", _lm_eval, "quality"),
@@ -283,57 +378,80 @@ class TierTable:
     """The tier table in three shapes: Markdown (``headers``, ``rows``), CSV
     (``csv_fields``, ``csv_rows`` of raw values) and the HTML sections (``html``:
     section -> {"headers": [{"text", "numeric"}, ...], "rows": [[cell, ...], ...]}; the
-    speed section repeats ``html_depth_headers`` for every depth)."""
+    speed section repeats ``html_depth_headers`` for every depth, the long_context section
+    ``html_lc_depth_headers`` for every one of ``lc_depths`` and then its other headers).
+    Without long-context results the long_context section has no rows."""
     headers: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
     csv_fields: list[str] = field(default_factory=list)
     csv_rows: list[dict[str, Any]] = field(default_factory=list)
     html: dict[str, dict[str, list]] = field(default_factory=dict)
     html_depth_headers: list[dict] = field(default_factory=list)
+    html_lc_depth_headers: list[dict] = field(default_factory=list)
+    lc_depths: list[int] = field(default_factory=list)
+
+
+def _column_depths(c: Column, a: RunAnalysis, lc_depths: list[int]) -> list[int | None]:
+    if not c.per_depth:
+        return [None]
+    return list(a.depths if c.depths == "speed" else lc_depths)
 
 
 def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierTable:
     """Build the per-tier table for every tier of the analysed run (recipe order), from :data:`COLUMNS`."""
     slow = slow or {}
-    tab = TierTable(html={s: {"headers": [], "rows": []} for s in ("build", "speed", "quality")})
+    tab = TierTable(html={s: {"headers": [], "rows": []} for s in SECTIONS})
+    tab.lc_depths = lc_depths = long_context_depths(a.tiers)
     first = COLUMNS[0]  # the tier name starts every HTML table
     for c in COLUMNS:
-        for d in (a.depths if c.per_depth else [None]):
+        ds = _column_depths(c, a, lc_depths)
+        for d in ds:
             if c.md:
                 tab.headers.append(c.header if d is None else f"{c.header} @{d}")
-            if c.section and d in (None, a.depths[0]):
+            if c.section and d in (None, ds[0]):
                 tab.html[c.section]["headers"].append({"text": c.html_header or c.header, "numeric": c.numeric})
-    tab.html_depth_headers = [{"text": c.html_header or c.header, "numeric": c.numeric} for c in COLUMNS if c.per_depth]
-    for sec in ("speed", "quality"):
+    tab.html_depth_headers = [{"text": c.html_header or c.header, "numeric": c.numeric} for c in COLUMNS
+                              if c.per_depth and c.depths == "speed" and c.section == "speed"]
+    tab.html_lc_depth_headers = [{"text": c.html_header or c.header, "numeric": c.numeric} for c in COLUMNS
+                                 if c.per_depth and c.depths == "long_context" and c.section == "long_context"]
+    for sec in ("speed", "quality", "long_context"):
         tab.html[sec]["headers"].insert(0, {"text": first.header, "numeric": first.numeric})
     for name, t in a.tiers.items():
         row = Row(name, t, a, slow.get(name))
         md: list[str] = []
         raw: dict[str, Any] = {}
-        html: dict[str, list[str]] = {"build": [], "speed": [row.name], "quality": [row.name]}
+        html: dict[str, list[str]] = {"build": [], "speed": [row.name], "quality": [row.name],
+                                      "long_context": [row.name]}
+        # HTML tables group per-depth cells by depth (all of a depth's columns together),
+        # then the section's other columns
+        by_depth: dict[str, dict[int, list[str]]] = {sec: {} for sec in SECTIONS}
+        tail: dict[str, list[str]] = {sec: [] for sec in SECTIONS}
         for c in COLUMNS:
-            for d in (a.depths if c.per_depth else [None]):
+            for d in _column_depths(c, a, lc_depths):
                 text, values = c.cell(row) if d is None else c.cell(row, d)
                 raw.update(values)
                 if c.md:
                     md.append(text)
                 if c.section:
-                    html[c.section].append(c.html_cell(row) if c.html_cell else text)
+                    cell = c.html_cell(row) if c.html_cell else text
+                    (tail[c.section] if d is None else by_depth[c.section].setdefault(d, [])).append(cell)
         tab.rows.append(md)
         tab.csv_rows.append(raw)
         for sec, cells in html.items():
-            tab.html[sec]["rows"].append(cells)
-    tab.csv_fields = _csv_fields(a)
+            cells += [x for d in sorted(by_depth[sec]) for x in by_depth[sec][d]] + tail[sec]
+            if sec != "long_context" or (lc_depths and row.ok):
+                tab.html[sec]["rows"].append(cells)
+    tab.csv_fields = _csv_fields(a, lc_depths)
     return tab
 
 
-def _csv_fields(a: RunAnalysis) -> list[str]:
+def _csv_fields(a: RunAnalysis, lc_depths: list[int]) -> list[str]:
     """The CSV fields, in column order: the keys the cells fill (taken from the cells of a
     placeholder tier, so they are written once, in :data:`COLUMNS`)."""
     row = Row("", TierResult(tier="", method="", status="not_built"), a, None)
     fields: list[str] = []
     for c in COLUMNS:
-        for d in (a.depths if c.per_depth else [None]):
+        for d in _column_depths(c, a, lc_depths):
             fields += list((c.cell(row) if d is None else c.cell(row, d))[1])
     return fields
 
