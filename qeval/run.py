@@ -22,6 +22,7 @@ from typing import Callable
 from .errors import QevalInputError
 from .executors import Executor, make_executor
 from .failures import failure_text
+from .measure.long_context import recipe_long_context
 from .measure.quality import _budget, load_suites
 from .paths import cache_root
 from .recipe import Recipe, check_context
@@ -348,12 +349,15 @@ def estimate_disk_bytes(recipe: Recipe, tiers: list[str], params: int | None = N
 
 
 def reference_answer_tokens(recipe: Recipe) -> int:
-    """Upper bound of the reference pass's answer tokens: every turn of every suite item at
-    its token budget (``quality._budget``: the suite's cap, the item's own, and
-    ``fidelity_max_new_tokens`` past the suite's ``limit``)."""
+    """Upper bound of the rows of log-probabilities the reference pass stores: every turn of
+    every suite item at its token budget (``quality._budget``: the suite's cap, the item's
+    own, and ``fidelity_max_new_tokens`` past the suite's ``limit``), plus ``fidelity_tokens``
+    per long_context item and depth."""
     short = recipe.quality.fidelity_max_new_tokens
-    return sum(_budget(spec, it, i, short) * len(it.turns)
-               for spec, items in load_suites(recipe) for i, it in enumerate(items))
+    answers = sum(_budget(spec, it, i, short) * len(it.turns)
+                  for spec, items in load_suites(recipe) for i, it in enumerate(items))
+    return answers + sum(len(items) * len(spec.depths) * spec.fidelity_tokens
+                         for spec, items in recipe_long_context(recipe))
 
 
 def _vocab_size(folder: Path) -> int | None:

@@ -448,3 +448,13 @@ def test_report_shows_int8_kv_change_against_its_base_tier():
     png = long_context_png(tiers, [1024, 4096], "bf16")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert long_context_png({"x": {"status": "ok"}}, [1024], "bf16") is None
+
+
+def test_disk_preflight_counts_the_long_context_log_probabilities():
+    from qeval.recipe import load_recipe
+    from qeval.run import reference_answer_tokens
+    r = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
+    lc = next(s for s in r.suites if s.kind == "long_context")
+    with_lc = reference_answer_tokens(r)
+    r.suites = [s for s in r.suites if s.kind != "long_context"]
+    assert with_lc - reference_answer_tokens(r) == lc.limit * len(lc.depths) * lc.fidelity_tokens == 1024
