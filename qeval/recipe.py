@@ -666,6 +666,19 @@ def stable_tier_dict(spec: dict | None) -> dict | None:
     return {k: v for k, v in spec.items() if not (k in LATER_TIER_FIELDS and v is None)}
 
 
+#: Suite fields only long_context suites use: left out of other suites' dicts in keys and
+#: fingerprints, so those did not move when the fields were added.
+LONG_CONTEXT_SUITE_FIELDS = ("depths", "fidelity_tokens")
+
+
+def stable_suite_dict(suite: dict) -> dict:
+    """A suite spec's dict (``model_dump(mode="json")``) as fingerprints and the reference
+    key hash it: :data:`LONG_CONTEXT_SUITE_FIELDS` dropped unless the suite is a long_context one."""
+    if suite.get("kind") == "long_context":
+        return dict(suite)
+    return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS}
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file.
 

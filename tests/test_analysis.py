@@ -187,15 +187,16 @@ def test_missing_metric_fails_closed(rule):
 def test_recall_rel_is_judged_at_the_gate_depth():
     res = _gate({"min_recall_rel": 0.8}).candidate("cand").rules[1]
     assert res.value == 0.75 and res.threshold == pytest.approx(0.72)
-    assert f"at depth {D}" in res.message and "reference recall 0.9" in res.message
+    assert f"at depth {D} (quality.long_context.depths.{D}.recall_ci_low)" in res.message
+    assert "reference long-context recall 0.9" in res.message
     # the candidate's recall at 4096 is 0 and does not count at the gate depth 1024; at 4096 it fails
-    deep = evaluate_gate(None, {"bf16": REF, "cand": CAND}, {"reference": "bf16", "rules": {"min_recall_rel": 0.8}},
-                         4096).candidate("cand")
+    deep = evaluate_gate(None, typed({"bf16": REF, "cand": CAND}),
+                         {"reference": "bf16", "rules": {"min_recall_rel": 0.8}}, 4096).candidate("cand")
     assert not deep.passed and deep.rules[1].value == 0.0
     ref = json.loads(json.dumps(REF))
     del ref["quality"]["long_context"]["depths"][str(D)]
     r = _gate({"min_recall_rel": 0.8}, {"bf16": ref, "cand": CAND}).candidate("cand").rules[1]
-    assert not r.passed and "lacks long-context recall at depth 1024" in r.message
+    assert not r.passed and f"lacks quality.long_context.depths.{D}.recall" in r.message
 
 
 @pytest.mark.parametrize("rule", ["min_pass_rate_rel", "max_peak_memory_rel", "min_decode_rel", "min_recall_rel"])

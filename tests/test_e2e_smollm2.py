@@ -31,6 +31,9 @@ def test_default_recipe_reduced(tmp_path):
         small = tmp_path / src.name
         small.write_text("\n".join(rows[:3]) + "\n")
         s.update(path=str(small), limit=1, max_new_tokens=24)
+        if s["kind"] == "long_context":  # its filler beside it; one item at 1024 and 2048 tokens, the last 64 scored
+            (tmp_path / "long_context_filler.jsonl").write_text((src.parent / "long_context_filler.jsonl").read_text())
+            s.update(depths=[1024, 2048], fidelity_tokens=64, max_new_tokens=48)
     r["load"].update(concurrency=[1, 2], depth=64, output_tokens=8, requests_per_stream=1, prefill_chunk=32)
     r["quality"]["lm_eval_tasks"] = []
     r["quality"]["lm_eval_limit"] = None
@@ -58,6 +61,15 @@ def test_default_recipe_reduced(tmp_path):
         assert rows[n]["quality"]["fidelity"]["kld_mean"] > 0
         assert rows[n]["speed"]["256"]["decode_tokens_per_s"] > 0
     assert rows["gguf-q4_k_m"]["engine"] == "llamacpp" and rows["gguf-q4_k_m"]["quant"]["fallback_tensors"] > 0
+    for n, t in rows.items():  # long context: recall at both depths for every tier, KLD for all but the reference
+        lc = t["quality"]["long_context"]["depths"]
+        assert set(lc) == {"1024", "2048"}, n
+        for d in ("1024", "2048"):
+            assert 0 <= lc[d]["recall"] <= 1 and lc[d]["n_items"] == 1
+            if n != "bf16":
+                assert lc[d]["fidelity"]["n_tokens"] == 64 and lc[d]["fidelity"]["kld_mean"] >= 0
+    assert rows["bf16-kv8"]["quality"]["long_context"]["depths"]["1024"]["fidelity"]["kld_mean"] > 0
+    assert "recall % [95% CI] @1024" in (run_dir / "table.md").read_text()
     for n, t in rows.items():  # every tier can batch: a load sweep with both points served
         pts = {p["concurrency"]: p for p in (t.get("load") or {}).get("points") or []}
         assert set(pts) == {1, 2} and all(p["admitted"] for p in pts.values()), (n, t.get("load"))

@@ -377,10 +377,11 @@ def test_run_measures_recall_and_kld_by_depth(tiny_llama, tmp_path):
                 if r["rule"] == "min_recall_rel")
     assert rule["passed"] and rule["value"] == lc["bf16-kv8"]["640"]["recall_ci_low"]
     table = (run / "table.md").read_text()
-    assert "recall % @640 [95% CI]" in table and "KLD @1024" in table
+    assert "recall % [95% CI] @640" in table and "KLD @1024" in table
     assert "int8 KV vs bf16 at long context: @640 recall" in table
     html = (run / "report.html").read_text()
     assert "Long context: recall and fidelity by depth" in html and 'alt="Long context by depth"' in html
+    assert "depth 1024 tokens" in html
     csv_head = (run / "table.csv").read_text().splitlines()[0]
     assert "recall_1024" in csv_head and "lc_kld_mean_640" in csv_head
 
@@ -429,25 +430,27 @@ def test_summary_counts_flips_per_question_and_depth():
 
 
 def test_report_shows_int8_kv_change_against_its_base_tier():
-    from qeval.report.html import kv_long_context_change, long_context_at, long_context_depths
     from qeval.report.plots import long_context_png
+    from qeval.report.table import kv_long_context_change, long_context_at, long_context_depths
+    from qeval.results import TierResult
 
-    def t(kv, rec, kld):
-        return {"status": "ok", "kv_cache": kv, "quality": {"long_context": {"depths": {
-            "1024": {"recall": rec[0], "fidelity": None if kld is None else {"kld_mean": kld[0]}},
-            "4096": {"recall": rec[1], "fidelity": None if kld is None else {"kld_mean": kld[1]}}}}}}
-    tiers = {"bf16": t("model", (0.5, 0.5), None), "bf16-kv8": t("int8", (0.5, 0.25), (0.001, 0.004)),
-             "q4": t("model", (0.5, 0.5), (0.01, 0.02)), "q4-kv8": t("int8", (0.5, 0.5), (0.012, 0.03))}
+    def t(name, kv, rec, kld):
+        return TierResult.model_validate({
+            "tier": name, "method": "bf16", "status": "ok", "kv_cache": kv, "quality": {"long_context": {"depths": {
+                "1024": {"recall": rec[0], "fidelity": None if kld is None else {"kld_mean": kld[0]}},
+                "4096": {"recall": rec[1], "fidelity": None if kld is None else {"kld_mean": kld[1]}}}}}})
+    tiers = {"bf16": t("bf16", "model", (0.5, 0.5), None), "bf16-kv8": t("bf16-kv8", "int8", (0.5, 0.25), (0.001, 0.004)),
+             "q4": t("q4", "model", (0.5, 0.5), (0.01, 0.02)), "q4-kv8": t("q4-kv8", "int8", (0.5, 0.5), (0.012, 0.03))}
     assert long_context_depths(tiers) == [1024, 4096]
-    assert long_context_at(tiers["bf16"], 4096, is_reference=True)["kld_mean"] == 0.0
-    assert long_context_at(tiers["bf16"], 4096)["kld_mean"] is None
+    assert long_context_at(tiers["bf16"], 4096, is_reference=True)["lc_kld_mean"] == 0.0
+    assert long_context_at(tiers["bf16"], 4096)["lc_kld_mean"] is None
+    assert long_context_at(tiers["bf16"], 2048, is_reference=True)["lc_kld_mean"] is None  # no recall there
     note = kv_long_context_change(tiers, "bf16-kv8", "bf16", "bf16", [1024, 4096])
-    assert note == ("int8 KV vs bf16 at long context: @1024 recall +0.0 pp, KLD +0.001; "
-                    "@4096 recall -25.0 pp, KLD +0.004")
+    assert note == "@1024 recall +0.0 pp, KLD +0.001; @4096 recall -25.0 pp, KLD +0.004"
     assert "@4096 recall +0.0 pp, KLD +0.01" in kv_long_context_change(tiers, "q4-kv8", "q4", "bf16", [1024, 4096])
     png = long_context_png(tiers, [1024, 4096], "bf16")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert long_context_png({"x": {"status": "ok"}}, [1024], "bf16") is None
+    assert long_context_png({"x": TierResult(tier="x", method="bf16", status="ok")}, [1024], "bf16") is None
 
 
 def test_disk_preflight_counts_the_long_context_log_probabilities():

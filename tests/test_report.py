@@ -343,3 +343,51 @@ def test_plan_puts_measured_load_points_beside_the_formula(loaded):
     assert {c["concurrency"] for c in js["load_checks"] if c["tier"] == "q4_k_m"} == {1, 2, 4, 8}
     plain = plan_text(FIXTURE, None, "24GiB", 4096, 8, "1GiB")  # no sweep: no such section
     assert "measured under load" not in plain
+
+
+def test_html_speed_cells_are_grouped_by_depth(analysis):
+    """The speed table's header groups columns by depth ("depth d tokens": peak, TTFT, tok/s,
+    roofline), so each row's cells come depth by depth too."""
+    from qeval.report.table import tier_table
+    run, a = analysis
+    tab = tier_table(a)
+    n = len(tab.html_depth_headers)
+    row = tab.html["speed"]["rows"][TIERS.index("int8")]
+    t = a.tiers["int8"]
+    for i, d in enumerate(a.depths):
+        cells = row[1 + i * n: 1 + (i + 1) * n]
+        assert cells[1] == f"{t.speed[str(d)].ttft_s:.3g}"
+        assert cells[2] == f"{t.speed[str(d)].decode_tokens_per_s:.3g}"
+    assert tab.html["long_context"]["rows"] == []  # no long_context suite in this run
+
+
+def test_long_context_table_by_depth(tmp_path):
+    """With long-context results: Markdown columns per document depth, the CSV fields, the
+    int8-KV change against its base tier in the notes, and the report's section and plot."""
+    from qeval.results import LongContext
+    d = tmp_path / "run"
+    shutil.copytree(FIXTURE, d)
+
+    def lc(recall, kld):
+        return LongContext.model_validate({"depths": {
+            str(dep): {"recall": r, "recall_ci_low": r / 2, "recall_ci_high": 1.0, "flip_rate": 0.0 if kld else None,
+                       "fidelity": {"kld_mean": k, "n_tokens": 64} if k is not None else None}
+            for dep, r, k in zip((1024, 4096), recall, kld or (None, None))}, "fidelity_tokens": {"lc": 64}})
+
+    def put(name, value):
+        def edit(t):
+            t.quality.long_context = value
+        _edit_tier(d, name, edit)
+    put("bf16", lc((0.8, 0.6), None))
+    put("bf16-kv8", lc((0.8, 0.4), (0.002, 0.01)))
+    out = rebuild_outputs(d)
+    md = out.table_md.read_text()
+    assert "recall % [95% CI] @1024" in md and "KLD @4096" in md
+    assert "int8 KV vs bf16 at long context: @1024 recall +0.0 pp, KLD +0.002; @4096 recall -20.0 pp, KLD +0.01" in md
+    rows = {r["tier"]: r for r in csv.DictReader(out.table_csv.open())}
+    assert float(rows["bf16-kv8"]["recall_4096"]) == 0.4 and float(rows["bf16-kv8"]["lc_kld_mean_4096"]) == 0.01
+    assert float(rows["bf16"]["lc_kld_mean_1024"]) == 0.0  # the reference by definition
+    assert rows["int8"]["recall_1024"] == ""
+    html = out.report_html.read_text()
+    assert "Long context: recall and fidelity by depth" in html and 'alt="Long context by depth"' in html
+    assert "over the last 64 document tokens" in html

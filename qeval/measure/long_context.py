@@ -34,12 +34,14 @@ not used here.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import QevalInputError
+from .behaviour import bootstrap_ci
 from .suites import CheckResult, describe_value, jsonl_rows
 
 __all__ = ["ABSTAIN_RE", "INSTRUCTIONS", "QUESTION_KINDS", "Fact", "LongContextItem", "Question",
@@ -700,7 +702,6 @@ def check_depths_fit(recipe, max_context: int | None) -> None:
 
 
 def _prompt_digest(ids: list[int]) -> str:
-    import hashlib
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
@@ -780,8 +781,6 @@ def summarise_long_context(segments: list[dict], ref_by_key: dict[tuple, dict] |
         by_kind {kind: share passed}, flips_pass_to_fail, flips_fail_to_pass, flip_rate
         (Dutta et al. 2024, arXiv:2407.09141), budget_exhausted_rate, fidelity}}}``.
     """
-    from .behaviour import bootstrap_ci
-
     out: dict[str, dict] = {}
     for d in sorted({s["depth"] for s in segments}):
         segs = [s for s in segments if s["depth"] == d]

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..hashing import file_sha256
 from ..artifacts import get_or_build
-from ..recipe import stable_tier_dict
+from ..recipe import stable_suite_dict, stable_tier_dict
 from ..results import RUN_SCOPE, ReviewFile, RunLayout, atomic_write_json, read_stage, stage_done
 from ..source import model_max_context
 from ..storage import storage_for
@@ -246,7 +246,7 @@ def reference_fields(recipe, ctx) -> dict:
     """What determines the reference pass (its cache key): source, reference tier, every
     suite file and setting, the quality settings that shape answers, device, threads and
     library versions."""
-    suites = [{**s.model_dump(mode="json"), "sha256": file_sha256(recipe.resolve_path(s.path))}
+    suites = [{**stable_suite_dict(s.model_dump(mode="json")), "sha256": file_sha256(recipe.resolve_path(s.path))}
               for s in recipe.suites]
     fillers = {str(p.name): file_sha256(p) for p in filler_files(recipe)}
     q = recipe.quality

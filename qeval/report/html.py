@@ -80,15 +80,6 @@ def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, Ru
 
 def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     tab = tier_table(a, slow)
-    if tab.lc_depths:
-        plot_list.append({"title": "Long context by depth",
-                          "src": _data_uri(plots.long_context_png(a.tiers, tab.lc_depths, a.reference)),
-                          "caption": "Long-context recall (left) and KLD over the last document tokens (right) "
-                                     "against document depth, per tier; int8-KV tiers dashed."})
-    lc_rows = [{"cells": cells, "cls": "front" if cells[0] in a.pareto.front else ""}
-               for cells in tab.html["long_context"]["rows"]]
-    lc_tokens = sorted({str(v) for t in a.tiers.values()
-                        for v in (get_path(t, "quality", "long_context", "fidelity_tokens") or {}).values()})
     name = a.recipe.get("name", "run")
     md = [f"# {name}: tiers", "",
           f"Pareto front and gate at depth {a.depth} tokens; quality metric `{a.quality_metric}`; "
