@@ -528,9 +528,11 @@ class AnswerRow(_Open):
     ``reference/segments.json``): ``item`` is ``<suite>/<id>``; ``checks`` the pass/fail of
     each check, ``check_details`` their one-line reasons; ``finished`` False when the answer
     hit its token budget; ``system``/``prompt`` the text it answers (None in runs before
-    they were stored). Suite kinds may add keys (a long-context ``depth``)."""
+    they were stored). A long-context answer has the document ``depth`` in tokens (and no
+    prompt: the document is rendered from the suite file at that depth). Suite kinds may add keys."""
     item: str
     turn: int = 0
+    depth: int | None = None
     text: str = ""
     finished: bool = True
     checks: list[bool] = Field(default_factory=list)
@@ -868,6 +870,17 @@ def read_reference_answers(layout: RunLayout) -> list[AnswerRow] | None:
         QevalInputError: malformed, or a row not fitting :class:`AnswerRow`.
     """
     p = layout.reference_segments
+    return _list_of(p, AnswerRow) if p.is_file() else None
+
+
+def read_reference_long_context(layout: RunLayout) -> list[AnswerRow] | None:
+    """The reference's long-context answers, one per item and depth, from
+    ``reference/long_context.json`` (None when the run has no long_context suite).
+
+    Raises:
+        QevalInputError: malformed, or a row not fitting :class:`AnswerRow`.
+    """
+    p = layout.reference_long_context
     return _list_of(p, AnswerRow) if p.is_file() else None
 
 

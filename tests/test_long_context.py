@@ -372,6 +372,11 @@ def test_run_measures_recall_and_kld_by_depth(tiny_llama, tmp_path):
         assert kv["n_tokens"] == 2 * 64 and kv["kld_mean"] > 0
     answers = json.loads((run / "answers" / "bf16-kv8.json").read_text())
     assert sorted(a["depth"] for a in answers if "depth" in a) == [640, 640, 1024, 1024]
+    from qeval.report.review import tier_review  # the review pairs each answer with the reference's at its depth
+    views = [v for v in tier_review(run, "bf16-kv8", "bf16").items if v.depth is not None]
+    assert {v.key for v in views} == {"lc/t-001@640", "lc/t-001@1024", "lc/t-002@640", "lc/t-002@1024"}
+    ref_text = {(s["item"], s["depth"]): s["text"] for s in ref_segments}
+    assert all(v.ref_text == ref_text[(v.item, v.depth)] and len(v.checks) in (3, 4) for v in views)
     gate = json.loads((run / "gate.json").read_text())
     rule = next(r for c in gate["candidates"] if c["tier"] == "bf16-kv8" for r in c["rules"]
                 if r["rule"] == "min_recall_rel")

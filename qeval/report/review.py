@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..metrics import metric
 from ..results import (AnswerRow, ReviewFile, RunLayout, WorstPosition, read_answers, read_reference_answers,
-                       read_review)
+                       read_reference_long_context, read_review)
 
 #: Items listed per tier and kind in the HTML report (``qeval show`` lists all).
 REPORT_LIMIT = 40
@@ -50,6 +50,7 @@ class ItemView:
         divergence: index of the first character where the answers differ (None: identical).
         checks: per check, both sides' verdicts.
         kld_mean, kld_max: the item's KLD in nats over its answer positions (None: not scored).
+        depth: a long-context answer's document depth in tokens (None for other suites).
     """
     item: str
     turn: int
@@ -63,9 +64,12 @@ class ItemView:
     checks: list[CheckPair] = field(default_factory=list)
     kld_mean: float | None = None
     kld_max: float | None = None
+    depth: int | None = None
 
     @property
     def key(self) -> str:
+        if self.depth is not None:
+            return f"{self.item}@{self.depth}"
         return f"{self.item}#{self.turn}" if self.turn else self.item
 
     @property
@@ -145,20 +149,20 @@ def tier_review(run_dir: str | Path, tier: str, reference: str) -> TierReview | 
     mine = read_answers(layout, tier)
     if mine is None:
         return None
-    refs = read_reference_answers(layout) or []
-    by_key = {(r.item, r.turn): r for r in refs}
+    refs = (read_reference_answers(layout) or []) + (read_reference_long_context(layout) or [])
+    by_key = {(r.item, r.turn, r.depth): r for r in refs}
     review: ReviewFile | None = read_review(layout, tier)
     kld = {(k.item, k.turn): k for k in (review.items if review else [])}
     items = []
     for row in mine:
-        ref = by_key.get((row.item, row.turn))
-        k = kld.get((row.item, row.turn))
+        ref = by_key.get((row.item, row.turn, row.depth))
+        k = kld.get((row.item, row.turn)) if row.depth is None else None
         items.append(ItemView(
             item=row.item, turn=row.turn, prompt=row.prompt, system=row.system,
             ref_text=ref.text if ref else None, tier_text=row.text,
             ref_finished=ref.finished if ref else None, tier_finished=row.finished,
             divergence=divergence(ref.text if ref else None, row.text), checks=_pairs(ref, row),
-            kld_mean=k.kld_mean if k else None, kld_max=k.kld_max if k else None))
+            kld_mean=k.kld_mean if k else None, kld_max=k.kld_max if k else None, depth=row.depth))
     worst = [w for w in (review.worst if review else []) if w.kld > 0]
     return TierReview(tier=tier, items=items, worst=worst, is_reference=(tier == reference))
 
