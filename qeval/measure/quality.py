@@ -392,7 +392,7 @@ def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop:
                                    "reference pass's (tokenizer or suite files changed)")
             w = seg["score_tokens"]
             targets = np.asarray(r.prompt_ids[r.doc_end - w:r.doc_end], dtype=np.int64)
-            acc = accs.setdefault(seg["depth"], FidelityAccumulator())
+            acc = accs.setdefault(seg["depth"], FidelityAccumulator(topk=getattr(engine, "score_topk", None)))
             for j, logp in scored:
                 m = len(logp)
                 acc.add(np.asarray(ref_lp[ref["offset"] + j: ref["offset"] + j + m]), logp, targets[j:j + m],
