@@ -3,9 +3,10 @@
 ``python -m qeval.worker STAGE RUN_DIR [TIER]``
 
 Stages: ``source`` (resolve/convert the BF16 checkpoint), ``env`` (memory bandwidth,
-hardware), ``reference`` (BF16 answers to every suite prompt), and per tier ``prepare``
-(build or reuse the artifact), ``measure`` (memory and speed in a fresh process),
-``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
+hardware), ``reference`` (BF16 answers to every suite prompt, in ``quality.reference_dtype``),
+``floor`` (the reference tier as served scored against the reference: the noise floor), and
+per tier ``prepare`` (build or reuse the artifact), ``measure`` (memory and speed in a fresh
+process), ``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
 ``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
 (:func:`qeval.failures.describe_exception`: type, message, the raising frame and, for an assertion, its
@@ -29,9 +30,9 @@ from .errors import QevalInputError, TierUnavailable
 from .failures import describe_exception
 from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
-from .measure.memory import hwm_bytes, PeakMemory, rss_bytes
+from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
-from .measure.quality import reference_pass, tier_quality
+from .measure.quality import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .measure.serving import load_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
 from .recipe import Recipe
@@ -194,20 +195,37 @@ def decode_tokens_for(spec, engine, decode_tokens: int) -> int:
 
 
 def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
-    """In a fresh process: load the artifact, then weight bytes, KV bytes/token, peak memory (bytes), TTFT (s) and decode tokens/s at every depth."""
+    """In a fresh process: the tier's runtime imported and warmed, the memory baseline, the
+    artifact loaded; then weight bytes, KV bytes/token, peak memory at every depth (bytes,
+    split into weights, KV cache and the rest), TTFT (s), decode tokens/s, and the
+    attention path and KV cache type that ran.
+
+    Baseline rule (CPU): the RSS once the prompts are tokenized and the tier's engine
+    libraries are imported and warmed (:meth:`~qeval.tiers.base.TierMethod.prepare_runtime`),
+    before the model loads; ``memory.runtime_bytes`` reports that resident size on its own
+    and ``memory.runtime_engine_bytes`` the part the tier's engine libraries added. The
+    peak counters (:func:`_peak_counters`) are created after it, before the load.
+    """
     from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
-    baseline = rss_bytes() if device == "cpu" else None  # after imports, before the model
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     ctx = tier_context(recipe, run_dir, device)
     layout = RunLayout(run_dir)
     prep = read_stage(layout, tier, "prepare")
     artifact = Path(prep.artifact) if prep.artifact else None
-    runtime = method.prepare_runtime(spec, ctx, artifact)  # e.g. gptqmodel's CUDA kernels built: not load time
-    counter = get_engine(method.engine_name(spec)).capabilities.memory_counter  # before the model loads
+    tok = AutoTokenizer.from_pretrained(ctx.source_path)  # the harness's inputs, before the baseline
+    text = recipe.resolve_path(recipe.speed.depth_text)
+    prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
+    harness = rss_bytes()
+    engine_name = method.engine_name(spec)
+    _progress(f"warming the {engine_name} runtime of {tier}")
+    runtime = method.prepare_runtime(spec, ctx, artifact)  # libraries warmed; gptqmodel's CUDA kernels built
+    runtime_bytes = rss_bytes()
+    baseline = runtime_bytes if device == "cpu" else None  # after the runtime, before the model
+    counter = get_engine(engine_name).capabilities.memory_counter  # before the model loads
     peak, mem_notes = _peak_counters(counter, device, baseline)
     peak.reset()
     _progress(f"loading {tier}")
@@ -225,9 +243,6 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     quant = method.stored_info(spec, ctx, artifact) if counter == "server" else \
         method.quant_info(spec, ctx, artifact, engine)  # a served model is not in this process: its files
     weight_bytes = quant.get("stored_bytes")
-    tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    text = recipe.resolve_path(recipe.speed.depth_text)
-    prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
     bw = read_stage(layout, RUN_SCOPE, "env").bandwidth_bytes_per_s
     n_decode = decode_tokens_for(spec, engine, recipe.speed.decode_tokens)
     maxctx = read_stage(layout, RUN_SCOPE, "source").max_context
@@ -235,13 +250,21 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
         n_decode = recipe.speed.decode_tokens  # the deepest depth leaves no room for a whole period
         engine.decode_note = (f"decode over {n_decode} tokens, fewer than the int8 KV cache's re-quantization "
                               f"period of {engine.kv_requant_period}: the figure leaves re-quantization out")
-    speed, peaks, kv = speed_sweep(engine, prompts, decode_tokens=n_decode,
-                                   repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
-                                   progress=_progress)
+    speed, peaks, kv, extra = speed_sweep(engine, prompts, decode_tokens=n_decode,
+                                          repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
+                                          progress=_progress)
+    kv_alloc = {d: e["kv_allocated_bytes"] for d, e in extra.items()}
     kvpt = kv_bytes_per_token_from_sweep(kv, n_decode)
     add_roofline(speed, bw, weight_bytes, kvpt)
+    reserved = {d: e["reserved_unallocated_bytes"] for d, e in extra.items()}
     memory = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kvpt, "kv_bytes_at_depth": kv,
-              "peak_bytes": peaks, "after_load_bytes": after_load, "baseline_bytes": baseline,
+              "kv_allocated_bytes_at_depth": kv_alloc, "peak_bytes": peaks,
+              "peak_breakdown": {d: peak_breakdown(p, weight_bytes, kv_alloc.get(d)) for d, p in peaks.items()},
+              "after_load_bytes": after_load, "baseline_bytes": baseline,
+              "runtime_bytes": runtime_bytes,
+              "runtime_engine_bytes": (runtime_bytes - harness) if runtime_bytes and harness else None,
+              "runtime_libraries": runtime.get("libraries"),
+              "reserved_unallocated_bytes": reserved if any(v is not None for v in reserved.values()) else None,
               "kind": peak.kind, **mem_notes}
     second = getattr(peak, "secondary", None)
     if second is not None:  # NVML beside torch's counter: [after load, then one per depth]
@@ -251,11 +274,13 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     for c in (getattr(peak, "primary", peak), second):
         if c is not None:
             c.close()
+    attention = engine.attention_info(prompts[min(prompts)][:64])
     if counter == "server":
         engine.close()  # stop and reap the tier's server now, not at interpreter exit
     return {
         "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
-        "kv_cache": spec.kv_cache, "flash_attn": engine.flash_attn,
+        "kv_cache": spec.kv_cache, "flash_attn": attention.get("flash_attn"),
+        "kv_cache_dtype": attention.get("kv_cache_dtype"), "attention": attention,
         "decode_mode": engine.decode_mode, "decode_note": engine.decode_note, "sampling": engine.sampling,
         "decode_tokens": n_decode,
         "load_seconds": load_s, "runtime": runtime,
@@ -288,7 +313,6 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
 
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
-    baseline = rss_bytes() if device == "cpu" else None
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     ctx = tier_context(recipe, run_dir, device)
@@ -296,6 +320,8 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     prep = read_stage(layout, tier, "prepare")
     meas = read_stage(layout, tier, "measure")
     artifact = Path(prep.artifact) if prep.artifact else None
+    method.prepare_runtime(spec, ctx, artifact)  # the measure stage's baseline rule: runtime in, model out
+    baseline = rss_bytes() if device == "cpu" else None
     _progress(f"loading {tier} for the load sweep")
     engine = method.load(spec, ctx, artifact)
     if serve_function(engine) is None:
@@ -325,11 +351,21 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
 
 
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
-    """The reference tier answers every suite item; ids and log-probabilities stored once (see measure/quality.py)."""
+    """The reference tier answers every suite item in ``quality.reference_dtype``; ids and
+    log-probabilities stored once (see measure/quality.py)."""
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    ctx = reference_context(recipe, tier_context(recipe, run_dir, device))
+    return reference_pass(recipe, run_dir, ctx, progress=_progress)
+
+
+def stage_floor(recipe, run_dir: Path, tier: str | None) -> dict:
+    """The noise floor: the reference tier as served, scored against the stored reference
+    (:func:`qeval.measure.quality.noise_floor_pass`)."""
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
-    return reference_pass(recipe, run_dir, ctx, progress=_progress)
+    return noise_floor_pass(recipe, run_dir, ctx, progress=_progress)
 
 
 def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
@@ -342,7 +378,7 @@ def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
 
 STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "measure": stage_measure,
           "load": stage_load,
-          "reference": stage_reference, "quality": stage_quality}
+          "reference": stage_reference, "floor": stage_floor, "quality": stage_quality}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,7 +143,7 @@ def test_missing_pynvml_is_a_clear_error_not_none(monkeypatch):
 class _FakeGgufEngine:
     """Stands in for llama.cpp on CUDA: loading holds 3 GB, each token of context 1 MB."""
     name, backend, device, vocab_size, flash_attn = "llamacpp", "llama.cpp-cuda", "cuda", 512, True
-    decode_mode = decode_note = kv_requant_period = None
+    decode_mode = decode_note = kv_requant_period = last_cache_allocated_bytes = None
     sampling = {"decode": "argmax", "ignored_file_defaults": {}}
 
     @property
@@ -163,6 +163,9 @@ class _FakeGgufEngine:
         self.last_cache_bytes = (len(ids) + n - 1) * 1000
         times = [0.01 * (i + 1) for i in range(n)]
         return Generation(list(range(n)), times[0], times, False)
+
+    def attention_info(self, ids):
+        return {"engine": "llama.cpp", "implementation": "flash", "flash_attn": True, "kv_cache_dtype": "f16"}
 
 
 class _FakeGgufMethod:

@@ -74,7 +74,9 @@ class Capabilities:
             ``"server"`` (another process: the engine's ``peak_counter()`` after it opened,
             e.g. a served model's RSS with its children, or NVML for its pid).
         kv_bytes: after :meth:`Engine.generate`, ``last_cache_bytes`` holds the bytes of the
-            KV cache it filled (the sweep's KV bytes per token come from it).
+            KV cache it filled (the sweep's KV bytes per token come from it), and
+            ``last_cache_allocated_bytes`` the bytes allocated for it (None: the same; an
+            engine that allocates its whole context, as llama.cpp does, says more).
         lm_eval: ``engine.model`` is a transformers model lm-evaluation-harness's HFLM wraps.
         scored_generate: ``generate_scored(prompt_ids, score_start, score_end, max_new_tokens,
             stop_ids=, window=)``: a greedy answer whose prefill also yields the rows
@@ -145,6 +147,7 @@ class Engine(Protocol):
         score_topk: optional; k when :meth:`iter_logprobs` rows hold only a server's top-k
             (the fidelity KLD is then the top-k estimate, :mod:`qeval.measure.fidelity`);
             absent or None: the full vocabulary.
+        last_cache_allocated_bytes: see :attr:`Capabilities.kv_bytes` (bytes; None: as held).
     """
     name: ClassVar[str]
     formats: ClassVar[tuple[str, ...]]
@@ -157,6 +160,18 @@ class Engine(Protocol):
     decode_note: str | None
     sampling: dict | None
     kv_requant_period: int | None
+    last_cache_allocated_bytes: int | None
+
+    @classmethod
+    def warm_runtime(cls, source_path: str, options: EngineOptions) -> dict:
+        """Import and warm the libraries this engine runs on, without loading a model (the
+        measure stage's memory baseline is taken after it: :func:`qeval.worker.stage_measure`).
+        ``source_path`` is the source checkpoint folder (its config picks the modeling code).
+
+        Returns:
+            ``{"libraries": ["name version", ...], ...}``: what was imported.
+        """
+        ...
 
     @classmethod
     def open(cls, fmt: str, path: Path, options: EngineOptions) -> "Engine":
@@ -182,6 +197,15 @@ class Engine(Protocol):
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), ignore_stop: bool = False) -> Generation:
         """Greedy decoding from ``prompt_ids`` with per-token timings (seconds)."""
+        ...
+
+    def attention_info(self, prompt_ids: Sequence[int]) -> dict:
+        """The attention path and KV cache type that run, as seen over a short ``prompt_ids``.
+
+        Returns:
+            ``{"engine": str, "implementation": str, "flash_attn": bool, "kv_cache_dtype":
+            str, ...engine extras (kernels seen, KV types of K and V)}``.
+        """
         ...
 
     def kv_bytes_per_token(self, depth: int = 64) -> float:

@@ -134,6 +134,19 @@ def cache_nbytes(cache: Any) -> int:
     return total
 
 
+def attention_kernels(op_names: Any) -> list[str]:
+    """The scaled-dot-product attention kernels among profiler op names (sorted, each
+    once): the backend ops under ``aten::scaled_dot_product_attention`` (flash, efficient,
+    cuDNN, math), ``sdpa (kernel not seen)`` when only the dispatcher op shows, ``eager``
+    when no attention op ran at all."""
+    names = set(op_names)
+    found = sorted(n for n in names if ("scaled_dot_product" in n or "flash_attention" in n
+                                        or "flash_attn" in n) and n != "aten::scaled_dot_product_attention")
+    if found:
+        return found
+    return ["sdpa (kernel not seen)"] if "aten::scaled_dot_product_attention" in names else ["eager"]
+
+
 def pick_device(device: str) -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``.
 
@@ -260,6 +273,13 @@ class HFEngine:
     capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="torch", kv_bytes=True,
                                 lm_eval=True, scored_generate=True, serve="qeval.engines.hf_load:serve_closed_loop")
     flash_attn = None  # transformers picks its attention kernel; qeval does not switch it
+    last_cache_allocated_bytes = None  # the cache holds what it allocates: last_cache_bytes
+
+    @classmethod
+    def warm_runtime(cls, source_path: str, options: EngineOptions) -> dict:
+        """transformers and the checkpoint's modeling module imported and torch's kernels
+        warmed on ``options.device``, no model (:func:`warm_runtime`)."""
+        return warm_runtime(source_path, options.device, options.dtype, trust_remote_code=options.trust_remote_code)
 
     @classmethod
     def open(cls, fmt: str, path: Path, options: EngineOptions) -> "HFEngine":
@@ -537,6 +557,56 @@ class HFEngine:
             res.append((toks, finished))
         return res
 
+    def kv_cache_dtype(self, cache: Any = None) -> str:
+        """The KV cache's element type as it runs: the dtype of ``cache``'s first-layer keys
+        (a filled cache of this engine; default: the weights' dtype), or ``int8 (HQQ, group
+        64) + <dtype> residual`` for the quantized cache."""
+        dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
+        layer = (getattr(cache, "layers", None) or [None])[0]
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, self._torch.Tensor) and keys.numel():
+            dtype = str(keys.dtype).replace("torch.", "")
+        if self.kv_cache == "int8":
+            return f"int8 (HQQ, group 64) + {dtype} residual of 128 tokens"
+        return dtype
+
+    def attention_info(self, prompt_ids: Sequence[int]) -> dict:
+        """Which attention kernels ran, seen by torch's profiler over one prefill of
+        ``prompt_ids`` and one decode step (``torch.profiler`` records every aten op).
+
+        Returns:
+            ``{"engine": "transformers", "implementation": config._attn_implementation,
+            "kernels": {"prefill": [...], "decode": [...]}, "flash_attn": bool,
+            "kv_cache_dtype": str}``; ``flash_attn`` is True when a flash-attention kernel
+            ran in either phase. ``kernels`` lists the scaled-dot-product kernels (e.g.
+            ``aten::_scaled_dot_product_flash_attention_for_cpu``), or ``eager`` when none
+            ran (attention as matmul + softmax).
+        """
+        torch = self._torch
+        from torch.profiler import ProfilerActivity, profile  # start-up time: torch loads only in stage processes
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+        cache = self.new_cache()
+        kw = {self._cache_kw: cache, "use_cache": True}
+        phases: dict[str, list[str]] = {}
+        with torch.inference_mode():
+            with profile(activities=acts) as prof:
+                out = self.model(input_ids=ids, **kw, logits_to_keep=1)
+                self._sync()
+            phases["prefill"] = attention_kernels(e.key for e in prof.key_averages())
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            with profile(activities=acts) as prof:
+                self.model(input_ids=nxt, **kw)
+                self._sync()
+            phases["decode"] = attention_kernels(e.key for e in prof.key_averages())
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        flash = any("flash" in k for ks in phases.values() for k in ks)
+        # the profiled steps are eager forwards on a dynamic cache; a static-mode decode
+        # runs the same attention implementation through its compiled call
+        return {"engine": "transformers", "implementation": impl, "kernels": phases, "flash_attn": flash,
+                "kv_cache_dtype": self.kv_cache_dtype(cache), "profiled": "eager forward, dynamic cache",
+                "decode_mode": getattr(self, "decode_mode", None)}
+
     def kv_bytes_per_token(self, depth: int = 256) -> float:
         """Bytes per token of a cache filled with ``depth`` tokens by one forward pass."""
         torch = self._torch
@@ -555,6 +625,41 @@ class HFEngine:
         self.model = None
         if self.device == "cuda":
             self._torch.cuda.empty_cache()
+
+
+def warm_runtime(source_path: str, device: str, dtype: str = "bfloat16", *,
+                 trust_remote_code: bool = False) -> dict:
+    """Import and warm what :class:`HFEngine` runs on, without the model: transformers'
+    causal-LM class for the checkpoint's architecture (which imports its modeling module)
+    and one small matmul, scaled-dot-product attention and log-softmax in ``dtype`` on
+    ``device`` (first-call set-up of the kernels and their thread pools). A few MiB of
+    tensors, freed again. Returns ``{"libraries": [...]}``.
+
+    Raises:
+        OSError/ValueError from transformers when ``source_path`` has no readable config.
+    """
+    import torch  # start-up time: torch loads only in stage processes
+    import transformers  # start-up time, as torch
+    from transformers import AutoConfig, AutoModelForCausalLM  # start-up time, as torch
+
+    libs = ["torch", "transformers"]
+    cfg = AutoConfig.from_pretrained(source_path, trust_remote_code=trust_remote_code)
+    try:  # the lazy auto-mapping imports the architecture's modeling module on lookup
+        cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+        libs.append(cls.__module__)
+    except (KeyError, AttributeError, ImportError):
+        pass  # remote code or an unmapped config: imported at load instead
+    t = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.inference_mode():
+        x = torch.randn(64, 64, device=device).to(t)
+        q = torch.randn(1, 2, 16, 32, device=device).to(t)
+        (x @ x).sum().item()
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
+        torch.log_softmax(torch.randn(4, 256, device=device), dim=-1).sum().item()
+    del x, q
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"libraries": libs, "transformers": transformers.__version__}
 
 
 def load_hf_model(path: str, device: str, dtype: str = "bfloat16", *, trust_remote_code: bool = False,

@@ -48,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import TierUnavailable
+from .gguf_convert import llama_cpp_version
 from ..osutil import stderr_fd_to
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
 
@@ -95,6 +96,16 @@ def _make_log_callback() -> Any:
 
 
 _LOG_CB: Any = None  # the ctypes callback, kept alive for the life of the process
+
+
+def warm_runtime() -> dict:
+    """Import llama-cpp-python and initialise llama.cpp's backends (what
+    :class:`LlamaCppEngine` does first), without a model; the measure stage calls it before
+    its memory baseline. Returns ``{"libraries": [...], "system_info": str}``."""
+    L = _llama()
+    info = L.llama_print_system_info()
+    return {"libraries": [f"llama_cpp {llama_cpp_version()}"],
+            "system_info": info.decode("utf-8", "replace").strip() if isinstance(info, bytes) else str(info)}
 
 
 # ---- ftypes and quantization -------------------------------------------------------------
@@ -303,6 +314,12 @@ class LlamaCppEngine:
                                 lm_eval=False, scored_generate=True, serve="qeval.engines.llamacpp_load:serve_closed_loop")
 
     @classmethod
+    def warm_runtime(cls, source_path: str, options: EngineOptions) -> dict:
+        """llama-cpp-python imported and llama.cpp's backends initialised, no model
+        (:func:`warm_runtime`); ``source_path`` and ``options`` are not needed."""
+        return warm_runtime()
+
+    @classmethod
     def open(cls, fmt: str, path: Path, options: EngineOptions) -> "LlamaCppEngine":
         """A GGUF file, or a folder holding exactly one (``fmt`` ``gguf``), with the
         options' threads, KV cache, flash attention and device.
@@ -353,6 +370,7 @@ class LlamaCppEngine:
         self._batch = None
         self.n_ctx = 0
         self.last_cache_bytes: int | None = None
+        self.last_cache_allocated_bytes: int | None = None
         self.last_cache_tokens: int | None = None
         self.last_state_bytes: int | None = None
         self.last_perf: dict | None = None
@@ -494,6 +512,7 @@ class LlamaCppEngine:
         """Greedy decoding with per-token timings (seconds since the call): the prompt in
         ``n_batch`` chunks, then one ``llama_decode`` per new token. Sets
         ``last_cache_bytes`` (KV bytes held for the tokens in the cache),
+        ``last_cache_allocated_bytes`` (the K and V buffers of the whole context),
         ``last_cache_tokens`` and ``last_perf`` (llama.cpp's own prompt/eval timings)."""
         L = self._L
         ids = [int(t) for t in prompt_ids]
@@ -523,9 +542,24 @@ class LlamaCppEngine:
                           "t_eval_ms": pc.t_eval_ms, "n_eval": pc.n_eval}
         self.last_cache_tokens = pos
         self.last_cache_bytes = int(round(self.kv_bytes_per_token_analytic() * pos))
+        # llama.cpp allocates (and clears) the K and V buffers for the whole context
+        self.last_cache_allocated_bytes = int(round(self.kv_bytes_per_token_analytic() * self.n_ctx))
         # llama.cpp's own count (K/V rows + ~12 bytes of cell metadata per token + header)
         self.last_state_bytes = int(L.llama_state_seq_get_size(ctx, 0))
         return gen
+
+    def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:
+        """The attention path of this engine's contexts: llama.cpp's flash-attention type is
+        set explicitly (enabled or disabled, never ``auto``), and K and V use ``type_kv``.
+
+        Returns:
+            ``{"engine": "llama.cpp", "implementation": "flash" | "standard",
+            "flash_attn": bool, "kv_cache_dtype": "f16" | "q8_0", "kv_type_k", "kv_type_v"}``.
+        """
+        from gguf.constants import GGMLQuantizationType  # start-up time: only GGUF paths read GGUF files
+        name = GGMLQuantizationType(int(self.type_kv)).name.lower()
+        return {"engine": "llama.cpp", "implementation": "flash" if self.flash_attn else "standard",
+                "flash_attn": bool(self.flash_attn), "kv_cache_dtype": name, "kv_type_k": name, "kv_type_v": name}
 
     # -- memory --------------------------------------------------------------------------
     def kv_bytes_per_token_analytic(self) -> float:

@@ -242,6 +242,14 @@ class OpenAIEngine:
     kv_requant_period = None
     capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="server", kv_bytes=False,
                                 lm_eval=False, serve="qeval.engines.openai_load:serve_closed_loop")
+    last_cache_allocated_bytes = None  # the server owns its cache
+
+    @classmethod
+    def warm_runtime(cls, source_path: str, options: EngineOptions) -> dict:
+        """What runs in this process: httpx and the source tokenizer's library (the model and
+        its runtime live in the server process, measured there)."""
+        import httpx  # start-up time: only served tiers talk HTTP
+        return {"libraries": [f"httpx {httpx.__version__}"], "in_process": "HTTP client only"}
 
     @classmethod
     def open(cls, fmt: str, path: Path | None, options: EngineOptions) -> "OpenAIEngine":
@@ -274,6 +282,7 @@ class OpenAIEngine:
         self.topk = DEFAULT_TOPK
         self.score_topk = self.topk  # the fidelity stage's KLD is the top-k estimate
         self.last_cache_bytes = None
+        self.kv_cache = options.kv_cache
         self.device = options.device
         self.tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
         if serve is not None:
@@ -438,6 +447,17 @@ class OpenAIEngine:
             for j in range(m):
                 out[j] = topk_row(self.topk_at(ids[:start + j + 1]), self.vocab_size)
             yield start, out
+
+    def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:
+        """The attention path as set when qeval starts the server (llama-server: flash
+        attention on or off, K and V ``f16`` or ``q8_0``); an endpoint's or vLLM's are not
+        visible over HTTP (None)."""
+        kv = None
+        if self.server is not None and self.flash_attn is not None:
+            kv = "q8_0" if self.kv_cache == "int8" else "f16"
+        impl = "flash" if self.flash_attn else ("standard" if self.flash_attn is False else "not visible over HTTP")
+        return {"engine": self.server.name if self.server is not None else "endpoint", "implementation": impl,
+                "flash_attn": self.flash_attn, "kv_cache_dtype": kv}
 
     def kv_bytes_per_token(self, depth: int = 64) -> float:
         """Not measured through HTTP (the server owns its cache).

@@ -4,6 +4,13 @@
 CPU figures come from ``/proc/self/status`` (Linux). The peak is reset between depths by
 writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)), which sets VmHWM back
 to the current VmRSS. psutil was checked: it reports RSS but cannot reset the peak.
+
+CPU baseline rule (the measure stage, :func:`qeval.worker.stage_measure`): the baseline is
+the RSS after the tier's engine libraries are imported and warmed
+(:meth:`qeval.tiers.base.TierMethod.prepare_runtime`) and before the model is loaded, so a
+peak less the baseline is what the model, its KV cache and its working buffers take; the
+baseline itself is reported as the runtime's resident size. :func:`peak_breakdown` splits
+a peak into weights, KV cache and the rest.
 """
 from __future__ import annotations
 
@@ -43,12 +50,24 @@ def reset_cpu_peak() -> bool:
         return False
 
 
+def peak_breakdown(peak: int | None, weight_bytes: int | None, kv_bytes: int | None) -> dict | None:
+    """Split a model peak (bytes, baseline already taken off) into ``weights_bytes`` (the
+    stored weight bytes), ``kv_cache_bytes`` (the KV cache held at that depth) and
+    ``other_bytes`` = peak - weights - KV (activations, logits, workspace, kernel repacks of
+    the weights, allocator slack; negative when weights are memory-mapped and not all
+    resident). None when the peak is unknown."""
+    if peak is None:
+        return None
+    w, kv = int(weight_bytes or 0), int(kv_bytes or 0)
+    return {"weights_bytes": w, "kv_cache_bytes": kv, "other_bytes": int(peak) - w - kv}
+
+
 class PeakMemory:
     """Peak memory of a code region, on the engine's device.
 
     ``kind`` is ``cuda_max_allocated`` (bytes from ``torch.cuda.max_memory_allocated``,
     reset with ``reset_peak_memory_stats``), ``cpu_vmhwm`` (VmHWM minus ``baseline``,
-    the RSS right after imports, before the model was loaded), or for ``device="nvml"``
+    the RSS once the engine runtime is imported and warmed, before the model is loaded), or for ``device="nvml"``
     ``cuda_nvml_process`` / ``cuda_nvml_device`` (:class:`qeval.measure.nvml.NvmlMemory`,
     which must be created before the model is loaded).
 
@@ -77,6 +96,16 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
         else:
             reset_cpu_peak()
+
+    def reserved_unallocated(self) -> int | None:
+        """CUDA only: bytes the caching allocator reserved beyond the peak allocation
+        (``max_memory_reserved - max_memory_allocated``, since :meth:`reset`); memory the
+        process holds on the device that ``max_memory_allocated`` does not show. None
+        elsewhere."""
+        if self.device != "cuda":
+            return None
+        import torch  # start-up time: torch loads only in stage processes
+        return int(torch.cuda.max_memory_reserved()) - int(torch.cuda.max_memory_allocated())
 
     def read(self) -> int | None:
         """Peak bytes since :meth:`reset` (CPU: less the baseline; NVML: the sampled peak of

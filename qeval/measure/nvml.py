@@ -215,6 +215,10 @@ class PairedPeak:
         self.secondary_reads.append(self.secondary.read())
         return self.primary.read()
 
+    def reserved_unallocated(self) -> int | None:
+        """The primary counter's reserved-but-unallocated bytes (torch's allocator)."""
+        return self.primary.reserved_unallocated()
+
     def close(self) -> None:
         self.primary.close()
         self.secondary.close()

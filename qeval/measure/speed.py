@@ -39,19 +39,24 @@ def depth_prompt_ids(tokenizer: Any, text_path: str | Path, depth: int) -> list[
 
 def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens: int, repeats: int,
                 warmup: int, peak: PeakMemory,
-                progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict]:
+                progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict, dict]:
     """Measure every depth in ``prompts`` (depth -> exactly ``depth`` token ids).
 
     Returns:
-        ``(speed, peak_bytes, kv_bytes)``: per depth (str) a dict with ``ttft_s``,
+        ``(speed, peak_bytes, kv_bytes, extra)``: per depth (str) a dict with ``ttft_s``,
         ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (medians) and the raw lists
         (:func:`add_roofline` adds the roofline bound and share); the peak memory (bytes)
-        during that depth's runs; and the KV cache bytes held after it (from the cache
-        object, when the engine's ``capabilities.kv_bytes``; else 0).
+        during that depth's runs; the KV cache bytes held for its tokens after it (from the
+        cache object, when the engine's ``capabilities.kv_bytes``; else 0); and
+        ``{"kv_allocated_bytes", "reserved_unallocated_bytes"}``: the KV bytes allocated
+        for it (``engine.last_cache_allocated_bytes`` where the engine allocates a whole
+        context, as llama.cpp does; else the bytes held) and, on CUDA, what torch's
+        allocator reserved beyond the peak allocation (:meth:`PeakMemory.reserved_unallocated`).
     """
     speed: dict[str, dict] = {}
     peaks: dict[str, int | None] = {}
     kv: dict[str, int] = {}
+    extra: dict[str, dict] = {}
     shallowest = min(prompts)
     for _ in range(warmup):  # once, at the shallowest depth: first-call costs, allocator, kernels
         progress(f"warm-up at depth {shallowest}")
@@ -72,6 +77,9 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
                 decs.append(g.decode_tokens_per_s)
         peaks[str(depth)] = peak.read()
         kv[str(depth)] = int(engine.last_cache_bytes or 0) if engine.capabilities.kv_bytes else 0
+        allocated = engine.last_cache_allocated_bytes if engine.capabilities.kv_bytes else None
+        extra[str(depth)] = {"kv_allocated_bytes": int(allocated or kv[str(depth)]),
+                             "reserved_unallocated_bytes": peak.reserved_unallocated()}
         ttft = statistics.median(ttfts)
         dec = statistics.median(decs) if decs else None
         speed[str(depth)] = {
@@ -81,7 +89,7 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
             "ttft_s_all": ttfts,
             "decode_tokens_per_s_all": decs,
         }
-    return speed, peaks, kv
+    return speed, peaks, kv, extra
 
 
 def kv_bytes_per_token_from_sweep(kv: dict[str, int], decode_tokens: int) -> float | None:

@@ -227,14 +227,23 @@ class TierMethod:
         raise NotImplementedError
 
     def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
-        """Before the timed load in the measure stage: get the runtime ready (build kernels
-        the library compiles at first use), so ``load_seconds`` is loading only. Returns
-        what was done (``kernel_build_seconds``...).
+        """Get the tier's runtime ready without loading the model: import and warm the
+        libraries its engine runs on, and build kernels a library compiles at first use.
+        The measure stage calls it before its CPU memory baseline and its timed load, so the
+        tier's peaks count the model, its KV cache and its working buffers, not the import
+        of its runtime (reported on its own as ``memory.runtime_bytes``), and
+        ``load_seconds`` is loading only.
+
+        The default warms the tier's engine (its ``warm_runtime``:
+        :meth:`qeval.engines.hf.HFEngine.warm_runtime`,
+        :meth:`qeval.engines.llamacpp.LlamaCppEngine.warm_runtime`); methods whose weights
+        need a library of their own (gptqmodel, torchao) add it. Returns what was done
+        (``{"libraries": [...]}``, ``kernel_build_seconds``...).
 
         Raises:
             TierUnavailable: the runtime cannot work on this machine (one line: what to install).
         """
-        return {}
+        return get_engine(self.engine_name(spec)).warm_runtime(ctx.source_path, self.engine_options(spec, ctx))
 
     def load_dequantized(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any | None:
         """The tier's weights dequantized into a dense transformers model (for quality on

@@ -315,11 +315,16 @@ class _GptqModelMethod(TierMethod):
 
     # -- runtime -------------------------------------------------------------------------
     def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
-        """On CUDA, get gptqmodel's kernels built before the timed load (see
-        :func:`cuda_kernels_ready`); nothing to do on CPU."""
-        if ctx.device != "cuda":
-            return {}
-        return cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact)
+        """The transformers runtime, then gptqmodel and its quantized-linear kernel classes
+        imported (several hundred MiB resident on CPU with gptqmodel 7.6: not the model's);
+        on CUDA, gptqmodel's kernels built before the timed load (see :func:`cuda_kernels_ready`)."""
+        info = super().prepare_runtime(spec, ctx, artifact)
+        gptqmodel = _import_gptqmodel()  # optional dependency (extra 'quant')
+        import gptqmodel.nn_modules.qlinear  # noqa: F401  optional (extra 'quant'): the kernel classes the loader picks from
+        info["libraries"].append(f"gptqmodel {gptqmodel.__version__}")
+        if ctx.device == "cuda":
+            info.update(cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact))
+        return info
 
     # -- load ---------------------------------------------------------------------------
     def _load_qmodel(self, ctx: TierContext, artifact: Path, device: str, backend: str = "auto") -> Any:

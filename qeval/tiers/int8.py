@@ -153,6 +153,18 @@ class Int8Method(TierMethod):
                                   f"(pip install {pkg})", field=f"tiers.{spec.name}.backend")
         return {}
 
+    def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
+        """The transformers runtime, then torchao (or bitsandbytes) imported."""
+        info = super().prepare_runtime(spec, ctx, artifact)
+        if spec.backend == "torchao":  # optional dependencies (extra 'quant'): imported here only
+            import torchao  # optional: the qeval[quant] extra
+            from torchao.quantization import Int8WeightOnlyConfig  # noqa: F401  optional, as torchao (the tensor subclasses it loads)
+            info["libraries"].append(f"torchao {torchao.__version__}")
+        else:
+            import bitsandbytes  # optional: the qeval[quant] extra
+            info["libraries"].append(f"bitsandbytes {bitsandbytes.__version__}")
+        return info
+
     def _quant_config(self, spec: Any) -> Any:
         if spec.backend == "torchao":
             from torchao.quantization import Int8WeightOnlyConfig  # optional: the qeval[quant] extra
