@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from . import __version__
 from .analysis.compare import compare_markdown, compare_runs
+from .analysis.floor import check_rules_against_floor, floor_from_run, previous_floor
 from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
 from .executors import make_executor
 from .paths import staging_dir
@@ -106,15 +107,37 @@ def describe_plan(recipe) -> str:
     return "\n".join(lines)
 
 
+def floor_roots(recipe) -> list[Path]:
+    """Where earlier runs of a recipe are looked for: ``results/`` (``qeval run``'s default
+    output, relative to the current directory) and ``<storage>/results`` for a mounted
+    storage path (relative to the recipe's folder, as ``qeval run`` takes it)."""
+    roots = [Path("results")]
+    if recipe.storage and not is_url(recipe.storage):
+        roots.append(Path(recipe.resolve_path(recipe.storage)) / "results")
+    return roots
+
+
 @app.command()
-def validate(recipe: Path = typer.Argument(..., help="recipe YAML")) -> None:
-    """Validate a recipe and print the resolved plan."""
+def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
+             floor_from: Optional[Path] = typer.Option(
+                 None, "--floor-from", help="a run folder whose measured noise floor the gate's KLD rule is "
+                                            "checked against (default: the newest earlier run of this recipe "
+                                            "under results/ measured with the same model, reference tier, "
+                                            "reference dtype and device)")) -> None:
+    """Validate a recipe and print the resolved plan.
+
+    A gate ``max_kld_mean`` below the noise floor of an earlier run is refused (exit 2).
+    """
     try:
         r = load_recipe(recipe)
         static_checks(r)
+        floor = floor_from_run(floor_from) if floor_from is not None else previous_floor(r, floor_roots(r))
+        check_rules_against_floor(r, floor)
     except QevalInputError as e:
         _fail(e)
     out.print(describe_plan(r), highlight=False)
+    if floor is not None:
+        out.print(f"floor    {floor.kld_mean:.3g} nats KLD ({floor.what}; from {floor.source})", highlight=False)
 
 
 @app.command()

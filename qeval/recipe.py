@@ -233,6 +233,10 @@ class QualitySpec(_Strict):
     fidelity_max_new_tokens: int | None = Field(
         None, gt=0, description="reference answers to items past a suite's limit (used for fidelity only) "
                                 "stop at this many tokens; None: the suite's max_new_tokens")
+    reference_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the reference pass computes in; auto: float32 on CPU, the model dtype on "
+                            "CUDA. The reference tier served in the model dtype and scored against it is the "
+                            "run's noise floor (docs/design.md)")
     lm_eval_tasks: list[DataPath] = Field(default_factory=list, description="local lm-eval task YAMLs, relative "
                                           "to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
     lm_eval_limit: int | None = Field(None, gt=0)

@@ -6,9 +6,10 @@ each path)::
 
     run.json                    RunInfo: resolved recipe, recipe_path and recipe_dir (where its
                                 relative paths start), package versions, CPU/GPU, threads, git
-                                commit, memory bandwidth (bytes/s), source checkpoint
+                                commit, memory bandwidth (bytes/s), source checkpoint,
+                                noise_floor (NoiseFloorSummary, below)
     tiers/<tier>.json           TierResult per tier, written atomically
-    stages/_run.<stage>.json    run-wide stages: SourceStage, EnvStage, ReferenceStage
+    stages/_run.<stage>.json    run-wide stages: SourceStage, EnvStage, ReferenceStage, FloorStage
     stages/<tier>.<stage>.json  per-tier stages: PrepareStage, MeasureStage, LoadStage, QualityStage
                                 (used for resume; merged into the tier result)
     stages/<scope>.<stage>.error.json   StageError of a failed stage: error (the one-line
@@ -40,13 +41,19 @@ not measured::
       "log_tail": str | None,    # the failed stage's last log lines
       "spec": {...tier spec from the recipe...},
       "engine": "hf" | "llamacpp", "backend": "gptqmodel:torch_int4", "device": "cpu",
-      "threads": 1, "kv_cache": "model" | "int8", "flash_attn": bool | None,
+      "threads": 1, "kv_cache": "model" | "int8",
+      "flash_attn": bool,                  # a flash-attention kernel ran (llama.cpp: the setting, never auto)
+      "kv_cache_dtype": "bfloat16" | "f16" | "q8_0" | "int8 (HQQ, group 64) + bfloat16 residual of 128 tokens",
+      "attention": {"engine": "transformers" | "llama.cpp", "implementation": "sdpa" | "eager" | "flash" | "standard",
+                    "kernels": {"prefill": [aten op names], "decode": [...]},   # transformers: seen by torch.profiler
+                    "flash_attn": bool, "kv_cache_dtype": str},
       "load_seconds": float,
       "decode_mode": "eager" | "static" | None,   # transformers tiers: the timed decode loop
       "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed)
       "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
       "sampling": {"decode": "argmax", "ignored_file_defaults": {...}},  # model defaults set aside
-      "runtime": {"kernel_build_seconds": float, "selected_kernel": str},  # built before the timed load
+      "runtime": {"libraries": [str], "kernel_build_seconds": float, "selected_kernel": str},  # readied before
+                                          # the memory baseline and the timed load (prepare_runtime)
       "artifact": {"key": str, "path": str, "reused": bool},
       "resolved": {...parameters the method resolved, e.g. the group size...},
       "quant": {"stored_bytes": int,            # all weights as stored (packed ints as stored)
@@ -56,8 +63,16 @@ not measured::
                 "quant_peak_bytes": int, "fallback_tensors": int | None,
                 ...method-specific extras (tensor_types, fallbacks, library, ...)},
       "memory": {"weight_bytes": int, "kv_bytes_per_token": float,
-                 "kv_bytes_at_depth": {"<depth>": int}, "peak_bytes": {"<depth>": int},
-                 "after_load_bytes": int, "baseline_bytes": int,
+                 "peak_bytes": {"<depth>": int},   # the model's peak: CPU VmHWM less the baseline (the
+                                                   # RSS with the tier's runtime imported and warmed, no
+                                                   # model); CUDA torch.cuda.max_memory_allocated
+                 "peak_breakdown": {"<depth>": {"weights_bytes": int, "kv_cache_bytes": int, "other_bytes": int}},
+                 "kv_bytes_at_depth": {"<depth>": int},            # KV held for the tokens in the cache
+                 "kv_allocated_bytes_at_depth": {"<depth>": int},  # KV allocated (llama.cpp: whole context)
+                 "runtime_bytes": int,          # the process's resident size at the baseline
+                 "runtime_engine_bytes": int,   # the part the tier's engine libraries added to it
+                 "runtime_libraries": [str], "after_load_bytes": int, "baseline_bytes": int | None,
+                 "reserved_unallocated_bytes": {"<depth>": int} | None,   # CUDA: reserved - allocated peak
                  "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device"
                          | "server_rss_sampled"        # a served tier: its server's RSS with children
                          | "remote_endpoint_not_measured",
@@ -89,7 +104,9 @@ not measured::
                                                           "kld_max", "same_top_rate", "ppl_ratio",
                                                           "ppl_ratio_se", "delta_p_mean", "delta_p_rms",
                                                           "n_tokens"} | None}},   # None for the reference
-                      "fidelity_tokens": {"<suite>": int}, "seconds": float} | None},
+                      "fidelity_tokens": {"<suite>": int}, "seconds": float} | None,
+                  "reference_dtype": "float32",   # what the reference pass computed in
+                  "noise_floor": bool},           # True on the reference tier when its fidelity is the floor
       "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
                "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static" | "server"],
                "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
@@ -111,6 +128,13 @@ not measured::
     }
 
 Load figures: seconds, tokens/s, bytes; definitions in :mod:`qeval.measure.load`.
+
+``run.json`` ``noise_floor`` (:class:`NoiseFloorSummary`, from the floor stage
+:class:`FloorStage`; read by :mod:`qeval.analysis.floor`)::
+
+    {"tier": "bf16", "served_dtype": "bfloat16", "reference_dtype": "float32", "measured": bool,
+     "backend": str, "kld_mean": float, "kld_se": float, "kld_median", "kld_p99", "kld_max",
+     "same_top_rate", "ppl_ratio", "n_tokens", "why": str | None}   # why: when not measured
 
 Depth keys are strings in JSON (``"1024"``). The models forbid unknown fields where qeval
 owns every key (a typo in a writer, or a reader expecting a key nothing writes, fails in
@@ -350,14 +374,34 @@ class PrepareStage(_StageBase):
     info: QuantInfo = Field(default_factory=QuantInfo)
 
 
+class PeakBreakdown(_Closed):
+    """A model peak (bytes) split: the stored weights, the KV cache allocated at that depth,
+    and the rest (activations, logits, workspace, kernel repacks; negative when weights are
+    memory-mapped and not all resident). :func:`qeval.measure.memory.peak_breakdown`."""
+    weights_bytes: int
+    kv_cache_bytes: int
+    other_bytes: int
+
+
 class Memory(_Closed):
-    """Memory of a loaded tier: bytes; ``peak_bytes`` and ``kv_bytes_at_depth`` per depth."""
+    """Memory of a loaded tier: bytes; ``peak_bytes`` and ``kv_bytes_at_depth`` per depth.
+
+    ``peak_bytes`` is the model's peak: on CPU VmHWM less ``baseline_bytes``, the RSS with
+    the tier's runtime imported and warmed (``runtime_bytes``; ``runtime_engine_bytes`` the
+    part its engine libraries added), no model; on CUDA ``torch.cuda.max_memory_allocated``
+    (``reserved_unallocated_bytes`` beside it) or NVML. ``peak_breakdown`` splits it."""
     weight_bytes: int | None = None
     kv_bytes_per_token: float | None = None
     kv_bytes_at_depth: dict[str, int] = Field(default_factory=dict)
+    kv_allocated_bytes_at_depth: dict[str, int] = Field(default_factory=dict)
     peak_bytes: dict[str, int | None] = Field(default_factory=dict)
+    peak_breakdown: dict[str, PeakBreakdown | None] = Field(default_factory=dict)
     after_load_bytes: int | None = None
     baseline_bytes: int | None = None
+    runtime_bytes: int | None = None
+    runtime_engine_bytes: int | None = None
+    runtime_libraries: list[str] | None = None
+    reserved_unallocated_bytes: dict[str, int | None] | None = None
     kind: str | None = None
     nvml_peak_bytes: dict[str, int | None] | None = None
     nvml_after_load_bytes: int | None = None
@@ -385,6 +429,8 @@ class MeasureStage(_StageBase):
     threads: int | None = None
     kv_cache: str | None = None
     flash_attn: bool | None = None
+    kv_cache_dtype: str | None = None
+    attention: dict[str, Any] | None = None
     load_seconds: float | None = None
     decode_mode: str | None = None
     decode_note: str | None = None
@@ -472,6 +518,41 @@ class Quality(_Closed):
     behaviour_seconds: float | None = None
     lm_eval: dict[str, Any] | None = None
     long_context: LongContext | None = None
+    reference_dtype: str | None = None
+    noise_floor: bool | None = None
+
+
+class FloorStage(_StageBase):
+    """``stages/_run.floor.json``: the noise floor (:func:`qeval.measure.quality.noise_floor_pass`):
+    the reference tier served in ``served_dtype`` scored against the reference computed in
+    ``reference_dtype``. ``measured`` False (with ``why``) when the two dtypes are the same."""
+    tier: str
+    served_dtype: str | None = None
+    reference_dtype: str | None = None
+    measured: bool = False
+    fidelity: Fidelity | None = None
+    backend: str | None = None
+    seconds: float | None = None
+    why: str | None = None
+
+
+class NoiseFloorSummary(_Closed):
+    """``run.json`` ``noise_floor``: the floor stage's figures (KLD in nats), or why it was not
+    measured (:func:`qeval.run.floor_summary`)."""
+    tier: str | None = None
+    served_dtype: str | None = None
+    reference_dtype: str | None = None
+    measured: bool = False
+    backend: str | None = None
+    kld_mean: float | None = None
+    kld_se: float | None = None
+    kld_median: float | None = None
+    kld_p99: float | None = None
+    kld_max: float | None = None
+    same_top_rate: float | None = None
+    ppl_ratio: float | None = None
+    n_tokens: int | None = None
+    why: str | None = None
 
 
 class QualityStage(_StageBase):
@@ -597,6 +678,8 @@ class TierResult(_Closed):
     threads: int | None = None
     kv_cache: str | None = None
     flash_attn: bool | None = None
+    kv_cache_dtype: str | None = None
+    attention: dict[str, Any] | None = None
     load_seconds: float | None = None
     decode_mode: str | None = None
     decode_note: str | None = None
@@ -632,10 +715,11 @@ class RunInfo(_Closed):
     device: str | None = None
     gpu: str | None = None
     gpu_memory_bytes: int | None = None
+    noise_floor: NoiseFloorSummary | None = None
 
 
 STAGE_MODELS: dict[str, type[_StageBase]] = {
-    "source": SourceStage, "env": EnvStage, "reference": ReferenceStage,
+    "source": SourceStage, "env": EnvStage, "reference": ReferenceStage, "floor": FloorStage,
     "prepare": PrepareStage, "measure": MeasureStage, "load": LoadStage, "quality": QualityStage}
 
 M = TypeVar("M", bound=BaseModel)

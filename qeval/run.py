@@ -1,10 +1,10 @@
 """A qeval run: the run-wide stages, resume checks, ``run.json``, and the tiers through an
 executor.
 
-Flow (docs/design.md): source -> env (bandwidth) -> reference pass -> for each tier:
-prepare -> measure -> quality -> ``tiers/<tier>.json``; then tables, gate, report. Each
-stage is a child process (:mod:`qeval.stages`); where the tiers run is the executor's
-business (:mod:`qeval.executors`: local or Ray).
+Flow (docs/design.md): source -> env (bandwidth) -> reference pass -> noise floor -> for
+each tier: prepare -> measure -> quality -> ``tiers/<tier>.json``; then tables, gate,
+report. Each stage is a child process (:mod:`qeval.stages`); where the tiers run is the
+executor's business (:mod:`qeval.executors`: local or Ray).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from .measure.long_context import recipe_long_context
 from .measure.quality import _budget, load_suites
 from .paths import cache_root
 from .recipe import Recipe, check_context
-from .results import (RUN_SCOPE, TIER_STAGES, RunInfo, RunLayout, TierResult, read_run_info, read_stage, stage_done,
-                      write_run_info)
+from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, RunInfo, RunLayout, TierResult,
+                      read_run_info, read_stage, stage_done, write_run_info)
 from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, stage_threads,
                      tier_fingerprint)
 from .source import hub_download_bytes, model_source_path
@@ -173,6 +173,8 @@ class Runner(TierRunner):
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,
                              "device": env.device, "gpu": env.gpu, "gpu_memory_bytes": env.gpu_memory_bytes})
         reference_failed = self.reference_stage() if self.recipe.suites else None
+        if self.recipe.suites and not reference_failed:
+            self.write_run_json({"noise_floor": self.floor_stage()})
         self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
         results = self.executor.run_tiers(self, self.tiers, reference_failed)
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
@@ -236,6 +238,27 @@ class Runner(TierRunner):
         except (RuntimeError, QevalInputError) as e:  # StageFailed is one
             return str(e).splitlines()[0]
         return None
+
+    def floor_stage(self) -> NoiseFloorSummary:
+        """Measure the noise floor (stage ``floor``, once per run) and return its summary
+        for ``run.json`` (:func:`floor_summary`). A failed floor stage does not stop the
+        run: the summary says why it is missing."""
+        try:
+            return floor_summary(self.run_global("floor"))
+        except (RuntimeError, QevalInputError) as e:
+            self.on_event("run", "floor", f"noise floor not measured: {str(e).splitlines()[0]}")
+            return NoiseFloorSummary(measured=False, why=f"the floor stage failed: {str(e).splitlines()[0]}")
+
+
+def floor_summary(floor: FloorStage) -> NoiseFloorSummary:
+    """The ``run.json`` form of the floor stage's output: tier, served and reference
+    dtypes, ``measured``, the KLD figures (nats) and same-top/PPL ratio of the reference
+    tier as served, and ``why`` when not measured."""
+    fid = floor.fidelity.model_dump() if floor.fidelity is not None else {}
+    keep = ("kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max", "same_top_rate", "ppl_ratio", "n_tokens")
+    return NoiseFloorSummary(tier=floor.tier, served_dtype=floor.served_dtype, reference_dtype=floor.reference_dtype,
+                             measured=floor.measured, backend=floor.backend, why=floor.why,
+                             **{k: fid.get(k) for k in keep})
 
 
 def new_run_dir(recipe: Recipe, out: Path | None) -> Path:

@@ -10,6 +10,7 @@ from ..results import RunInfo, TierResult
 from .capacity import (DEFAULT_OVERHEAD_BYTES, decode_bound, kv_bytes_per_token_from_config, max_context,
                        max_sequences, param_count_from_config, parse_bandwidth, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
+from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, floor_not_measured, noise_floor
 from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_gate_spec,
                    evaluate_gate, tier_order, validate_section)
 from .ladder import Ladder, LadderStep, fallback_ladder
@@ -25,6 +26,7 @@ __all__ = [
     "Ladder", "LadderStep", "fallback_ladder",
     "ParetoEntry", "ParetoResult", "decode_at", "dominates", "pareto_front", "peak_bytes_at",
     "quality_value", "users_at_slo_of",
+    "FLOOR_FACTOR", "INDISTINGUISHABLE", "NoiseFloor", "noise_floor",
     "RunAnalysis", "analyse_run",
 ]
 
@@ -40,6 +42,8 @@ class RunAnalysis:
         reference: reference tier name; quality_metric: the gate's quality metric.
         tiers: ``{tier name: TierResult}`` in recipe order.
         pareto, gate, ladder: the three decisions.
+        noise_floor: the run's measured noise floor (None: not measured).
+        noise_floor_why: why the run's floor is missing, when it says.
     """
     recipe: dict
     depth: int
@@ -50,6 +54,8 @@ class RunAnalysis:
     pareto: ParetoResult
     gate: GateReport
     ladder: Ladder
+    noise_floor: NoiseFloor | None = None
+    noise_floor_why: str | None = None
 
 
 def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict | None = None) -> RunAnalysis:
@@ -72,8 +78,9 @@ def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict 
     ordered = {n: tiers[n] for n in tier_order(order_from, tiers) if n in tiers}
     pspec = validate_section(ParetoSpec, recipe.get("pareto"), "pareto")
     pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed)
-    verdict = evaluate_gate(order_from, ordered, gate, depth)
+    floor = noise_floor(run)
+    verdict = evaluate_gate(order_from, ordered, gate, depth, noise_floor=floor)
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
                        quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,
-                       ladder=ladder)
+                       ladder=ladder, noise_floor=floor, noise_floor_why=floor_not_measured(run))

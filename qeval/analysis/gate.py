@@ -11,6 +11,11 @@ Fail closed: a set rule whose figure is missing on the candidate (or, for a rela
 rule, on the reference), or whose tier did not finish, fails with a message naming what
 is missing. Figures that are not finite numbers count as missing.
 
+Noise floor (:mod:`qeval.analysis.floor`): with a measured floor, a candidate whose KLD is
+within twice the floor gets the note "indistinguishable from the reference here" (in its
+``notes`` and in the messages of its fidelity rules), and a ``max_kld_mean`` below the
+floor is flagged in the report's ``warnings``; neither changes a verdict.
+
 Units: memory in bytes (``max_peak_memory_gib`` thresholds in GiB = 2**30 bytes), speed in
 tokens/s, rates as shares 0..1, KLD in nats, users at SLO in streams. Memory and speed
 rules use the gate depth (``gate.depth``, default ``speed.main_depth``);
@@ -29,6 +34,7 @@ from ..metrics import GATE_RULES, GIB, METRICS, GateRule
 from ..metrics import value as metric_value
 from ..recipe import GateSpec, SpeedSpec
 from ..results import STATUS_OK, TierResult, get_path
+from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, rule_below_floor
 
 #: Rule names in the order they are checked and reported (qeval.metrics.GATE_RULES).
 RULES: tuple[str, ...] = tuple(GATE_RULES)
@@ -63,6 +69,7 @@ class CandidateVerdict:
     tier: str
     status: str | None
     rules: list[RuleResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -87,11 +94,15 @@ class GateReport:
         depth: depth (tokens) used for memory and speed rules.
         rules: the rules that were set, ``{name: threshold}``.
         candidates: one :class:`CandidateVerdict` per candidate, in recipe order.
+        noise_floor: the measured floor used for the notes (None: not measured).
+        warnings: lines about the gate itself (a KLD rule below the floor).
     """
     reference: str
     depth: int
     rules: dict[str, float]
     candidates: list[CandidateVerdict] = field(default_factory=list)
+    noise_floor: NoiseFloor | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -121,10 +132,12 @@ class GateReport:
             "reference": self.reference,
             "depth": self.depth,
             "rules": dict(self.rules),
+            "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
+            "warnings": list(self.warnings),
             "candidates": [
                 {"tier": c.tier, "status": c.status, "verdict": c.verdict,
                  "failed_rules": [r.rule for r in c.failed_rules],
-                 "rules": [asdict(r) for r in c.rules]}
+                 "rules": [asdict(r) for r in c.rules], "notes": list(c.notes)}
                 for c in self.candidates],
         }
 
@@ -246,8 +259,33 @@ def _check_rule(rule: GateRule, t: float, cand: TierResult, ref: TierResult | No
     return res
 
 
+#: Gate rules on teacher-forced fidelity (their metric lives under quality.fidelity): the
+#: rules whose messages get the noise-floor note.
+FIDELITY_RULES: tuple[str, ...] = tuple(n for n, r in GATE_RULES.items()
+                                        if METRICS[r.metric].path[:2] == ("quality", "fidelity"))
+
+
+def _floor_notes(verdict: CandidateVerdict, cand: TierResult, floor: NoiseFloor | None, below: str | None) -> None:
+    """Add the noise-floor note to a judged candidate and its fidelity rules' messages."""
+    if floor is None:
+        return
+    kld = metric_value(cand, "kld_mean")
+    if floor.indistinguishable(kld):
+        note = (f"KLD {kld:.3g} is within {FLOOR_FACTOR:g}x the noise floor "
+                f"{floor.kld_mean:.3g}: {INDISTINGUISHABLE}")
+        verdict.notes.append(note)
+        for r in verdict.rules:
+            if r.rule in FIDELITY_RULES:
+                r.message += (f" ({INDISTINGUISHABLE}: KLD within {floor.threshold:.3g}, "
+                              f"{FLOOR_FACTOR:g}x the noise floor)")
+    if below:
+        for r in verdict.rules:
+            if r.rule == "max_kld_mean":
+                r.message += f" (the rule is below the noise floor {floor.kld_mean:.3g})"
+
+
 def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateSpec | dict | None,
-                  depth: int) -> GateReport:
+                  depth: int, noise_floor: NoiseFloor | None = None) -> GateReport:
     """Judge every candidate tier against the gate's rules.
 
     Args:
@@ -256,6 +294,8 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         tiers: ``{tier name: tier result}``.
         gate: the recipe's ``gate`` section (:class:`GateSpec` or its dict form).
         depth: depth in tokens for the memory and speed rules.
+        noise_floor: the run's measured floor (:func:`qeval.analysis.floor.noise_floor`),
+            for the "indistinguishable" notes and the below-floor warning; None: none.
 
     Returns:
         :class:`GateReport`. A candidate with no result file, or a status other than ``ok``,
@@ -272,7 +312,10 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         names = list(spec.candidates)
     else:
         names = [n for n in tier_order(recipe, tiers) if n != ref_name]
-    report = GateReport(reference=ref_name, depth=int(depth), rules=set_rules)
+    report = GateReport(reference=ref_name, depth=int(depth), rules=set_rules, noise_floor=noise_floor)
+    below = rule_below_floor(set_rules, noise_floor)
+    if below:
+        report.warnings.append(below)
     for name in names:
         cand = tiers.get(name)
         status = cand.status if cand else None
@@ -296,5 +339,7 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
             else:
                 verdict.rules.append(_check_rule(GATE_RULES[rule], float(set_rules[rule]), cand,  # type: ignore[arg-type]
                                                  ref, ref_name, int(depth)))
+        if why is None:
+            _floor_notes(verdict, cand, noise_floor, below)  # type: ignore[arg-type]
         report.candidates.append(verdict)
     return report

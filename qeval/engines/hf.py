@@ -639,8 +639,8 @@ def warm_runtime(source_path: str, device: str, dtype: str = "bfloat16", *,
         OSError/ValueError from transformers when ``source_path`` has no readable config.
     """
     import torch  # start-up time: torch loads only in stage processes
-    import transformers  # start-up time, as torch
-    from transformers import AutoConfig, AutoModelForCausalLM  # start-up time, as torch
+    import transformers  # start-up time: transformers loads only in stage processes
+    from transformers import AutoConfig, AutoModelForCausalLM  # start-up time: as transformers
 
     libs = ["torch", "transformers"]
     cfg = AutoConfig.from_pretrained(source_path, trust_remote_code=trust_remote_code)

@@ -19,6 +19,7 @@ measured with the real kernel. The tier row records which engine produced the fi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -242,16 +243,33 @@ def _budget(spec: Any, item: Any, position: int, short_budget: int | None) -> in
     return full
 
 
+def resolve_reference_dtype(recipe, device: str) -> str:
+    """The dtype the reference pass computes in: ``quality.reference_dtype``, where
+    ``auto`` is float32 on CPU and the model dtype (``model.dtype``) on CUDA."""
+    rd = recipe.quality.reference_dtype
+    if rd == "auto":
+        return "float32" if device == "cpu" else recipe.model.dtype
+    return rd
+
+
+def reference_context(recipe, ctx):
+    """``ctx`` with its dtype replaced by :func:`resolve_reference_dtype` (the reference
+    tier loads in it for the reference pass)."""
+    return dataclasses.replace(ctx, dtype=resolve_reference_dtype(recipe, ctx.device))
+
+
 def reference_fields(recipe, ctx) -> dict:
-    """What determines the reference pass (its cache key): source, reference tier, every
-    suite file and setting, the quality settings that shape answers, device, threads and
-    library versions."""
+    """What determines the reference pass (its cache key): source, reference tier, the
+    dtype it computes in (``ctx.dtype``, from :func:`reference_context`), every suite file
+    and setting, the quality settings that shape answers, device, threads and library
+    versions."""
     suites = [{**stable_suite_dict(s.model_dump(mode="json")), "sha256": file_sha256(recipe.resolve_path(s.path))}
               for s in recipe.suites]
     fillers = {str(p.name): file_sha256(p) for p in filler_files(recipe)}
     q = recipe.quality
     return {"kind": "reference", "source_sha256": ctx.source_sha256,
-            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")), "suites": suites,
+            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")),
+            "dtype": ctx.dtype, "suites": suites,
             **({"filler_sha256": fillers} if fillers else {}),
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
@@ -410,6 +428,48 @@ def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop:
     return summary, mine
 
 
+def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
+    """The run's noise floor: the reference tier as served (``ctx.dtype``, the model dtype),
+    teacher-forced on the stored reference tokens and scored against the stored reference
+    (computed in :func:`resolve_reference_dtype`) exactly as every tier is
+    (:func:`fidelity`). It is what the same weights differ by through compute precision
+    alone, so a tier's KLD near it is not a measured effect of quantization.
+
+    When the reference pass ran in the served dtype the pass would compare a computation
+    with itself: the floor is not measured (``measured`` False, no figures) and the
+    reference tier's KLD is 0 by construction.
+
+    Returns:
+        ``{"tier", "served_dtype", "reference_dtype", "measured", "fidelity" (the
+        :meth:`FidelityAccumulator.summary` dict or None), "backend", "why"}``.
+    """
+    ref_name = recipe.gate.reference
+    spec = recipe.tier(ref_name)
+    ref_dtype = resolve_reference_dtype(recipe, ctx.device)
+    out = {"tier": ref_name, "served_dtype": ctx.dtype, "reference_dtype": ref_dtype}
+    if ref_dtype == ctx.dtype:
+        return {**out, "measured": False, "fidelity": None, "backend": None,
+                "why": f"the reference pass computes in the served dtype ({ctx.dtype}), so the reference tier "
+                       f"scores 0 by construction; set quality.reference_dtype: float32 to measure the floor"}
+    method = get_method(spec.method)
+    engine = method.load(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
+    progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference ({engine.backend})")
+    layout = RunLayout(run_dir)
+    segments = json.loads(layout.reference_segments.read_text())
+    ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
+    t0 = time.time()
+    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress)
+    engine.close()
+    return {**out, "measured": True, "fidelity": fid, "backend": engine.backend, "seconds": time.time() - t0,
+            "why": None}
+
+
+def _floor(run_dir: Path) -> Any:
+    """The run's floor stage (:class:`qeval.results.FloorStage`), None when it did not run."""
+    layout = RunLayout(run_dir)
+    return read_stage(layout, RUN_SCOPE, "floor") if stage_done(layout, RUN_SCOPE, "floor") else None
+
+
 def _artifact(run_dir: Path, tier: str) -> Path | None:
     """The tier's prepared artifact folder (None: not prepared, or served from the source)."""
     layout = RunLayout(run_dir)
@@ -476,15 +536,18 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     segments = json.loads(layout.reference_segments.read_text())
     ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
+    floor = _floor(run_dir) if tier == recipe.gate.reference else None
     t0 = time.time()
     review = ReviewCollector()
+    # the reference tier's figures are the noise floor's (the floor stage scored the same
+    # engine on the same tokens); scored again here so its review holds the per-item KLD
     fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0
     ref_by_key = {(s["item"], s["turn"]): s for s in segments}
     stop = (read_stage(layout, RUN_SCOPE, "reference").stop_ids if stage_done(layout, RUN_SCOPE, "reference")
             else None) or stop_token_ids(tok, ctx.source_path)
     t0 = time.time()
-    if tier == recipe.gate.reference:
+    if tier == recipe.gate.reference and not (floor and floor.get("measured")):
         # the reference's free-running answers are the reference pass itself
         limited = set()
         for spec_s in recipe.suites:
@@ -515,4 +578,6 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
         lambda ids: tok.decode(ids, skip_special_tokens=False), lambda i: tok.decode([i], skip_special_tokens=False))))
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
-                        "long_context": long_context}}
+                        "long_context": long_context,
+                        "reference_dtype": resolve_reference_dtype(recipe, ctx.device),
+                        "noise_floor": bool(tier == recipe.gate.reference and floor is not None and floor.measured)}}

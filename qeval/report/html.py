@@ -36,7 +36,7 @@ from ..recipe import ReportSpec
 from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, load_run
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
-from .table import LOAD_HEADERS, SlowPath, _f, _gib, load_caption, load_table, markdown_table, tier_table
+from .table import LOAD_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table, markdown_table, tier_table
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
 DEFAULT_USERS = 8
@@ -83,7 +83,9 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     name = a.recipe.get("name", "run")
     md = [f"# {name}: tiers", "",
           f"Pareto front and gate at depth {a.depth} tokens; quality metric `{a.quality_metric}`; "
-          f"reference `{a.reference}`. Memory in GiB (2^30 bytes).", "",
+          f"reference `{a.reference}`. Memory in GiB (2^30 bytes): peak = what the model, its KV cache and its "
+          f"working buffers add to the process once its runtime is loaded (runtime GiB, its own figure).", "",
+          f"{floor_line(a)}", "",
           markdown_table(tab.headers, tab.rows)]
     lrows = load_table(a.tiers)
     if lrows:
@@ -164,7 +166,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         not_run = status_rule.message if status_rule is not None and not status_rule.passed else None
         cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict,
                       "failed": c.failed_rules, "rules": c.rules, "not_run": not_run,
-                      "n_unjudged": len(c.rules) - 1})
+                      "n_unjudged": len(c.rules) - 1, "notes": c.notes})
 
     def signed(v: float | None, fmt: str) -> str:
         return "-" if v is None else f"{v:+{fmt}}"
@@ -213,8 +215,9 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
             row_cls.append("notok")
         else:
             row_cls.append("front" if name in a.pareto.front else "")
-    rows = [{"build": b, "speed": sp, "quality": q, "cls": c} for b, sp, q, c in
-            zip(tab.html["build"]["rows"], tab.html["speed"]["rows"], tab.html["quality"]["rows"], row_cls)]
+    rows = [{"build": b, "memory": m, "speed": sp, "quality": q, "cls": c} for b, m, sp, q, c in
+            zip(tab.html["build"]["rows"], tab.html["memory"]["rows"], tab.html["speed"]["rows"],
+                tab.html["quality"]["rows"], row_cls)]
     unfinished = [{"name": n, "status": t.status, "error": t.error or "no error recorded",
                    "log_tail": t.log_tail} for n, t in a.tiers.items() if t.status != STATUS_OK]
     device = run.device or a.recipe.get("device") or "?"
@@ -241,8 +244,8 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         load_plots=load_plots,
         capacity_head=plan_header(cap)[1:], capacity_headers=cap_headers, capacity_rows=cap_rows,
         capacity_legend=plan_legend(cap), plots=plot_list,
-        depths=a.depths, build=tab.html["build"], depth_headers=tab.html_depth_headers,
-        quality=tab.html["quality"], table_rows=rows,
+        depths=a.depths, build=tab.html["build"], memory=tab.html["memory"], depth_headers=tab.html_depth_headers,
+        quality=tab.html["quality"], table_rows=rows, floor_text=floor_line(a), warnings=a.gate.warnings,
         reviews=list((reviews or {}).values()), review_limit=REPORT_LIMIT,
         lc_depths=tab.lc_depths, lc_depth_headers=tab.html_lc_depth_headers,
         lc_tail_headers=tab.html["long_context"]["headers"][1 + len(tab.html_lc_depth_headers):],

@@ -26,11 +26,13 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     outs = rebuild_outputs(run_dir, None, junit=junit or False)
     g = outs.gate
     lines = [outs.table_md.read_text(), "", f"gate (reference {g.reference}, depth {g.depth}):"]
+    lines += [f"  warning: {w}" for w in g.warnings]
     for c in g.candidates:
         judged = [r.message for r in c.failed_rules if not r.message.startswith("not judged")]
         unjudged = len(c.failed_rules) - len(judged)
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
+        lines += [f"       note: {n}" for n in c.notes]
     gate_doc = json.loads(outs.gate_json.read_text())
     lad = gate_doc.get("ladder") or {}
     steps = lad.get("steps") or []

@@ -1,6 +1,11 @@
 """The tier table: its columns, defined once (:data:`COLUMNS`), give ``table.md``,
-``table.csv`` and the tables of ``report.html`` (build, speed by depth, quality, and with a
-long_context suite long context by document depth).
+``table.csv`` and the tables of ``report.html`` (build, what the peak holds at the analysis
+depth, speed by depth, quality, and with a long_context suite long context by document depth).
+
+Noise floor (:mod:`qeval.analysis.floor`): the "vs noise floor" column says ``noise floor``
+on the reference tier whose fidelity is the measured floor, and "indistinguishable from
+the reference here" on a tier whose KLD mean is within 2x of it; :func:`floor_line` is the
+sentence above the tables.
 
 Figures come from the metric table (:mod:`qeval.metrics`). CSV units: ``*_gib`` GiB
 (2**30 bytes), ``*_s`` seconds, ``*_tokens_per_s`` tokens/s, ``*_rate``/``*_share`` shares
@@ -12,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from ..analysis import RunAnalysis
+from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
 from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path
 
-Section = Literal["build", "speed", "quality", "long_context"]
-SECTIONS: tuple[Section, ...] = ("build", "speed", "quality", "long_context")
+Section = Literal["build", "memory", "speed", "quality", "long_context"]
+SECTIONS: tuple[Section, ...] = ("build", "memory", "speed", "quality", "long_context")
 
 
 @dataclass
@@ -122,6 +128,81 @@ def _kld(r: Row) -> Cell:
     if kld is not None and k:  # a server's top-k: the estimate, a lower bound (qeval.measure.fidelity)
         text += f" (top-{k} est.)"
     return text, {"kld_mean": kld, "kld_se": se}
+
+
+def vs_noise_floor(r: Row) -> str | None:
+    """``noise floor`` (the reference tier, whose fidelity is the measured floor),
+    :data:`~qeval.analysis.floor.INDISTINGUISHABLE` (a tier whose KLD mean is within
+    ``FLOOR_FACTOR`` x the floor), or None (no floor, no KLD, or above it)."""
+    floor, kld = r.a.noise_floor, r.v("kld_mean")
+    if floor is None or not r.ok or kld is None:
+        return None
+    if r.is_ref and get_path(r.t, "quality", "noise_floor"):
+        return "noise floor"
+    return INDISTINGUISHABLE if floor.indistinguishable(kld) else None
+
+
+def _floor_cell(r: Row) -> Cell:
+    v = vs_noise_floor(r)
+    text = {None: "", "noise floor": "noise floor"}.get(v, f"{v} (KLD <= {FLOOR_FACTOR:g}x floor)")
+    return text, {"vs_noise_floor": v}
+
+
+def floor_line(a: RunAnalysis) -> str:
+    """The noise floor as one sentence (measured, or why not)."""
+    if a.noise_floor is not None:
+        t = a.noise_floor.text()
+        return t[:1].upper() + t[1:] + "."
+    why = a.noise_floor_why or "no floor recorded in this run"
+    return f"Noise floor: not measured ({why}); KLD figures have no stated floor."
+
+
+def _kernel_name(op: str) -> str:
+    for key, short in (("flash", "flash"), ("efficient", "mem-efficient"), ("cudnn", "cudnn"), ("math", "math")):
+        if key in op:
+            return short
+    return op.replace("aten::", "")
+
+
+def attention_text(t: TierResult) -> str:
+    """The attention path and KV cache type a tier ran with, short (``sdpa math, KV bfloat16``,
+    ``flash attn off, KV f16``); ``-`` when not recorded. Read from the row's ``attention``
+    record (:meth:`qeval.engines.base.Engine.attention_info`): an engine that lists the
+    kernels it saw run (transformers) shows them, per phase when prefill and decode differ."""
+    att = t.attention or {}
+    kvd = t.kv_cache_dtype or att.get("kv_cache_dtype")
+    if not att and t.flash_attn is None:
+        return "-"
+    kv = f", KV {kvd}" if kvd else ""
+    phases = att.get("kernels") or {}
+    if not phases:  # an engine with one switch (llama.cpp): flash attention set on or off
+        on = t.flash_attn if t.flash_attn is not None else att.get("flash_attn")
+        return f"flash attn {'on' if on else 'off'}{kv}"
+    names = {ph: "+".join(sorted({_kernel_name(k) for k in ks})) for ph, ks in phases.items()}
+    if len(set(names.values())) > 1:
+        kern = " / ".join(f"{v} ({ph})" for ph, v in names.items())
+    else:
+        kern = next(iter(names.values()), "")
+    return f"{att.get('implementation') or 'attention'} {kern}".strip() + kv
+
+
+def _attention(r: Row) -> Cell:
+    text = attention_text(r.t)
+    return text, {"attention": None if text == "-" else text, "flash_attn": r.t.flash_attn,
+                  "kv_cache_dtype": r.t.kv_cache_dtype}
+
+
+def _peak_split(r: Row, d: int) -> Cell:
+    """CSV only: the peak at depth ``d`` split into weights, KV cache and the rest (GiB)."""
+    return "", {f"peak_weights_gib_{d}": _r(r.v("peak_weights_bytes", d), GIB),
+                f"peak_kv_gib_{d}": _r(r.v("peak_kv_cache_bytes", d), GIB),
+                f"peak_other_gib_{d}": _r(r.v("peak_other_bytes", d), GIB)}
+
+
+def _mem(metric: str, per_depth: bool = True) -> Callable[[Row], Cell]:
+    """A cell of the report's peak-memory table: ``metric`` (bytes) in GiB at the analysis
+    depth; its CSV values come from the per-depth columns."""
+    return lambda r: (_gib(r.v(metric, r.a.depth if per_depth else None), 3), {})
 
 
 def _pass(r: Row) -> Cell:
@@ -329,13 +410,27 @@ COLUMNS: tuple[Column, ...] = (
            "build", html_header="bits/weight", numeric=True),
     Column("backend", lambda r: (str(r.t.backend or "-"), {"backend": r.t.backend}), "build"),
     Column("KV cache", lambda r: (str(r.t.kv_cache or "-"), {"kv_cache": r.t.kv_cache}), "build", md=False),
+    Column("attention, KV", _attention, "build", html_header="attention path, KV type (as run)"),
     Column("KV B/token", lambda r: (_f(r.v("kv_bytes_per_token"), ",.0f"),
                                     {"kv_bytes_per_token": _whole(r.v("kv_bytes_per_token"))}),
            "build", html_header="KV bytes/token", numeric=True),
+    Column("runtime GiB", lambda r: (_gib(r.v("runtime_bytes")), {"runtime_gib": _r(r.v("runtime_bytes"), GIB),
+                                                                  "runtime_engine_gib": _r(r.v("runtime_engine_bytes"), GIB)}),
+           "build", numeric=True),
     Column("error", lambda r: ("" if r.ok else str(r.t.error or ""), {"error": r.t.error}), "build", md=False),
     Column("decode mode", lambda r: (str(r.t.decode_mode or "-"), {"decode_mode": r.t.decode_mode}), None, md=False),
     Column("peak GiB", lambda r, d: (_gib(r.v("peak_bytes", d)), {f"peak_gib_{d}": _r(r.v("peak_bytes", d), GIB)}),
            "speed", per_depth=True, numeric=True),
+    Column("peak split", _peak_split, None, md=False, per_depth=True),
+    # the report's "what the peak holds" table, at the analysis depth (CSV: the per-depth columns)
+    Column("peak GiB", _mem("peak_bytes"), "memory", md=False, numeric=True),
+    Column("weights", _mem("peak_weights_bytes"), "memory", md=False, numeric=True),
+    Column("KV cache", _mem("peak_kv_cache_bytes"), "memory", md=False, numeric=True),
+    Column("rest", _mem("peak_other_bytes"), "memory", md=False, numeric=True),
+    Column("runtime GiB", _mem("runtime_bytes", False), "memory", md=False, numeric=True),
+    Column("of which engine libraries", _mem("runtime_engine_bytes", False), "memory", md=False, numeric=True),
+    Column("reserved, unallocated", _mem("reserved_unallocated_bytes"), "memory", md=False, numeric=True),
+    Column("kind", lambda r: (str(get_path(r.t, "memory", "kind") or "-"), {}), "memory", md=False),
     Column("TTFT s", lambda r, d: (_f(r.v("ttft_s", d), ".3g"), {f"ttft_s_{d}": r.v("ttft_s", d)}),
            "speed", per_depth=True, numeric=True),
     Column("decode tok/s", _decode, "speed", per_depth=True, html_header="tok/s", numeric=True),
@@ -343,6 +438,7 @@ COLUMNS: tuple[Column, ...] = (
                                        {f"roofline_share_{d}": r.v("roofline_share", d)}),
            "speed", per_depth=True, numeric=True),
     Column("KLD mean ± se", _kld, "quality", numeric=True),
+    Column("vs noise floor", _floor_cell, "quality"),
     Column("same-top %", lambda r: (_f(r.v("same_top_rate"), ".1f", 100), {"same_top_rate": r.v("same_top_rate")}),
            "quality", numeric=True),
     Column("PPL ratio", lambda r: (_f(r.v("ppl_ratio"), ".4f"), {"ppl_ratio": r.v("ppl_ratio")}), "quality",
@@ -414,14 +510,13 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
                               if c.per_depth and c.depths == "speed" and c.section == "speed"]
     tab.html_lc_depth_headers = [{"text": c.html_header or c.header, "numeric": c.numeric} for c in COLUMNS
                                  if c.per_depth and c.depths == "long_context" and c.section == "long_context"]
-    for sec in ("speed", "quality", "long_context"):
+    for sec in SECTIONS[1:]:
         tab.html[sec]["headers"].insert(0, {"text": first.header, "numeric": first.numeric})
     for name, t in a.tiers.items():
         row = Row(name, t, a, slow.get(name))
         md: list[str] = []
         raw: dict[str, Any] = {}
-        html: dict[str, list[str]] = {"build": [], "speed": [row.name], "quality": [row.name],
-                                      "long_context": [row.name]}
+        html: dict[str, list[str]] = {s: ([] if s == "build" else [row.name]) for s in SECTIONS}
         # HTML tables group per-depth cells by depth (all of a depth's columns together),
         # then the section's other columns
         by_depth: dict[str, dict[int, list[str]]] = {sec: {} for sec in SECTIONS}

@@ -320,7 +320,7 @@ class _GptqModelMethod(TierMethod):
         on CUDA, gptqmodel's kernels built before the timed load (see :func:`cuda_kernels_ready`)."""
         info = super().prepare_runtime(spec, ctx, artifact)
         gptqmodel = _import_gptqmodel()  # optional dependency (extra 'quant')
-        import gptqmodel.nn_modules.qlinear  # noqa: F401  optional (extra 'quant'): the kernel classes the loader picks from
+        import gptqmodel.nn_modules.qlinear  # optional (extra 'quant'): the kernel classes the loader picks from  # noqa: F401
         info["libraries"].append(f"gptqmodel {gptqmodel.__version__}")
         if ctx.device == "cuda":
             info.update(cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact))

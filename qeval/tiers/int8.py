@@ -158,7 +158,7 @@ class Int8Method(TierMethod):
         info = super().prepare_runtime(spec, ctx, artifact)
         if spec.backend == "torchao":  # optional dependencies (extra 'quant'): imported here only
             import torchao  # optional: the qeval[quant] extra
-            from torchao.quantization import Int8WeightOnlyConfig  # noqa: F401  optional, as torchao (the tensor subclasses it loads)
+            from torchao.quantization import Int8WeightOnlyConfig  # optional, as torchao: the tensor subclasses it loads  # noqa: F401
             info["libraries"].append(f"torchao {torchao.__version__}")
         else:
             import bitsandbytes  # optional: the qeval[quant] extra

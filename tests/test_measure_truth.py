@@ -1,0 +1,318 @@
+"""Measurement truth (issue 14): the CPU memory baseline rule, the peak decomposition, the
+noise floor's marking in table, report and gate, a gate KLD rule below a known floor
+refused by ``qeval validate``, the attention path recorded, and llama.cpp's tools API."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, write_recipe
+
+MIB = 2 ** 20
+FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"
+
+
+# ---- memory ----------------------------------------------------------------------------
+
+def test_peak_breakdown_adds_up_to_the_peak():
+    from qeval.measure.memory import peak_breakdown
+    b = peak_breakdown(300 * MIB, 200 * MIB, 30 * MIB)
+    assert b == {"weights_bytes": 200 * MIB, "kv_cache_bytes": 30 * MIB, "other_bytes": 70 * MIB}
+    assert sum(b.values()) == 300 * MIB
+    assert peak_breakdown(None, 1, 1) is None
+    assert peak_breakdown(10, 20, 0)["other_bytes"] == -10  # weights mapped, not all resident
+
+
+def _measure_run_dir(tmp_path: Path, model: Path, tier: str) -> tuple[object, Path]:
+    """A run folder holding what the measure stage reads (run.json, source, env, prepare)."""
+    from qeval.recipe import load_recipe
+    recipe_path = write_recipe(tmp_path / "tiny.yaml", model, tiers=f"  - {{name: {tier}, method: bf16}}\n",
+                               suites=False, extra=f"gate: {{reference: {tier}}}")
+    r = load_recipe(recipe_path)
+    run_dir = tmp_path / "run"
+    (run_dir / "stages").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": r.model_dump(mode="json"),
+                                                  "recipe_path": str(recipe_path)}))
+    (run_dir / "stages" / "_run.source.json").write_text(json.dumps({"path": str(model), "sha256": "0" * 64}))
+    (run_dir / "stages" / "_run.env.json").write_text(json.dumps({"bandwidth_bytes_per_s": None}))
+    (run_dir / "stages" / f"{tier}.prepare.json").write_text(json.dumps({"artifact": None}))
+    return r, run_dir
+
+
+def test_cpu_baseline_is_taken_after_the_tier_runtime_is_imported(tiny_llama, tmp_path, monkeypatch):
+    """A tier whose engine library holds 96 MiB once imported: the model's peaks do not
+    carry it, the runtime figure does. With the baseline taken before the runtime (the
+    old rule) every peak would be at least 96 MiB."""
+    import torch
+
+    import qeval.tiers
+    from qeval.tiers.bf16 import Bf16Method
+    from qeval.worker import stage_measure
+
+    class HeavyRuntime(Bf16Method):
+        def prepare_runtime(self, spec, ctx):
+            info = super().prepare_runtime(spec, ctx)
+            self.ballast = bytearray(b"\x01") * (96 * MIB)  # resident, as an imported library's data is
+            info["libraries"].append("heavy (96 MiB)")
+            return info
+
+    heavy = HeavyRuntime()
+    monkeypatch.setattr(qeval.tiers, "get_method", lambda method: heavy)
+    monkeypatch.chdir(REPO)  # datasets/depth_text.txt
+    recipe, run_dir = _measure_run_dir(tmp_path, tiny_llama, "heavy")
+    threads = torch.get_num_threads()
+    try:
+        m = stage_measure(recipe, run_dir, "heavy")
+    finally:
+        torch.set_num_threads(threads)
+    mem = m["memory"]
+    assert len(heavy.ballast) == 96 * MIB  # still held while the peaks were measured
+    assert mem["kind"] == "cpu_vmhwm"
+    assert mem["runtime_engine_bytes"] >= 96 * MIB
+    assert mem["runtime_bytes"] == mem["baseline_bytes"] >= mem["runtime_engine_bytes"]
+    assert "heavy (96 MiB)" in mem["runtime_libraries"]
+    for d, peak in mem["peak_bytes"].items():
+        assert 0 < peak < 48 * MIB, (d, peak)  # the tiny model, its cache and buffers only
+        br = mem["peak_breakdown"][d]
+        assert br["weights_bytes"] == mem["weight_bytes"]
+        assert br["kv_cache_bytes"] == mem["kv_allocated_bytes_at_depth"][d] > 0
+        assert br["weights_bytes"] + br["kv_cache_bytes"] + br["other_bytes"] == peak
+    assert mem["after_load_bytes"] < 48 * MIB
+    att = m["attention"]
+    assert att["engine"] == "transformers" and att["kernels"]["decode"]
+    assert m["flash_attn"] == att["flash_attn"] and m["kv_cache_dtype"] == "bfloat16"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_default_model_smaller_weights_never_show_a_larger_peak(tmp_path):
+    """SmolLM2-135M, depth 256: GPTQ and GGUF Q4_K_M store fewer weight bytes than BF16 and
+    show smaller model peaks; what gptqmodel's import holds is reported as runtime."""
+    import yaml
+    r = yaml.safe_load((REPO / "recipes" / "smollm2-135m.yaml").read_text())
+    names = ("bf16", "gptq", "gguf-q4_k_m")
+    r["tiers"] = [t for t in r["tiers"] if t["name"] in names]
+    r["speed"].update(depths=[256], main_depth=256, decode_tokens=8, repeats=1, warmup=1)
+    r["suites"] = []
+    r["quality"]["lm_eval_tasks"] = []
+    r["quality"]["lm_eval_limit"] = None
+    r["gate"] = {"reference": "bf16", "depth": 256, "rules": {"max_peak_memory_rel": 1.0}}
+    recipe = tmp_path / "smollm2-peaks.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, cwd=REPO, timeout=3600)
+    assert p.returncode in (0, 1), p.stderr[-4000:]
+    run_dir = next((tmp_path / "res" / "smollm2-135m").iterdir())
+    rows = {n: json.loads((run_dir / "tiers" / f"{n}.json").read_text()) for n in names}
+    for n, t in rows.items():
+        assert t["status"] == "ok", (n, t.get("error"), t.get("log_tail"))
+    bf16 = rows["bf16"]
+    for n in ("gptq", "gguf-q4_k_m"):
+        assert rows[n]["quant"]["stored_bytes"] < bf16["quant"]["stored_bytes"]
+        assert rows[n]["memory"]["peak_bytes"]["256"] < bf16["memory"]["peak_bytes"]["256"], n
+    # gptqmodel's import is a runtime cost now, named as such
+    assert rows["gptq"]["memory"]["runtime_engine_bytes"] > bf16["memory"]["runtime_engine_bytes"] + 100 * MIB
+    assert rows["gguf-q4_k_m"]["attention"]["engine"] == "llama.cpp"
+    assert rows["gguf-q4_k_m"]["kv_cache_dtype"] == "f16" and rows["gguf-q4_k_m"]["flash_attn"] is False
+
+
+# ---- attention path --------------------------------------------------------------------
+
+def test_attention_info_names_the_kernels_that_ran(tiny_llama):
+    from qeval.engines.hf import HFEngine, attention_kernels, load_hf_model
+    ids = list(range(5, 37))
+    sdpa = HFEngine(load_hf_model(str(tiny_llama), "cpu", "bfloat16", attn_implementation="sdpa"), "cpu")
+    info = sdpa.attention_info(ids)
+    assert info["implementation"] == "sdpa"
+    assert all("scaled_dot_product" in k for ks in info["kernels"].values() for k in ks)
+    assert info["flash_attn"] == any("flash" in k for ks in info["kernels"].values() for k in ks)
+    assert info["kv_cache_dtype"] == "bfloat16"
+    eager = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32", attn_implementation="eager"), "cpu",
+                     kv_cache="int8")
+    info = eager.attention_info(ids)
+    assert info["kernels"] == {"prefill": ["eager"], "decode": ["eager"]} and info["flash_attn"] is False
+    assert info["kv_cache_dtype"].startswith("int8 (HQQ")
+    assert attention_kernels(["aten::scaled_dot_product_attention"]) == ["sdpa (kernel not seen)"]
+
+
+# ---- noise floor -----------------------------------------------------------------------
+
+FLOOR = {"tier": "bf16", "served_dtype": "bfloat16", "reference_dtype": "float32", "measured": True,
+         "backend": "torch-bfloat16", "kld_mean": 0.0025, "kld_se": 0.0002, "n_tokens": 4096, "why": None}
+
+
+def _synthetic_run(tmp_path: Path, floor: dict | None, max_kld: float | None = None) -> Path:
+    d = tmp_path / "run"
+    shutil.copytree(FIXTURE, d)
+    run = json.loads((d / "run.json").read_text())
+    if floor is not None:
+        run["noise_floor"] = floor
+    if max_kld is not None:
+        run["recipe"]["gate"]["rules"]["max_kld_mean"] = max_kld
+    (d / "run.json").write_text(json.dumps(run))
+    bf16 = json.loads((d / "tiers" / "bf16.json").read_text())
+    q = bf16["quality"] = dict(bf16.get("quality") or {})
+    q["fidelity"] = {**(q.get("fidelity") or {}), "kld_mean": 0.0025, "kld_se": 0.0002}
+    q["noise_floor"] = floor is not None and floor.get("measured", False)
+    (d / "tiers" / "bf16.json").write_text(json.dumps(bf16))
+    return d
+
+
+def test_tiers_within_twice_the_floor_are_marked_in_table_report_and_gate(tmp_path):
+    from qeval.analysis.floor import INDISTINGUISHABLE
+    from qeval.report import rebuild_outputs
+    from qeval.report.outputs import build_outputs
+    d = _synthetic_run(tmp_path, FLOOR)
+    outs = rebuild_outputs(d)
+    md = outs.table_md.read_text()
+    assert "Noise floor: KLD 0.0025 ± 0.0002 nats (bf16 served in bfloat16 against the float32 reference)" in md
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    assert "(noise floor)" in rows["bf16"]
+    assert INDISTINGUISHABLE in rows["int8"]            # KLD 0.0041 <= 2 x 0.0025
+    for n in ("gptq", "q4_k_m", "q4_k_m-kv8"):          # KLD 0.03-0.05: a measured effect
+        assert INDISTINGUISHABLE not in rows[n], n
+    csv = outs.table_csv.read_text()
+    assert "vs_noise_floor" in csv.splitlines()[0] and INDISTINGUISHABLE in csv
+    gate = json.loads(outs.gate_json.read_text())
+    assert gate["noise_floor"]["kld_mean"] == 0.0025 and gate["noise_floor"]["threshold"] == 0.005
+    cands = {c["tier"]: c for c in gate["candidates"]}
+    assert any(INDISTINGUISHABLE in n for n in cands["int8"]["notes"])
+    kld_rule = next(r for r in cands["int8"]["rules"] if r["rule"] == "max_kld_mean")
+    assert INDISTINGUISHABLE in kld_rule["message"]
+    assert cands["q4_k_m"]["notes"] == [] and gate["warnings"] == []
+    html = outs.report_html.read_text()
+    assert "Noise floor: KLD 0.0025" in html and INDISTINGUISHABLE in html
+    _, text = build_outputs(d)
+    assert f"note: KLD 0.0041 is within 2x the noise floor 0.0025: {INDISTINGUISHABLE}" in text
+
+
+def test_a_run_without_a_measured_floor_says_why_and_marks_nothing(tmp_path):
+    from qeval.analysis.floor import INDISTINGUISHABLE
+    from qeval.report import rebuild_outputs
+    why = "the reference pass computes in the served dtype (bfloat16)"
+    d = _synthetic_run(tmp_path, {"measured": False, "why": why})
+    outs = rebuild_outputs(d)
+    md = outs.table_md.read_text()
+    assert f"Noise floor: not measured ({why})" in md and INDISTINGUISHABLE not in md
+    assert json.loads(outs.gate_json.read_text())["noise_floor"] is None
+
+
+def test_a_kld_rule_below_this_runs_floor_is_flagged_in_the_verdict(tmp_path):
+    from qeval.report import rebuild_outputs
+    d = _synthetic_run(tmp_path, FLOOR, max_kld=0.001)
+    gate = json.loads(rebuild_outputs(d).gate_json.read_text())
+    assert len(gate["warnings"]) == 1 and "below the noise floor 0.0025" in gate["warnings"][0]
+    msg = next(r["message"] for c in gate["candidates"] for r in c["rules"] if r["rule"] == "max_kld_mean"
+               and c["tier"] == "int8")
+    assert "the rule is below the noise floor 0.0025" in msg
+
+
+def _validate(recipe: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.run([sys.executable, "-m", "qeval.cli", "validate", str(recipe), *extra],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _previous_run(root: Path, recipe_path: Path, stamp: str, floor: dict, **recipe_changes) -> Path:
+    from qeval.recipe import load_recipe
+    rd = load_recipe(recipe_path).model_dump(mode="json")
+    for k, v in recipe_changes.items():
+        rd[k] = {**rd[k], **v}
+    d = root / "results" / "tiny" / stamp
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({"recipe": rd, "noise_floor": floor}))
+    return d
+
+
+def test_validate_refuses_a_kld_rule_below_a_previous_runs_floor(tiny_llama, tmp_path):
+    tiers = "  - {name: bf16, method: bf16}\n  - {name: kv8, method: bf16, kv_cache: int8}\n"
+    strict = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=tiers,
+                          extra="gate: {reference: bf16, rules: {max_kld_mean: 0.001}}")
+    floor = dict(FLOOR, kld_mean=0.0031)
+    # no earlier run: nothing to refuse against
+    assert _validate(strict, tmp_path).returncode == 0
+    # an earlier run under other conditions (another reference dtype) does not count
+    _previous_run(tmp_path, strict, "20260101T000000Z", floor, quality={"reference_dtype": "bfloat16"})
+    p = _validate(strict, tmp_path)
+    assert p.returncode == 0, p.stderr
+    # the newest run measured with the same model, reference tier, reference dtype and device
+    older = _previous_run(tmp_path, strict, "20250101T000000Z", floor)
+    p = _validate(strict, tmp_path)
+    assert p.returncode == 2
+    err = " ".join(p.stderr.split())
+    assert f"{strict}:" in err and "gate.rules.max_kld_mean" in err and "0.0031" in err
+    assert "results/tiny/20250101T000000Z" in err and "Traceback" not in p.stderr
+    # named explicitly
+    p = _validate(strict, REPO, "--floor-from", str(older))
+    assert p.returncode == 2 and "0.0031" in p.stderr
+    # a rule at or above the floor passes and the plan names the floor
+    ok = write_recipe(tmp_path / "ok.yaml", tiny_llama, tiers=tiers,
+                      extra="gate: {reference: bf16, rules: {max_kld_mean: 0.01}}")
+    p = _validate(ok, REPO, "--floor-from", str(older))
+    assert p.returncode == 0 and "0.0031 nats KLD" in p.stdout
+    # a run folder without a floor is bad input
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "run.json").write_text("{}")
+    p = _validate(ok, REPO, "--floor-from", str(bare))
+    assert p.returncode == 2 and "no measured noise floor" in p.stderr
+
+
+@pytest.mark.slow
+def test_reference_in_the_served_dtype_has_no_floor_and_scores_zero(tiny_llama, tmp_path):
+    """quality.reference_dtype: bfloat16 on CPU: the reference tier against itself, KLD 0,
+    and the floor stated as not measured (the default, float32, is covered by test_run)."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers="  - {name: bf16, method: bf16}\n",
+                          extra="gate: {reference: bf16, rules: {max_kld_mean: 1.0}}")
+    recipe.write_text(recipe.read_text().replace("quality: {window: 16, bootstrap: 50}",
+                                                 "quality: {window: 16, bootstrap: 50, reference_dtype: bfloat16}"))
+    env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_dir = next((tmp_path / "res" / "tiny").iterdir())
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["noise_floor"]["measured"] is False and "served dtype" in run["noise_floor"]["why"]
+    bf16 = json.loads((run_dir / "tiers" / "bf16.json").read_text())
+    assert bf16["quality"]["fidelity"]["kld_mean"] == 0.0 and bf16["quality"]["noise_floor"] is False
+    assert "Noise floor: not measured" in (run_dir / "table.md").read_text()
+
+
+# ---- llama.cpp's tools -----------------------------------------------------------------
+
+def test_llama_tools_flags_match_the_makefile_and_key_the_cache(qeval_cache, monkeypatch):
+    import re
+    from qeval.engines import llama_tools as lt
+    make = (REPO / "Makefile").read_text()
+    m = re.search(r"^LLAMA_CMAKE_ARGS \?= (.+)$", make, re.M)
+    assert m and m.group(1).strip() == lt.PORTABLE_CMAKE_ARGS
+    monkeypatch.delenv(lt.CMAKE_ARGS_ENV, raising=False)
+    a = lt.tools_dir("0.3.36")
+    monkeypatch.setenv(lt.CMAKE_ARGS_ENV, "-DGGML_CUDA=on")
+    b = lt.tools_dir("0.3.36")
+    assert a != b and a.parent == b.parent == qeval_cache / "llama_tools" and a.name.startswith("0.3.36-")
+    assert "-DGGML_CUDA=on" in lt.cmake_args() and "-DLLAMA_CURL=OFF" in lt.cmake_args()
+
+
+def test_tool_path_checks_the_name_and_builds_only_when_asked(qeval_cache, monkeypatch):
+    from qeval.engines import llama_tools as lt
+    monkeypatch.setattr(lt, "llama_cpp_version", lambda: "0.0.0-test")
+    with pytest.raises(ValueError, match="llama-bench, llama-batched-bench, llama-server"):
+        lt.tool_path("llama-cli")
+    with pytest.raises(FileNotFoundError, match="not built yet"):
+        lt.tool_path("llama-bench", build=False)
+    # a complete cache entry is used as it is, without building
+    folder = lt.tools_dir("0.0.0-test")
+    (folder / "bin").mkdir(parents=True)
+    for t in lt.TOOLS:
+        (folder / "bin" / t).write_text("#!/bin/sh\n")
+        (folder / "bin" / t).chmod(0o755)
+    (folder / ".qeval-complete").write_text("ok\n")
+    monkeypatch.setattr(lt, "build_tools", lambda **kw: pytest.fail("built although cached"))
+    assert lt.tool_path("llama-server") == folder / "bin" / "llama-server"
