@@ -100,6 +100,10 @@ def describe_plan(recipe) -> str:
     for loc, value, what in recipe.data_paths():
         resolved = recipe.resolve_path(value)
         lines.append(f"  - {what:<17} {value}" + ("" if str(resolved) == value else f"  -> {resolved}"))
+    rd = recipe.quality.reference_dtype
+    lines.append("quality  reference pass in " + (f"{rd}" if rd != "auto" else
+                                                   f"float32 on CPU, {m.dtype} on CUDA (auto)")
+                 + f"; noise floor: {recipe.gate.reference} as served ({m.dtype}) scored against it")
     g = recipe.gate
     rules = {k: v for k, v in g.rules.model_dump().items() if v is not None}
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
