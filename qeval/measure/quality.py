@@ -4,7 +4,13 @@ Reference pass: the reference tier answers every suite prompt greedily once (in
 multi-turn conversations its own answers become the history). Its answer token ids go
 to ``reference/segments.json`` and its full-vocabulary log-probabilities at every
 answer position to ``reference/logprobs.npy`` (float16, ``[answer tokens, vocab]``),
-computed once and read by every tier.
+computed once and read by every tier. It computes in ``quality.reference_dtype``
+(:func:`resolve_reference_dtype`: float32 on CPU, the model dtype on CUDA).
+
+Noise floor (:func:`noise_floor_pass`, stage ``floor``): the reference tier as served,
+scored against the stored reference like any tier; the reference tier's quality stage
+takes its fidelity from there and, since it no longer is the reference pass itself,
+answers the suites on its own.
 
 Tier quality: teacher-forced fidelity on exactly the reference ids (every item), and
 free-running behaviour (the first ``limit`` items of each suite) with checks, flips,
