@@ -255,7 +255,8 @@ def test_int8_kv_cache_holds_fewer_bytes_per_token(tiny):
             eng.generate(tiny["ids"][:64], 8, ignore_stop=True)
             mem = eng.memory()
             out[kv] = (eng.flash_attn, mem.kv_bytes_per_token, mem.details["kv_bytes_per_token_analytic"],
-                       eng.last_cache_bytes, eng.last_state_bytes, mem.weight_bytes)
+                       eng.last_cache_bytes, eng.last_state_bytes, mem.weight_bytes, eng.attention_info(),
+                       eng.last_cache_allocated_bytes, eng.n_ctx)
         finally:
             eng.close()
     # 2 layers x 2 KV heads x (64 + 64) dims: F16 2 bytes, q8_0 34/32 bytes per element
@@ -266,6 +267,12 @@ def test_int8_kv_cache_holds_fewer_bytes_per_token(tiny):
         assert out[kv][3] == round(out[kv][2] * 71) and out[kv][4] >= out[kv][3]
     assert out["int8"][1] < 0.6 * out["model"][1]
     assert out["model"][5] == out["int8"][5] > 0
+    # the attention path as run: flash attention set explicitly, the cache type named
+    assert out["model"][6] == {"engine": "llama.cpp", "implementation": "standard", "flash_attn": False,
+                               "kv_cache_dtype": "f16", "kv_type_k": "f16", "kv_type_v": "f16"}
+    assert out["int8"][6]["flash_attn"] is True and out["int8"][6]["kv_cache_dtype"] == "q8_0"
+    for kv in out:  # llama.cpp allocates K and V for the whole context (256-token steps)
+        assert out[kv][7] == round(out[kv][2] * out[kv][8]) >= out[kv][3]
 
 
 @pytest.mark.slow
