@@ -327,12 +327,15 @@ def test_gptq_on_cuda_stops_when_marlin_cannot_be_built(monkeypatch):
     monkeypatch.setattr(extension, "is_available", lambda name, **kw: False)
     monkeypatch.setattr(extension, "error", lambda name: "nvcc: command not found\nmore")
     monkeypatch.setattr(gmod, "_nvcc", lambda: None)
+    import qeval.engines.hf as hf
+    monkeypatch.setattr(hf, "warm_runtime", lambda *a, **kw: {"libraries": ["torch"]})  # no model folder here
     spec = GptqTier(name="gq", method="gptq")
     with pytest.raises(TierUnavailable) as e:
         gmod.METHODS["gptq"].prepare_runtime(spec, _gguf_ctx("cuda"), None)
     msg = str(e.value)
     assert "\n" not in msg and "Marlin" in msg and "nvcc" in msg and "CUDA toolkit" in msg
-    assert gmod.METHODS["gptq"].prepare_runtime(spec, _gguf_ctx("cpu"), None) == {}
+    cpu = gmod.METHODS["gptq"].prepare_runtime(spec, _gguf_ctx("cpu"), None)
+    assert "selected_kernel" not in cpu and cpu["libraries"][-1].startswith("gptqmodel ")  # nothing built on CPU
     monkeypatch.setattr(extension, "is_available", lambda name, **kw: True)  # built (or cached): ready
     ready = gmod.METHODS["awq"].prepare_runtime(spec, _gguf_ctx("cuda"), None)
     assert ready["selected_kernel"] == "MarlinLinear" and ready["kernel_build_seconds"] >= 0

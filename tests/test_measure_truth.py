@@ -56,8 +56,8 @@ def test_cpu_baseline_is_taken_after_the_tier_runtime_is_imported(tiny_llama, tm
     from qeval.worker import stage_measure
 
     class HeavyRuntime(Bf16Method):
-        def prepare_runtime(self, spec, ctx):
-            info = super().prepare_runtime(spec, ctx)
+        def prepare_runtime(self, spec, ctx, artifact=None):
+            info = super().prepare_runtime(spec, ctx, artifact)
             self.ballast = bytearray(b"\x01") * (96 * MIB)  # resident, as an imported library's data is
             info["libraries"].append("heavy (96 MiB)")
             return info

@@ -318,13 +318,13 @@ class _GptqModelMethod(TierMethod):
         """The transformers runtime, then gptqmodel and its quantized-linear kernel classes
         imported (several hundred MiB resident on CPU with gptqmodel 7.6: not the model's);
         on CUDA, gptqmodel's kernels built before the timed load (see :func:`cuda_kernels_ready`)."""
+        kernels = (cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact)
+                   if ctx.device == "cuda" else {})  # first: an unbuildable kernel stops the tier at once
         info = super().prepare_runtime(spec, ctx, artifact)
         gptqmodel = _import_gptqmodel()  # optional dependency (extra 'quant')
         import gptqmodel.nn_modules.qlinear  # optional (extra 'quant'): the kernel classes the loader picks from  # noqa: F401
         info["libraries"].append(f"gptqmodel {gptqmodel.__version__}")
-        if ctx.device == "cuda":
-            info.update(cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact))
-        return info
+        return {**info, **kernels}
 
     # -- load ---------------------------------------------------------------------------
     def _load_qmodel(self, ctx: TierContext, artifact: Path, device: str, backend: str = "auto") -> Any:
