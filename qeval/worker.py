@@ -274,7 +274,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     for c in (getattr(peak, "primary", peak), second):
         if c is not None:
             c.close()
-    attention = engine.attention_info(prompts[min(prompts)][:64])
+    attention = engine.attention_info(prompts[min(prompts)][:64])  # the Engine interface: every engine has it
     if counter == "server":
         engine.close()  # stop and reap the tier's server now, not at interpreter exit
     return {
