@@ -683,6 +683,19 @@ def stable_suite_dict(suite: dict) -> dict:
     return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS}
 
 
+#: ``quality`` fields added after fingerprints existed, with their defaults: left out of
+#: them while at the default, so a recipe that does not set them keeps its fingerprints.
+LATER_QUALITY_DEFAULTS = {"reference_dtype": "auto"}
+
+
+def stable_quality_dict(quality: dict | None) -> dict | None:
+    """The recipe's ``quality`` dict as fingerprints hash it: :data:`LATER_QUALITY_DEFAULTS`
+    dropped while at their default."""
+    if quality is None:
+        return None
+    return {k: v for k, v in quality.items() if not (k in LATER_QUALITY_DEFAULTS and v == LATER_QUALITY_DEFAULTS[k])}
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file.
 

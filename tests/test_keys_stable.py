@@ -72,6 +72,9 @@ def test_reference_key_is_unchanged(pinned, monkeypatch):
     monkeypatch.chdir(REPO)  # the suite paths are relative to the repository
     r = parse_recipe(RECIPE)
     assert artifact_key(reference_fields(r, _ctx())) == REFERENCE_KEY
+    # a reference computed in float32 (quality.reference_dtype, CPU default) is another pass
+    from qeval.measure.quality import reference_context
+    assert artifact_key(reference_fields(r, reference_context(r, _ctx()))) != REFERENCE_KEY
 
 
 def test_tier_fingerprints_are_unchanged():

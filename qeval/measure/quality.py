@@ -266,20 +266,21 @@ def reference_context(recipe, ctx):
 
 def reference_fields(recipe, ctx) -> dict:
     """What determines the reference pass (its cache key): source, reference tier, the
-    dtype it computes in (``ctx.dtype``, from :func:`reference_context`), every suite file
-    and setting, the quality settings that shape answers, device, threads and library
-    versions."""
+    dtype it computes in (``ctx.dtype``, from :func:`reference_context`; keyed only when it
+    differs from ``model.dtype``, so a reference in the model dtype keeps the key it always
+    had), every suite file and setting, the quality settings that shape answers, device,
+    threads and library versions."""
     suites = [{**stable_suite_dict(s.model_dump(mode="json")), "sha256": file_sha256(recipe.resolve_path(s.path))}
               for s in recipe.suites]
     fillers = {str(p.name): file_sha256(p) for p in filler_files(recipe)}
     q = recipe.quality
     return {"kind": "reference", "source_sha256": ctx.source_sha256,
-            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")),
-            "dtype": ctx.dtype, "suites": suites,
+            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")), "suites": suites,
             **({"filler_sha256": fillers} if fillers else {}),
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
-            "versions": {p: version(p) for p in ("torch", "transformers")}}
+            "versions": {p: version(p) for p in ("torch", "transformers")},
+            **({"dtype": ctx.dtype} if ctx.dtype != recipe.model.dtype else {})}
 
 
 def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
