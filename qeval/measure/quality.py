@@ -554,7 +554,7 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
     stop = (read_stage(layout, RUN_SCOPE, "reference").stop_ids if stage_done(layout, RUN_SCOPE, "reference")
             else None) or stop_token_ids(tok, ctx.source_path)
     t0 = time.time()
-    if tier == recipe.gate.reference and not (floor and floor.get("measured")):
+    if tier == recipe.gate.reference and not (floor is not None and floor.measured):
         # the reference's free-running answers are the reference pass itself
         limited = set()
         for spec_s in recipe.suites:
