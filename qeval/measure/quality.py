@@ -9,7 +9,8 @@ computed once and read by every tier. It computes in ``quality.reference_dtype``
 
 Noise floor (:func:`noise_floor_pass`, stage ``floor``): the reference tier as served,
 scored against the stored reference like any tier; the reference tier's quality stage
-takes its fidelity from there and, since it no longer is the reference pass itself,
+scores the same engine on the same tokens again (its review needs the per-item KLD), so
+its fidelity is the floor's, and, since it no longer is the reference pass itself, it
 answers the suites on its own.
 
 Tier quality: teacher-forced fidelity on exactly the reference ids (every item), and
