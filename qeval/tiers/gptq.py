@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from pydantic import field_validator
 
+from ..engines import get_engine
 from ..engines.hf import HFEngine
 from ..errors import QevalInputError, TierUnavailable
 from ..paths import torch_extensions_dir
@@ -321,6 +322,8 @@ class _GptqModelMethod(TierMethod):
         kernels = (cuda_kernels_ready(self.method, self.quant_method, self._format(), spec, ctx, artifact)
                    if ctx.device == "cuda" else {})  # first: an unbuildable kernel stops the tier at once
         info = super().prepare_runtime(spec, ctx, artifact)
+        if get_engine(self.engine_name(spec)).capabilities.memory_counter == "server":
+            return info  # served from another process: gptqmodel runs there, not here
         gptqmodel = _import_gptqmodel()  # optional dependency (extra 'quant')
         import gptqmodel.nn_modules.qlinear  # optional (extra 'quant'): the kernel classes the loader picks from  # noqa: F401
         info["libraries"].append(f"gptqmodel {gptqmodel.__version__}")

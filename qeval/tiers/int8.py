@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from ..engines import get_engine
 from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
 from ..errors import QevalInputError
 from ..weight_formats import PerRow
@@ -156,6 +157,8 @@ class Int8Method(TierMethod):
     def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
         """The transformers runtime, then torchao (or bitsandbytes) imported."""
         info = super().prepare_runtime(spec, ctx, artifact)
+        if get_engine(self.engine_name(spec)).capabilities.memory_counter == "server":
+            return info  # served from another process: its libraries run there, not here
         if spec.backend == "torchao":  # optional dependencies (extra 'quant'): imported here only
             import torchao  # optional: the qeval[quant] extra
             from torchao.quantization import Int8WeightOnlyConfig  # optional, as torchao: the tensor subclasses it loads  # noqa: F401
