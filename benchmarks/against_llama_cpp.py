@@ -1,0 +1,318 @@
+"""qeval's GGUF figures against llama.cpp's own tools and an independent KLD, in one run.
+
+Two checks on a finished qeval run folder:
+
+1. **Speed.** For each GGUF tier: qeval's prefill tokens/s (depth / TTFT) and decode
+   tokens/s at the recipe's depths, measured now with qeval's own engine and sweep
+   (``LlamaCppEngine`` + ``measure.speed.speed_sweep``, the measure stage's code), side by
+   side with ``llama-bench`` (built from the same vendored llama.cpp that llama-cpp-python
+   compiled, :func:`qeval.engines.llama_tools.tool_path`) on the same file, threads,
+   flash-attention setting, KV cache type and batch sizes. Rounds alternate qeval and
+   llama-bench so machine noise hits both. llama-bench's ``pp<d>`` is a prompt of d
+   tokens from an empty cache (qeval's TTFT at depth d); its ``tg<n-1> @ d<d>`` is n - 1
+   single-token decodes after a context of d tokens, the same positions qeval's
+   ``(n - 1) / (t_last - t_first)`` times. Target: ratios within 5 %.
+2. **KLD.** For each GGUF tier (and the reference tier as served, the noise floor): the
+   KLD stored in the run against an independent float64 recomputation from raw logits
+   over the same reference tokens: the reference model through transformers in the
+   run's reference dtype, one forward over each whole sequence; the tier through
+   llama-cpp-python's high-level ``Llama`` (``logits_all``); log-softmax and
+   KL(P_ref || P_tier) in float64 on the answer positions, no float16 rounding, no
+   qeval scoring code. Target: ratio within 2 %.
+
+    python benchmarks/against_llama_cpp.py RUN_DIR [--tiers gguf-q4_k_m] [--rounds 3]
+                                             [--skip-speed] [--skip-kld]
+
+The first run builds llama.cpp's tools (10+ minutes on 2 cores; cached under
+``$QEVAL_CACHE/llama_tools``). A run folder for it: a copy of the default recipe with
+``--tiers bf16,gguf-q4_k_m`` (the reference and floor come with bf16).
+
+GGUF tiers are the finished tiers whose engine opens GGUF files (the engine registry's
+``formats``); the reference tier is recomputed through transformers when it is served from
+the source checkpoint (a method without an artifact) with the model's KV cache.
+Speed ratios on a shared machine are noisy: run it when the machine is quiet, and read
+a ratio outside the target against the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SPEED_TARGET = 0.05
+KLD_TARGET = 0.02
+
+
+# ---- shared ----------------------------------------------------------------------------
+
+def load(run_dir: Path):
+    """``(recipe, run, tiers, source path)`` of a run folder (:class:`qeval.results.RunInfo`,
+    ``{name: TierResult}``)."""
+    from qeval.results import RUN_SCOPE, RunLayout, load_run, read_stage
+    from qeval.worker import load_recipe_from_run
+    recipe, _ = load_recipe_from_run(run_dir)
+    run, tiers = load_run(run_dir)
+    src = read_stage(RunLayout(run_dir), RUN_SCOPE, "source").path
+    return recipe, run, tiers, src
+
+
+def opens_gguf(tier) -> bool:
+    """Whether the tier ran on an engine that opens GGUF files (llama.cpp's)."""
+    from qeval.engines import get_engine
+    return bool(tier.engine) and "gguf" in get_engine(tier.engine).formats
+
+
+def gguf_file(tier) -> Path:
+    """The GGUF file of a tier's artifact."""
+    files = sorted(Path(tier.artifact.path).glob("*.gguf"))
+    if len(files) != 1:
+        raise SystemExit(f"{tier.tier}: expected one .gguf in {tier.artifact.path}, found {len(files)}")
+    return files[0]
+
+
+def kv_type(tier) -> str:
+    """llama.cpp cache type name the tier ran with (``f16`` / ``q8_0``), as its row records it."""
+    return tier.kv_cache_dtype or ("q8_0" if tier.kv_cache == "int8" else "f16")
+
+
+def within(r: float | None, target: float) -> str:
+    if r is None or not math.isfinite(r):
+        return "n/a"
+    return "ok" if abs(r - 1) <= target else "OUTSIDE TARGET"
+
+
+# ---- speed -----------------------------------------------------------------------------
+
+def llama_bench(bench: Path, gguf: Path, *, threads: int, flash_attn: bool, kv: str, depths: list[int],
+                decode_tokens: int, repeats: int, env: dict) -> dict[int, dict]:
+    """llama-bench's prefill (``pp<d>``) and decode (``tg<n-1>`` at depth d) tokens/s per depth:
+    the median of its ``samples_ts`` over ``repeats`` repetitions."""
+    base = [str(bench), "-m", str(gguf), "-t", str(threads), "-fa", "on" if flash_attn else "off",
+            "-ctk", kv, "-ctv", kv, "-b", "512", "-ub", "512", "-ngl", "0", "-r", str(repeats), "-o", "json"]
+    runs = {"prefill": base + ["-p", ",".join(map(str, depths)), "-n", "0"],
+            "decode": base + ["-p", "0", "-n", str(decode_tokens - 1), "-d", ",".join(map(str, depths))]}
+    out: dict[int, dict] = {d: {} for d in depths}
+    for kind, cmd in runs.items():
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"llama-bench failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+        for row in json.loads(p.stdout):
+            d = int(row["n_prompt"]) if kind == "prefill" else int(row.get("n_depth", 0))
+            if d in out:
+                ts = row.get("samples_ts") or [row["avg_ts"]]
+                out[d][f"{kind}_tokens_per_s"] = ts
+    return out
+
+
+def qeval_speed(engine_name: str, gguf: Path, prompts: dict[int, list[int]], *, threads: int, kv_cache: str,
+                flash_attn: bool, decode_tokens: int, repeats: int) -> dict[int, dict]:
+    """qeval's measure-stage sweep (warm-up, then ``repeats`` runs per depth) on the GGUF file,
+    opened by the tier's engine as the measure stage opens it: per depth the lists of
+    prefill and decode tokens/s."""
+    from qeval.engines import get_engine
+    from qeval.engines.base import EngineOptions
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.speed import speed_sweep
+    eng = get_engine(engine_name).open("gguf", gguf, EngineOptions(device="cpu", threads=threads, kv_cache=kv_cache,
+                                                                   flash_attn=flash_attn))
+    try:
+        speed, _, _, _ = speed_sweep(eng, prompts, decode_tokens=decode_tokens, repeats=repeats, warmup=1,
+                                     peak=PeakMemory("cpu"))
+    finally:
+        eng.close()
+    return {int(d): {"prefill_tokens_per_s": [int(d) / t for t in row["ttft_s_all"]],
+                     "decode_tokens_per_s": list(row["decode_tokens_per_s_all"])} for d, row in speed.items()}
+
+
+def speed_check(run_dir: Path, tier_names: list[str], rounds: int) -> list[dict]:
+    """Side-by-side speed of qeval and llama-bench for each GGUF tier; returns the rows printed."""
+    from transformers import AutoTokenizer
+
+    from qeval.engines.llama_tools import tool_path
+    from qeval.measure.speed import depth_prompt_ids
+    from qeval.run import child_env
+
+    recipe, run, tiers, src = load(run_dir)
+    env = child_env(recipe)  # what qeval's measure stage runs under (main() set it for this process too)
+    bench = tool_path("llama-bench", log=lambda s: print(f"[llama_tools] {s}", flush=True))
+    tok = AutoTokenizer.from_pretrained(src)
+    depths = list(recipe.speed.depths)
+    prompts = {d: depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), d) for d in depths}
+    n = recipe.speed.decode_tokens
+    rows = []
+    for name in tier_names:
+        t = tiers[name]
+        gguf, threads, fa, kv = gguf_file(t), int(t.threads or recipe.threads), bool(t.flash_attn), kv_type(t)
+        print(f"\n== {name}: {gguf.name}, threads {threads}, flash attention {'on' if fa else 'off'}, KV {kv}, "
+              f"batch 512, {n} new tokens, {rounds} rounds x {recipe.speed.repeats} repeats", flush=True)
+        q: dict[int, dict] = {d: {"prefill_tokens_per_s": [], "decode_tokens_per_s": []} for d in depths}
+        b: dict[int, dict] = {d: {"prefill_tokens_per_s": [], "decode_tokens_per_s": []} for d in depths}
+        for r in range(rounds):  # A, B, A, B: noise on a shared machine hits both sides
+            print(f"   round {r + 1}/{rounds}: qeval, then llama-bench", flush=True)
+            for d, v in qeval_speed(t.engine, gguf, prompts, threads=threads, kv_cache=t.kv_cache or "model",
+                                    flash_attn=fa, decode_tokens=n, repeats=recipe.speed.repeats).items():
+                for k in v:
+                    q[d][k] += v[k]
+            for d, v in llama_bench(bench, gguf, threads=threads, flash_attn=fa, kv=kv, depths=depths,
+                                    decode_tokens=n, repeats=recipe.speed.repeats, env=env).items():
+                for k in v:
+                    b[d][k] += v[k]
+        print(f"   {'depth':>6} {'':8} {'qeval':>9} {'llama-bench':>12} {'ratio':>7}  {'stored run':>10}")
+        for d in depths:
+            for k, label in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
+                mq = statistics.median(q[d][k]) if q[d][k] else None
+                mb = statistics.median(b[d][k]) if b[d][k] else None
+                ratio = mq / mb if mq and mb else None
+                point = (t.speed or {}).get(str(d))
+                stored = getattr(point, k) if point is not None else None
+                rows.append({"tier": name, "depth": d, "metric": label, "qeval": mq, "llama_bench": mb,
+                             "ratio": ratio, "stored": stored})
+                print(f"   {d:>6} {label:8} {mq or float('nan'):9.2f} {mb or float('nan'):12.2f} "
+                      f"{ratio or float('nan'):7.3f}  {stored or float('nan'):10.2f}  {within(ratio, SPEED_TARGET)}",
+                      flush=True)
+    return rows
+
+
+# ---- KLD -------------------------------------------------------------------------------
+
+def _log_softmax64(x) -> "object":
+    import numpy as np
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _sequences(run_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """``(token ids, answer row positions)`` per scored sequence: the reference's own
+    tokens, grouped as qeval scores them (a conversation's turns in one sequence); row i
+    is the distribution at position i, predicting token i + 1."""
+    from qeval.measure.quality import conversations
+    from qeval.results import RunLayout
+    segments = json.loads(RunLayout(run_dir).reference_segments.read_text())
+    out = []
+    for group in conversations(segments):
+        seq = group[-1]["prompt_ids"] + group[-1]["answer_ids"]
+        rows: list[int] = []
+        for s in group:
+            a = len(s["prompt_ids"]) - 1
+            rows += list(range(a, a + len(s["answer_ids"])))
+        if rows:
+            out.append((seq, rows))
+    return out
+
+
+def _hf_rows(path: str, dtype: str, seqs, threads: int):
+    """float64 log-probabilities of the answer rows from a transformers model: one forward
+    over each whole sequence, no cache, no windows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    res = []
+    with torch.inference_mode():
+        for seq, rows in seqs:
+            logits = model(input_ids=torch.tensor([seq])).logits[0, rows]
+            res.append(_log_softmax64(logits.float().numpy()))
+    del model
+    return res
+
+
+def _llama_rows(gguf: Path, seqs, *, threads: int, flash_attn: bool, kv: str):
+    """float64 log-probabilities of the answer rows from llama-cpp-python's high-level
+    ``Llama`` (``logits_all``, ``eval`` of each whole sequence)."""
+    import llama_cpp
+    n_ctx = -(-max(len(s) for s, _ in seqs) // 256) * 256
+    ktype = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[kv]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, flash_attn=flash_attn, type_k=ktype,
+                          type_v=ktype, n_gpu_layers=0, verbose=False)
+    res = []
+    for seq, rows in seqs:
+        llm.reset()
+        llm.eval(seq)
+        res.append(_log_softmax64(llm.scores[rows]))
+    llm.close()
+    return res
+
+
+def independent_kld(run_dir: Path, tier_names: list[str], threads: int | None = None) -> list[dict]:
+    """Stored KLD against the float64 recomputation for each tier (GGUF tiers, and the
+    reference tier as served when it is a bf16 tier); returns the rows printed."""
+    import numpy as np
+    from qeval.measure.quality import resolve_reference_dtype
+    from qeval.tiers import get_method
+
+    recipe, run, tiers, src = load(run_dir)
+    threads = threads or os.cpu_count() or 1
+    seqs = _sequences(run_dir)
+    floor = run.noise_floor
+    ref_dtype = (floor.reference_dtype if floor is not None else None) or \
+        resolve_reference_dtype(recipe, run.device or "cpu")
+    print(f"\n== KLD: {sum(len(r) for _, r in seqs)} reference answer tokens in {len(seqs)} sequences; "
+          f"reference recomputed in {ref_dtype} through transformers (one forward per sequence)", flush=True)
+    ref = _hf_rows(src, ref_dtype, seqs, threads)
+    rows = []
+    for name in tier_names:
+        t = tiers[name]
+        if opens_gguf(t):
+            tier_lp = _llama_rows(gguf_file(t), seqs, threads=threads, flash_attn=bool(t.flash_attn), kv=kv_type(t))
+            how = "llama-cpp-python Llama(logits_all)"
+        elif not get_method(t.method).needs_artifact and (t.kv_cache or "model") == "model":
+            tier_lp = _hf_rows(src, recipe.model.dtype, seqs, threads)  # the source checkpoint as served
+            how = f"transformers in {recipe.model.dtype}"
+        else:
+            print(f"   {name}: skipped (only GGUF tiers and a tier served from the source are recomputed)")
+            continue
+        k = np.concatenate([(np.exp(r) * (r - q)).sum(axis=-1) for r, q in zip(ref, tier_lp)])
+        fid = t.quality.fidelity if t.quality is not None else None
+        stored_kld = fid.kld_mean if fid is not None else None
+        stored_n = fid.n_tokens if fid is not None else None
+        mine = float(k.mean())
+        ratio = stored_kld / mine if stored_kld is not None and mine > 0 else None
+        is_floor = name == recipe.gate.reference
+        rows.append({"tier": name, "stored": stored_kld, "recomputed": mine, "ratio": ratio,
+                     "n_tokens": int(k.size), "stored_n_tokens": stored_n, "noise_floor": is_floor})
+        verdict = ("noise floor: rounding noise itself, which the windowing changes; no target" if is_floor
+                   else within(ratio, KLD_TARGET))
+        print(f"   {name:<18} stored {stored_kld or float('nan'):.6f}  recomputed {mine:.6f} "
+              f"({how}, float64)  ratio {ratio or float('nan'):.4f}  tokens {k.size}/{stored_n}  "
+              f"{verdict}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--tiers", default=None, help="comma-separated tiers (default: every GGUF tier that finished)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating qeval / llama-bench rounds")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-kld", action="store_true")
+    a = ap.parse_args()
+    recipe, run, tiers, _ = load(a.run_dir)
+    from qeval.run import child_env
+    os.environ.update(child_env(recipe))  # threads and OpenMP policy of the measure stage, before torch loads
+    ok = {n: t for n, t in tiers.items() if t.ok}
+    names = [n.strip() for n in a.tiers.split(",")] if a.tiers else [n for n, t in ok.items() if opens_gguf(t)]
+    missing = [n for n in names if n not in ok]
+    if missing:
+        raise SystemExit(f"tiers without an ok result in {a.run_dir}: {', '.join(missing)}")
+    print(f"run {a.run_dir}: {', '.join(names)}; depths {recipe.speed.depths}; "
+          f"llama-cpp-python {run.versions.get('llama-cpp-python')}; load average {os.getloadavg()[0]:.2f} "
+          f"(1 min) on {os.cpu_count()} cores")
+    if not a.skip_speed:
+        speed_check(a.run_dir, [n for n in names if opens_gguf(ok[n])], a.rounds)
+    if not a.skip_kld:
+        ref = recipe.gate.reference
+        extra = [ref] if ref in ok and ref not in names else []
+        independent_kld(a.run_dir, extra + names)
+
+
+if __name__ == "__main__":
+    main()
