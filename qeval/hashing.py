@@ -31,7 +31,7 @@ def checkpoint_sha256(folder: str | Path) -> str:
         cached = json.loads(memo.read_text())
         if cached.get("stamp") == stamp:
             return cached["sha256"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, AttributeError, RecursionError):  # a stale or foreign memo: rehash
         pass
     h = hashlib.sha256()
     for p in files:

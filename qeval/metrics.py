@@ -121,10 +121,14 @@ SPEED_OBJECTIVE = SPEED_OBJECTIVES["decode"]
 
 
 def finite(x: Any) -> float | None:
-    """``float(x)`` when ``x`` is a finite number (not bool), else None."""
+    """``float(x)`` when ``x`` is a finite number (not bool), else None (an integer beyond
+    float range, e.g. 10**400 in a hostile tier JSON, counts as missing too)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:
+        return None
     return x if math.isfinite(x) else None
 
 

@@ -14,10 +14,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .bounded import expand_user
+
 
 def cache_root() -> Path:
-    """qeval's cache folder: ``$QEVAL_CACHE`` or ``~/.cache/qeval``."""
-    return Path(os.environ.get("QEVAL_CACHE", Path.home() / ".cache" / "qeval")).expanduser()
+    """qeval's cache folder: ``$QEVAL_CACHE`` or ``~/.cache/qeval``.
+
+    Raises:
+        QevalInputError: ``$QEVAL_CACHE`` starts with ``~user`` for no such user.
+    """
+    env = os.environ.get("QEVAL_CACHE")
+    if env:
+        return expand_user(env, field="$QEVAL_CACHE")
+    return Path.home() / ".cache" / "qeval"
 
 
 def sources_dir() -> Path:

@@ -29,16 +29,26 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       field_validator, model_validator)
 
 from . import data as builtin_data
+from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, name_problem, parse_yaml,
+                      pydantic_message, read_bytes, show_value)
 from .engines import engine_names
 from .errors import QevalInputError
 from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
 
-_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+#: Bounds on counts a recipe sets (a value past them is a typo or an attack, not a plan).
+MAX_THREADS = 1024
+MAX_TOKENS = 1 << 24          # depths, token budgets, context (16 Mi tokens)
+MAX_COUNT = 1_000_000         # repeats, samples, bootstrap resamples, items
+MAX_SECONDS = 30 * 24 * 3600  # timeouts (30 days)
+MAX_STREAMS = 4096            # concurrent streams of a load point
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # the part after :// is checked by storage.check_protocol
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # strict: "4" is not an int and 1 is not a boolean (trust_remote_code is a security
+    # switch); no NaN or infinity in any float field.
+    model_config = ConfigDict(extra="forbid", frozen=False, strict=True, allow_inf_nan=False)
 
 
 def _data_path(v: str) -> str:
@@ -87,12 +97,15 @@ Tier = Annotated[Union[tier_specs()], Field(discriminator="method")]
 
 class SpeedSpec(_Strict):
     """Speed sweep: TTFT and decode tokens/s at each context depth (tokens)."""
-    depths: list[int] = [256, 1024, 4096]
-    main_depth: int | None = Field(None, description="depth the Pareto front and gate use; default: middle depth")
-    decode_tokens: int = 32
-    repeats: int = 3
-    warmup: int = 1
-    timeout_s: float = 1800.0
+    depths: list[Annotated[int, Field(le=MAX_TOKENS)]] = Field([256, 1024, 4096], max_length=64)
+    main_depth: int | None = Field(None, le=MAX_TOKENS,
+                                   description="depth the Pareto front and gate use; default: middle depth")
+    decode_tokens: int = Field(32, le=MAX_TOKENS)
+    repeats: int = Field(3, le=MAX_COUNT)
+    warmup: int = Field(1, le=MAX_COUNT)
+    timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS,
+                             description="seconds the measure stage (memory and speed sweep) may run "
+                                         "before it is killed and the tier marked failed")
     depth_text: DataPath = Field("builtin:depth_text", description="UTF-8 text the depth prompts are cut "
                                  "from (tiled when shorter than a depth); relative to the recipe's folder")
 
@@ -141,8 +154,8 @@ class SloSpec(_Strict):
 
     The defaults are an interactive-chat objective: the first token within 2 s and a new
     token at least every 0.2 s (5 tokens/s, about reading speed) for 95 % of them."""
-    ttft_p95_s: float = Field(2.0, gt=0, description="TTFT 95th percentile limit, s")
-    itl_p95_s: float = Field(0.2, gt=0, description="inter-token latency 95th percentile limit, s")
+    ttft_p95_s: float = Field(2.0, gt=0, le=MAX_SECONDS, description="TTFT 95th percentile limit, s")
+    itl_p95_s: float = Field(0.2, gt=0, le=MAX_SECONDS, description="inter-token latency 95th percentile limit, s")
 
 
 class LoadSpec(_Strict):
@@ -155,16 +168,19 @@ class LoadSpec(_Strict):
     whose KV cache does not fit the model's context or ``memory_budget_gib`` (default: the
     device's memory) is recorded as not admitted. Runs only for engines that can batch."""
     enabled: bool = Field(True, description="false: no load stage")
-    concurrency: list[Annotated[int, Field(gt=0)]] = Field(
-        default_factory=lambda: [1, 2, 4, 8], description="streams served at once, one load point each")
-    depth: int | None = Field(None, gt=0, description="prompt tokens per request; default speed.main_depth")
-    output_tokens: int = Field(32, ge=2, description="new tokens per request (end of sequence ignored)")
-    requests_per_stream: int = Field(2, gt=0, description="requests each stream sends in turn (closed loop)")
-    prefill_chunk: int = Field(256, gt=0, description="prompt tokens per engine step (chunked prefill)")
+    concurrency: list[Annotated[int, Field(gt=0, le=MAX_STREAMS)]] = Field(
+        default_factory=lambda: [1, 2, 4, 8], max_length=64, description="streams served at once, one load point each")
+    depth: int | None = Field(None, gt=0, le=MAX_TOKENS,
+                              description="prompt tokens per request; default speed.main_depth")
+    output_tokens: int = Field(32, ge=2, le=MAX_TOKENS, description="new tokens per request (end of sequence ignored)")
+    requests_per_stream: int = Field(2, gt=0, le=MAX_COUNT,
+                                     description="requests each stream sends in turn (closed loop)")
+    prefill_chunk: int = Field(256, gt=0, le=MAX_TOKENS, description="prompt tokens per engine step (chunked prefill)")
     slo: SloSpec = Field(default_factory=SloSpec)
-    memory_budget_gib: float | None = Field(None, gt=0, description="memory the tier may use under load, GiB; "
+    memory_budget_gib: float | None = Field(None, gt=0, le=1 << 30, description="memory the tier may use under "
+                                            "load, GiB; "
                                             "default: the GPU's memory, or the machine's on CPU")
-    timeout_s: float = Field(1800.0, gt=0)
+    timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS)
 
     @field_validator("concurrency")
     @classmethod
@@ -180,8 +196,8 @@ class CalibrationSpec(_Strict):
     """Calibration text for GPTQ/AWQ: ``samples`` rows (JSONL, field ``text``) cut to
     ``seq_len`` tokens. ``path`` is relative to the recipe's folder, or ``builtin:calibration``."""
     path: DataPath = "builtin:calibration"
-    samples: int = Field(128, gt=0)
-    seq_len: int = Field(512, gt=0)
+    samples: int = Field(128, gt=0, le=MAX_COUNT)
+    seq_len: int = Field(512, gt=0, le=MAX_TOKENS)
 
 
 SUITE_KINDS = ("long_output", "multi_turn", "long_context")
@@ -199,13 +215,22 @@ class SuiteSpec(_Strict):
     name: str
     path: DataPath
     kind: Literal[SUITE_KINDS]  # type: ignore[valid-type]
-    max_new_tokens: int = Field(512, gt=0, description="cap on every answer; an item's own "
+    max_new_tokens: int = Field(512, gt=0, le=MAX_TOKENS, description="cap on every answer; an item's own "
                                 "max_new_tokens applies when smaller")
-    limit: int | None = Field(None, gt=0, description="free-running behaviour on the first N items only "
-                              "(long_context: the first N items for everything)")
-    depths: list[int] | None = Field(None, description="long_context only: document depths in tokens")
-    fidelity_tokens: int = Field(256, gt=0, description="long_context only: teacher-forced KLD, same-top and "
-                                 "PPL ratio over the last N document tokens at each depth")
+    limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="free-running behaviour on the first N items "
+                              "only (long_context: the first N items for everything)")
+    depths: list[Annotated[int, Field(le=MAX_TOKENS)]] | None = Field(
+        None, max_length=64, description="long_context only: document depths in tokens")
+    fidelity_tokens: int = Field(256, gt=0, le=MAX_TOKENS, description="long_context only: teacher-forced KLD, "
+                                 "same-top and PPL ratio over the last N document tokens at each depth")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        problem = name_problem(v, "suite name")
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @field_validator("depths")
     @classmethod
@@ -227,19 +252,22 @@ class QualitySpec(_Strict):
     engine: Literal["auto", "real", "dequantized"] = "auto"
     dequantize_below_tokens_per_s: float = Field(
         5.0, ge=0, description="auto: use the dequantized model when real-kernel decode at the main depth is slower")
-    window: int = Field(256, gt=0, description="positions per scoring window (bounds full-vocabulary memory)")
-    bootstrap: int = Field(1000, gt=0, description="bootstrap resamples for the pass-rate interval")
-    batch_size: int = Field(8, gt=0, description="free-running answers generated together (transformers engine)")
+    window: int = Field(256, gt=0, le=MAX_TOKENS,
+                        description="positions per scoring window (bounds full-vocabulary memory)")
+    bootstrap: int = Field(1000, gt=0, le=100_000, description="bootstrap resamples for the pass-rate interval")
+    batch_size: int = Field(8, gt=0, le=4096,
+                            description="free-running answers generated together (transformers engine)")
     fidelity_max_new_tokens: int | None = Field(
-        None, gt=0, description="reference answers to items past a suite's limit (used for fidelity only) "
-                                "stop at this many tokens; None: the suite's max_new_tokens")
+        None, gt=0, le=MAX_TOKENS, description="reference answers to items past a suite's limit (used for "
+                                               "fidelity only) stop at this many tokens; None: the suite's "
+                                               "max_new_tokens")
     reference_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the reference pass computes in; auto: float32 on CPU, the model dtype on "
                             "CUDA. The reference tier served in the model dtype and scored against it is the "
                             "run's noise floor (docs/design.md)")
-    lm_eval_tasks: list[DataPath] = Field(default_factory=list, description="local lm-eval task YAMLs, relative "
-                                          "to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
-    lm_eval_limit: int | None = Field(None, gt=0)
+    lm_eval_tasks: list[DataPath] = Field(default_factory=list, max_length=256, description="local lm-eval task "
+                                          "YAMLs, relative to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
+    lm_eval_limit: int | None = Field(None, gt=0, le=MAX_COUNT)
 
 
 class ParetoSpec(_Strict):
@@ -259,10 +287,12 @@ GateRules = create_model(
 
 
 class GateSpec(_Strict):
-    """The release policy. ``candidates`` default to every tier except the reference."""
+    """The release policy. ``candidates`` default to every tier except the reference; a
+    gate that judges no candidate does not pass (an empty list is refused here)."""
     reference: str = "bf16"
-    candidates: list[str] | None = None
-    depth: int | None = Field(None, description="depth for memory/speed rules; default speed.main_depth")
+    candidates: list[str] | None = Field(None, min_length=1, max_length=1024)
+    depth: int | None = Field(None, gt=0, le=MAX_TOKENS,
+                              description="depth for memory/speed rules; default speed.main_depth")
     quality_metric: Literal[OBJECTIVES] = "kld_mean"  # type: ignore[valid-type]
     rules: GateRules = Field(default_factory=GateRules)
 
@@ -274,9 +304,9 @@ class ReportSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     """Resources a Ray task asks for (executor: ray)."""
-    num_cpus: float = Field(1, ge=0)
-    num_gpus: float = Field(0, ge=0)
-    memory_gib: float | None = Field(None, gt=0)
+    num_cpus: float = Field(1, ge=0, le=1 << 20)
+    num_gpus: float = Field(0, ge=0, le=1 << 20)
+    memory_gib: float | None = Field(None, gt=0, le=1 << 30)
 
 
 class Recipe(_Strict):
@@ -284,10 +314,11 @@ class Recipe(_Strict):
     name: str
     model: ModelSpec
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = Field(1, gt=0, description="torch intra-op threads and OMP_NUM_THREADS in timed stages")
-    work_threads: int | None = Field(None, gt=0, description="threads for untimed stages (quantize, "
-                                     "reference, quality); default: all cores")
-    tiers: list[Tier]
+    threads: int = Field(1, gt=0, le=MAX_THREADS,
+                         description="torch intra-op threads and OMP_NUM_THREADS in timed stages")
+    work_threads: int | None = Field(None, gt=0, le=MAX_THREADS, description="threads for untimed stages "
+                                     "(quantize, reference, quality); default: all cores")
+    tiers: list[Tier] = Field(max_length=256)
     speed: SpeedSpec = Field(default_factory=SpeedSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
@@ -298,13 +329,14 @@ class Recipe(_Strict):
     report: ReportSpec = Field(default_factory=ReportSpec)
     executor: Literal["local", "ray"] = "local"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    storage: str | None = Field(None, description="results and artifact cache: a path every node mounts "
-                                "(relative: to the recipe's folder), or an fsspec URL (s3://bucket/prefix, gs://, "
-                                "file://) synced by each node")
+    storage: str | None = Field(None, min_length=1, description="results and artifact cache: a path every node "
+                                "mounts (relative: to the recipe's folder), or an fsspec URL (s3://bucket/prefix, "
+                                "gs://, file://) synced by each node")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec filesystem options for a "
                                             "storage URL (endpoint_url, profile, client_kwargs, ...)")
-    retries: int = Field(0, ge=0)
-    stage_timeout_s: float = Field(3600.0, gt=0, description="a tier stage running longer is killed and marked failed")
+    retries: int = Field(0, ge=0, le=100)
+    stage_timeout_s: float = Field(3600.0, gt=0, le=MAX_SECONDS,
+                                   description="a tier stage running longer is killed and marked failed")
 
     _path: Path | None = PrivateAttr(None)
     _base: Path | None = PrivateAttr(None)
@@ -313,8 +345,17 @@ class Recipe(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _TIER_NAME.match(v) or ".." in v:
-            raise ValueError(f"recipe name {v!r} must be letters, digits, '-', '_', '.' (it names a folder)")
+        problem = name_problem(v, "recipe name")
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not _URL.match(v):
+            raise ValueError(f"{v!r} is neither a path nor a URL (a URL names its protocol and bucket, "
+                             "e.g. s3://bucket/prefix)")
         return v
 
     @field_validator("tiers")
@@ -386,7 +427,7 @@ class Recipe(_Strict):
                 return builtin_data.builtin_path(p)
             except KeyError as e:
                 raise QevalInputError(e.args[0], file=self._path) from None
-        q = Path(p).expanduser()
+        q = expand_user(p, file=self._path)
         return q if q.is_absolute() else self.base_dir / q
 
     def data_paths(self) -> list[tuple[tuple, str, str]]:
@@ -414,7 +455,7 @@ def check_data_paths(recipe: Recipe) -> None:
         p = recipe.resolve_path(value)
         shown = f"{what} {value!r}" + ("" if str(p) == value else f" ({p})")
         if not p.exists():
-            rel = "" if builtin_data.is_builtin(value) or Path(value).expanduser().is_absolute() else \
+            rel = "" if builtin_data.is_builtin(value) or expand_user(value).is_absolute() else \
                 " (relative paths start at the recipe's folder; builtin:NAME names shipped data)"
             raise recipe.error(loc, f"{shown} not found{rel}")
         if not p.is_file():
@@ -470,12 +511,15 @@ def _fmt_loc(loc: tuple) -> str:
 
 
 def _clean_loc(loc: tuple, data: Any) -> tuple:
-    """Drop pydantic's discriminator tags (``tiers.0.gptq.bits`` -> ``tiers.0.bits``)."""
+    """Drop pydantic's tags from an error location: the tier discriminator
+    (``tiers.0.gptq.bits`` -> ``tiers.0.bits``) and union members (``group_size.int``)."""
     out: list = []
     cur = data
     for part in loc:
         if isinstance(cur, dict) and isinstance(part, str) and part not in cur and part in TIER_METHODS:
             continue
+        if out and not isinstance(cur, (dict, list)) and isinstance(part, str):
+            break  # past a scalar: the rest names union members, not fields
         out.append(part)
         if isinstance(cur, dict):
             cur = cur.get(part)
@@ -497,50 +541,55 @@ def _get(data: Any, loc: tuple) -> Any:
 
 
 def _message(err: dict) -> str:
+    """One line for one pydantic error of a recipe: :func:`qeval.bounded.pydantic_message`,
+    with the tier union's own errors said in recipe words."""
     typ = err.get("type", "")
-    msg = err.get("msg", "invalid value")
-    if typ == "extra_forbidden":
-        return "unknown field"
-    if typ == "missing":
-        return "required field is missing"
     if typ == "union_tag_invalid":
         tag = (err.get("ctx") or {}).get("tag")
-        return f"unknown method {tag!r} (expected one of: {', '.join(TIER_METHODS)})"
+        return f"unknown method {show_value(tag)} (expected one of: {', '.join(TIER_METHODS)})"
     if typ == "union_tag_not_found":
         return "required field 'method' is missing"
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if "input" in err and typ not in ("model_attributes_type",) and not isinstance(err["input"], (dict, list)):
-        msg += f" (got {err['input']!r})"
-    return msg
+    return pydantic_message(err)
+
+
+def validation_error(e: ValidationError, data: Any, *, file: str | Path | None = None,
+                     lines: dict[tuple, int] | None = None, prefix: tuple = ()) -> QevalInputError:
+    """A :class:`QevalInputError` for the first error of a pydantic validation of ``data``
+    (a recipe, or one of its sections under ``prefix``): file, line, dotted field, message."""
+    err = e.errors()[0]
+    loc = _clean_loc(tuple(err["loc"]), data)
+    if err.get("type") == "union_tag_invalid":
+        loc = loc + ("method",)
+    full = tuple(prefix) + loc
+    return QevalInputError(_message(err), file=file, line=_line_for(lines or {}, full), field=_fmt_loc(full))
 
 
 def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
     """Parse and validate recipe YAML text.
+
+    The YAML is read with :func:`qeval.bounded.parse_yaml` (depth, alias-expansion and
+    value bounds).
 
     Raises:
         QevalInputError: unreadable YAML or any schema violation; one line naming
             ``path``, the 1-based line and the dotted field.
     """
     path = Path(path)
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        problem = getattr(e, "problem", None) or str(e)
-        raise QevalInputError(f"not valid YAML: {problem}", file=path,
-                              line=(mark.line + 1) if mark else None) from None
-    if not isinstance(data, dict):
-        raise QevalInputError("a recipe must be a YAML mapping (name:, model:, tiers: ...)", file=path,
-                              line=(node.start_mark.line + 1) if node is not None else 1)
     lines: dict[tuple, int] = {}
-    if node is not None:
+
+    def on_node(node: yaml.Node | None) -> None:  # before construction (merge keys rewrite the tree)
+        if node is None or not isinstance(node, yaml.MappingNode):
+            return
         try:
             _node_lines(node, (), lines)
         except _DuplicateKey as d:
-            raise QevalInputError(f"duplicate key {d.key!r} (an earlier one would be silently replaced)",
-                                  file=path, line=d.line, field=_fmt_loc(d.loc)) from None
+            raise QevalInputError(f"duplicate key {show_value(d.key)} (an earlier one would be silently "
+                                  "replaced)", file=path, line=d.line, field=_fmt_loc(d.loc)) from None
+
+    data, node = parse_yaml(text, file=path, on_node=on_node)
+    if not isinstance(data, dict):
+        raise QevalInputError("a recipe must be a YAML mapping (name:, model:, tiers: ...)", file=path,
+                              line=(node.start_mark.line + 1) if node is not None else 1)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
@@ -552,12 +601,9 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
             unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []
             if unknown:
                 loc = loc + (unknown[0],)
-                raise QevalInputError(f"unknown field (and 'method' is missing)", file=path,
+                raise QevalInputError("unknown field (and 'method' is missing)", file=path,
                                       line=_line_for(lines, loc), field=_fmt_loc(loc)) from None
-        if err.get("type") == "union_tag_invalid":
-            loc = loc + ("method",)
-        raise QevalInputError(_message(err), file=path, line=_line_for(lines, loc),
-                              field=_fmt_loc(loc)) from None
+        raise validation_error(e, data, file=path, lines=lines) from None
     recipe._path = path
     recipe._lines = lines
     _cross_checks(recipe)
@@ -566,6 +612,18 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
 
 def _cross_checks(recipe: Recipe) -> None:
     """Checks across sections, raised with the field's own line."""
+    paths = [(("model", "source"), recipe.model.source), (("calibration", "path"), recipe.calibration.path),
+             (("speed", "depth_text"), recipe.speed.depth_text), (("storage",), recipe.storage)]
+    paths += [(("suites", i, "path"), s.path) for i, s in enumerate(recipe.suites)]
+    paths += [(("quality", "lm_eval_tasks", i), t) for i, t in enumerate(recipe.quality.lm_eval_tasks)]
+    for loc, p in paths:
+        if p and "\0" in p:
+            raise recipe.error(loc, "a path cannot hold a NUL character")
+        if p and p.startswith("~"):
+            try:
+                expand_user(p)
+            except QevalInputError as e:
+                raise recipe.error(loc, e.message) from None
     names = [t.name for t in recipe.tiers]
     for i, n in enumerate(names):
         if n in names[:i]:
@@ -697,16 +755,13 @@ def stable_quality_dict(quality: dict | None) -> dict | None:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe file.
+    """Read and validate a recipe file (at most :data:`qeval.bounded.MAX_YAML_BYTES`
+    bytes of a regular file, UTF-8).
 
     Raises:
-        QevalInputError: missing/unreadable file, bad YAML or schema violation.
+        QevalInputError: missing/unreadable file, not a regular file, too large, bad YAML
+            or schema violation.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise QevalInputError("recipe file not found", file=p) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise QevalInputError(f"cannot read recipe: {e.__class__.__name__}: {e}", file=p) from None
+    text = decode_utf8(read_bytes(p, limit=MAX_YAML_BYTES, what="recipe file"), file=p)
     return parse_recipe(text, p)

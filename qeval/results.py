@@ -8,6 +8,8 @@ each path)::
                                 relative paths start), package versions, CPU/GPU, threads, git
                                 commit, memory bandwidth (bytes/s), source checkpoint,
                                 noise_floor (NoiseFloorSummary, below)
+                                recipe_fingerprint (name + run-wide sections: --resume refuses
+                                another recipe)
     tiers/<tier>.json           TierResult per tier, written atomically
     stages/_run.<stage>.json    run-wide stages: SourceStage, EnvStage, ReferenceStage, FloorStage
     stages/<tier>.<stage>.json  per-tier stages: PrepareStage, MeasureStage, LoadStage, QualityStage
@@ -92,7 +94,8 @@ not measured::
                                 "flips_pass_to_fail", "flips_fail_to_pass", "flip_rate",
                                 "budget_exhausted_rate", "thinking_exhausted_rate",
                                 "rouge_l", "chrf", "first_divergence_mean", "identical_rate",
-                                "n_items", "n_answers"},
+                                "n_items", "n_answers",
+                                "checks_timed_out"},   # regex checks not decided in bounded time
                   "fidelity_seconds": float, "behaviour_seconds": float,
                   "lm_eval": {"<task>": {"<metric>": float}} | {"skipped": str} | None,
                   "long_context": {              # LongContext; only with a long_context suite
@@ -142,6 +145,14 @@ the tests); ``quant``, ``load`` and the reference stage keep extra keys, because
 method- or engine-specific figures and come from cached artifact manifests. A file that
 does not fit its model is bad input: :class:`~qeval.errors.QevalInputError` naming the
 file and field.
+
+Reading a run folder never trusts it: every file is read with the bounded JSON loader
+(:mod:`qeval.bounded`: a regular file, size and depth bounded, UTF-8), ``run.json``'s
+recorded tiers must have plain names (:func:`qeval.bounded.name_problem`), the load section
+of a tier result is shape-checked (:func:`check_load_section`), and every path
+:class:`RunLayout` builds from a name goes through :func:`qeval.bounded.safe_join`, so
+nothing outside the run folder is read or written. Errors are one line naming the file and
+field.
 """
 from __future__ import annotations
 
@@ -151,8 +162,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
 
 STATUS_OK = "ok"
@@ -243,24 +255,37 @@ class RunLayout:
         return self.root / "junit.xml"
 
     # per tier (``scope`` is a tier name or RUN_SCOPE)
+    # Every path built from a name (a tier name read from run.json) goes through
+    # qeval.bounded.safe_join: one plain component that stays inside the folder.
+    def _join(self, folder: Path, name: str) -> Path:
+        return safe_join(folder, name, what="tier or stage name", file=self.run_json)
+
     def tier_result(self, tier: str) -> Path:
-        return self.tiers_dir / f"{tier}.json"
+        """``tiers/<tier>.json``.
+
+        Raises:
+            QevalInputError: a name that would leave the run folder (``../x``, a symlink out).
+        """
+        return self._join(self.tiers_dir, f"{tier}.json")
 
     def stage(self, scope: str, stage: str, error: bool = False) -> Path:
-        """``stages/<scope>.<stage>.json`` (or ``.error.json``)."""
-        return self.stages_dir / f"{scope}.{stage}{'.error' if error else ''}.json"
+        """``stages/<scope>.<stage>.json`` (or ``.error.json``); raises as :meth:`tier_result`."""
+        return self._join(self.stages_dir, f"{scope}.{stage}{'.error' if error else ''}.json")
 
     def log(self, scope: str, stage: str) -> Path:
-        return self.logs_dir / f"{scope}.{stage}.log"
+        """``logs/<scope>.<stage>.log``; raises as :meth:`tier_result`."""
+        return self._join(self.logs_dir, f"{scope}.{stage}.log")
 
     def answers(self, tier: str) -> Path:
-        return self.root / "answers" / f"{tier}.json"
+        """``answers/<tier>.json``; raises as :meth:`tier_result`."""
+        return self._join(self.root / "answers", f"{tier}.json")
 
     def review(self, tier: str) -> Path:
         return self.root / "review" / f"{tier}.json"
 
     def lm_eval_tasks(self, tier: str) -> Path:
-        return self.root / "lm_eval_tasks" / tier
+        """``lm_eval_tasks/<tier>/``; raises as :meth:`tier_result`."""
+        return self._join(self.root / "lm_eval_tasks", tier)
 
     def is_run(self) -> bool:
         """Whether the folder holds a ``run.json``."""
@@ -363,6 +388,8 @@ class QuantInfo(_Open):
     quant_peak_bytes: int | None = None
     fallback_tensors: int | None = None
     backend: str | None = None
+    tensor_types: dict[str, int] | None = None  # GGUF: {llama.cpp type name: tensor count}
+    fallbacks: dict[str, int] | None = None     # GGUF: {"nominal->actual" type: tensor count}
 
 
 class PrepareStage(_StageBase):
@@ -477,6 +504,7 @@ class Behaviour(_Closed):
     identical_rate: float | None = None
     n_items: int | None = None
     n_answers: int | None = None
+    checks_timed_out: int | None = None  # regex checks not decided in bounded time (neither pass nor fail)
 
 
 class LongContextDepth(_Closed):
@@ -692,6 +720,11 @@ class TierResult(_Closed):
     load: dict[str, Any] | None = Field(None, description="the load stage's figures (users_at_slo, depth, slo, "
                                         "points; qeval.measure.serving), {error, points: []} when it failed")
 
+    @field_validator("load")
+    @classmethod
+    def _load_shape(cls, v: Any) -> Any:
+        return check_load_section(v)
+
     @property
     def ok(self) -> bool:
         return self.status == STATUS_OK
@@ -716,6 +749,12 @@ class RunInfo(_Closed):
     gpu: str | None = None
     gpu_memory_bytes: int | None = None
     noise_floor: NoiseFloorSummary | None = None
+    recipe_fingerprint: str | None = None  # qeval.stages.recipe_fingerprint: --resume refuses another recipe
+
+    @field_validator("recipe")
+    @classmethod
+    def _recorded_tiers(cls, v: dict) -> dict:
+        return check_recorded_tiers(v)
 
 
 STAGE_MODELS: dict[str, type[_StageBase]] = {
@@ -748,11 +787,50 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """:func:`atomic_write_text` of ``json.dumps(obj, indent=2)`` (a pydantic model is dumped first)."""
+def write_all(files: dict[Path, str]) -> None:
+    """Write several text files all or none: each goes to a temporary file beside it first,
+    and only when every one is written are they renamed into place (a failure before the
+    renames leaves every old file as it was).
+
+    Raises:
+        QevalInputError: a file cannot be written (read-only folder, full disk), naming it.
+    """
+    tmps: list[tuple[str, Path]] = []
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            tmps.append((tmp, path))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+        for tmp, path in tmps:
+            os.replace(tmp, path)
+        tmps = []
+    except OSError as e:
+        where = tmps[-1][1] if tmps else next(iter(files), None)
+        raise QevalInputError(f"cannot write: {e.strerror or e.__class__.__name__}", file=where) from None
+    finally:
+        for tmp, _ in tmps:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def json_text(obj: Any) -> str:
+    """``json.dumps(obj, indent=2)`` plus a newline, as every JSON file of a run folder is
+    written (a pydantic model is dumped first; numpy values and paths converted)."""
     if isinstance(obj, BaseModel):
         obj = obj.model_dump()
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n"
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """:func:`atomic_write_text` of :func:`json_text` of ``obj``."""
+    atomic_write_text(path, json_text(obj))
 
 
 def _json_default(o: Any) -> Any:
@@ -769,45 +847,150 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def read_json(path: str | Path) -> Any:
-    """Load a JSON file.
+def read_json(path: str | Path, *, expect: type | None = None) -> Any:
+    """Load a JSON file with the bounded loader (:func:`qeval.bounded.load_json`).
+
+    Args:
+        expect: the top level's type (``dict``), or None for any.
 
     Raises:
-        QevalInputError: missing or malformed file (names the file and line).
+        QevalInputError: missing, not a regular file, too large, not UTF-8, malformed,
+            too deep, or not ``expect`` (names the file and line).
     """
-    p = Path(path)
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QevalInputError("file not found", file=p) from None
-    except json.JSONDecodeError as e:
-        raise QevalInputError(f"not valid JSON: {e.msg}", file=p, line=e.lineno) from None
+    return load_json(path, limit=MAX_JSON_BYTES, expect=expect)
+
+
+def short_error(text: Any, limit: int = 300) -> str:
+    """A stored error message as one short line: its first line, cut to ``limit``
+    characters, saying how much was left out (a failed tier's error may hold a whole log)."""
+    s = str(text)
+    lines = s.splitlines() or [""]
+    first = " ".join(lines[0].split())
+    more = len(lines) - 1
+    if len(first) > limit:
+        first = first[: limit - 1] + "…"
+    return first + (f" (+{more:,} more lines)" if more > 0 else "")
+
+
+class FieldProblem(ValueError):
+    """A validator's error about a field below the one it validates (``load.points[0]``):
+    :func:`parse_model` names ``field`` instead of the validated field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+#: Integer fields of the load section and of each load point (each may be null).
+_LOAD_INTS = ("depth", "output_tokens", "requests_per_stream", "prefill_chunk", "users_at_slo",
+              "max_decode_at_concurrency", "requests_not_admitted")
+_LOAD_DICTS = ("slo", "batching_gain")
+
+
+def _count(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 40)
+
+
+def check_load_section(load: Any) -> Any:
+    """Check a tier result's ``load`` section (kept open in :class:`TierResult`: engines
+    add their own figures) has the shapes every reader relies on: an object, whole-number
+    counts, ``scheduling`` a list of strings, ``error`` a string, ``points`` a list of
+    objects each with a whole positive ``concurrency`` (at most 2**20 streams) and object
+    percentile sections. Returns it.
+
+    Raises:
+        FieldProblem: naming the field (:func:`parse_model` turns it into the file's one line).
+    """
+    if load is None:
+        return None
+    if not isinstance(load, dict):
+        raise FieldProblem("load", "must be an object or null")
+    for k in _LOAD_INTS:
+        if not _count(load.get(k)):
+            raise FieldProblem(f"load.{k}", "must be a whole number or null")
+    for k in _LOAD_DICTS:
+        if load.get(k) is not None and not isinstance(load[k], dict):
+            raise FieldProblem(f"load.{k}", "must be an object or null")
+    if load.get("error") is not None and not isinstance(load["error"], str):
+        raise FieldProblem("load.error", "must be a string or null")
+    sch = load.get("scheduling")
+    if sch is not None and not isinstance(sch, list):
+        raise FieldProblem("load.scheduling", "must be a list of strings")
+    for i, x in enumerate(sch or []):
+        if not isinstance(x, str):
+            raise FieldProblem(f"load.scheduling[{i}]", "must be a string")
+    pts = load.get("points")
+    if pts is not None and not isinstance(pts, list):
+        raise FieldProblem("load.points", "must be a list")
+    for i, pt in enumerate(pts or []):
+        where = f"load.points[{i}]"
+        if not isinstance(pt, dict):
+            raise FieldProblem(where, "must be an object")
+        c = pt.get("concurrency")
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= 1 << 20:
+            raise FieldProblem(f"{where}.concurrency", "must be a positive whole number of streams")
+        for k in ("ttft_s", "itl_s", "e2e_s", "details"):
+            if pt.get(k) is not None and not isinstance(pt[k], dict):
+                raise FieldProblem(f"{where}.{k}", "must be an object or null")
+        if not _count(pt.get("requests_not_admitted")):
+            raise FieldProblem(f"{where}.requests_not_admitted", "must be a whole number or null")
+    return load
+
+
+def check_recorded_tiers(recipe: Any) -> Any:
+    """Check ``run.json``'s recorded recipe: its ``tiers`` (when present) a list of objects
+    each with a plain name (:func:`qeval.bounded.name_problem`), since readers build paths
+    from them. Returns it.
+
+    Raises:
+        FieldProblem: naming the tier's field (:func:`parse_model` turns it into the file's one line).
+    """
+    tiers = recipe.get("tiers") if isinstance(recipe, dict) else None
+    if tiers is None:
+        return recipe
+    if not isinstance(tiers, list):
+        raise FieldProblem("recipe.tiers", "must be a list of tier objects")
+    for i, t in enumerate(tiers):
+        if not isinstance(t, dict):
+            raise FieldProblem(f"recipe.tiers[{i}]", "must be an object")
+        if "name" not in t:
+            raise FieldProblem(f"recipe.tiers[{i}].name", "a tier needs a name")
+        problem = name_problem(t["name"], "tier name")
+        if problem:
+            raise FieldProblem(f"recipe.tiers[{i}].name", problem)
+    return recipe
 
 
 def read_model(path: str | Path, model: type[M]) -> M:
-    """Read a JSON file into ``model``.
+    """Read a JSON file (bounded: :func:`read_json`) into ``model``.
 
     Raises:
-        QevalInputError: missing or malformed file, or content that does not fit the
-            model (names the file and the first bad field).
+        QevalInputError: missing, not a regular file, too large, malformed, too deep, not
+            an object, or content that does not fit the model (names the file and the
+            first bad field).
     """
-    return parse_model(read_json(path), model, path)
+    return parse_model(read_json(path, expect=dict), model, path)
 
 
 def parse_model(data: Any, model: type[M], where: str | Path | None = None) -> M:
     """Validate ``data`` (a dict) as ``model``.
 
     Raises:
-        QevalInputError: the first field that does not fit, named as ``a.b[0].c``.
+        QevalInputError: the first field that does not fit, named as ``a.b[0].c``, its
+            message one short line (:func:`qeval.bounded.pydantic_message`).
     """
     try:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid value")
-        raise QevalInputError(f"{msg} (expected a {model.__name__} of this qeval version)", file=where,
-                              field=loc or None) from None
+        msg = pydantic_message(err)
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, FieldProblem):  # a section's own check names the field inside it
+            loc, msg = inner.field, inner.message
+        raise QevalInputError(f"{msg} (expected a {model.__name__} of this qeval version)",
+                              file=where, field=loc or None) from None
 
 
 # ---- the run folder's readers and writers ---------------------------------------------------
@@ -818,12 +1001,14 @@ def write_run_info(layout: RunLayout, info: RunInfo) -> None:
 
 
 def read_run_info(layout: RunLayout) -> RunInfo:
-    """``run.json`` of the run folder.
+    """``run.json`` of the run folder (bounded read; recorded tier names checked).
 
     Raises:
-        QevalInputError: not a run folder, or a ``run.json`` that does not fit :class:`RunInfo`.
+        QevalInputError: not a run folder, or a ``run.json`` that is not a bounded JSON
+            object fitting :class:`RunInfo` (a directory, a list, a recipe that is a string,
+            a tier without a name or with a name like ``../x``).
     """
-    if not layout.is_run():
+    if not layout.root.is_dir() or not (layout.run_json.exists() or layout.run_json.is_symlink()):
         raise QevalInputError("not a qeval run folder (no run.json)", file=layout.root)
     return read_model(layout.run_json, RunInfo)
 
@@ -861,13 +1046,13 @@ def write_stage_error(layout: RunLayout, scope: str, stage: str, error: StageErr
 
 
 def read_stage_error(layout: RunLayout, scope: str, stage: str) -> StageError | None:
-    """The stage's error record, or None when there is none or it cannot be read."""
+    """The stage's error record (bounded read), or None when there is none or it cannot be read."""
     p = layout.stage(scope, stage, error=True)
     if not p.exists():
         return None
     try:
-        return StageError.model_validate_json(p.read_text())
-    except (OSError, ValueError):
+        return StageError.model_validate(read_json(p, expect=dict))
+    except (QevalInputError, ValueError):
         return None
 
 
@@ -887,21 +1072,27 @@ def read_tier_result(layout: RunLayout, tier: str) -> TierResult:
 
 def load_run(run_dir: str | Path) -> tuple[RunInfo, dict[str, TierResult]]:
     """Read a run folder: ``(run.json, {tier name: tier result})``, tiers in recipe
-    order, then any other result file.
+    order, then any other ``tiers/<name>.json`` whose stem is a plain name.
 
     Raises:
-        QevalInputError: not a run folder, or a malformed file in it.
+        QevalInputError: not a run folder, a file that is not bounded JSON fitting its
+            model, or a name that would leave the folder; one line naming the file.
     """
     layout = RunLayout(run_dir)
     run = read_run_info(layout)
-    order = [t["name"] for t in run.recipe.get("tiers", []) if isinstance(t, dict) and "name" in t]
+    order = [t["name"] for t in run.recipe.get("tiers") or []]
     tiers: dict[str, TierResult] = {}
+    tdir = layout.tiers_dir
+    if not tdir.is_dir():
+        return run, tiers
     for name in order:
-        if layout.tier_result(name).is_file():
+        p = layout.tier_result(name)
+        if p.exists() or p.is_symlink():
             tiers[name] = read_tier_result(layout, name)
-    for p in sorted(layout.tiers_dir.glob("*.json")) if layout.tiers_dir.is_dir() else []:
-        if p.stem not in tiers:
-            tiers[p.stem] = read_model(p, TierResult)
+    for p in sorted(tdir.iterdir()):
+        if p.suffix != ".json" or p.stem in tiers or name_problem(p.stem):
+            continue  # not a tier file (temporary files of atomic writes start with '.')
+        tiers[p.stem] = read_tier_result(layout, p.stem)
     return run, tiers
 
 

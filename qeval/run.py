@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
+from .bounded import show_value
 from .errors import QevalInputError
 from .executors import Executor, make_executor
 from .failures import failure_text
@@ -28,8 +29,8 @@ from .paths import cache_root
 from .recipe import Recipe, check_context
 from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, RunInfo, RunLayout, TierResult,
                       read_run_info, read_stage, stage_done, write_run_info)
-from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, stage_threads,
-                     tier_fingerprint)
+from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, recipe_fingerprint,
+                     stage_threads, tier_fingerprint)
 from .source import hub_download_bytes, model_source_path
 from .storage import redact_options
 from .tiers import get_method
@@ -112,6 +113,7 @@ class Runner(TierRunner):
             "cpu": _cpu_model(),
             "cpu_count": os.cpu_count(),
             "threads": self.recipe.threads,
+            "recipe_fingerprint": recipe_fingerprint(self.recipe_dict),
             "started_at": run.get("started_at") or datetime.now(timezone.utc).isoformat(),
         })
         run.update(extra or {})
@@ -138,26 +140,45 @@ class Runner(TierRunner):
         return read_stage(self.layout, RUN_SCOPE, stage)
 
     def check_resume(self) -> None:
-        """Refuse a resume whose recipe changed in a way that invalidates finished stages.
+        """Refuse a resume of a run folder made by another recipe, or whose recipe changed
+        in a way that invalidates finished stages. Reads only; changes nothing (``run.json``
+        is rewritten by :meth:`run` after this passes).
+
+        Refused: ``run.json`` missing or malformed, or recording no recipe; another recipe
+        name; any change in the run-wide sections (:data:`RUN_WIDE`: model, device,
+        threads, speed, calibration, suites, quality; compared through
+        :func:`recipe_fingerprint`); a changed spec of a tier with finished stages. Gate,
+        report, executor, storage and stage_timeout_s settings may change.
 
         Raises:
-            QevalInputError: names the tier and the changed recipe sections.
+            QevalInputError: naming the run folder's ``run.json`` or the recipe, and what differs.
         """
-        if not self.layout.is_run():
+        p = self.layout.run_json
+        if not (p.exists() or p.is_symlink()):
             return
-        old = read_run_info(self.layout).recipe
+        run = read_run_info(self.layout)
+        old = run.recipe
+        if not old:
+            raise QevalInputError("records no recipe, so it cannot be resumed; start a new run", file=p,
+                                  field="recipe")
+        new = self.recipe_dict
+        if old.get("name") != new.get("name"):
+            raise QevalInputError(f"cannot resume: this run folder was made by recipe {show_value(old.get('name'))}, "
+                                  f"not {new.get('name')!r}; start a new run", file=p, field="recipe.name")
+        stored = run.recipe_fingerprint
+        if stored != recipe_fingerprint(new) and (stored is not None or recipe_fingerprint(old) != recipe_fingerprint(new)):
+            raise QevalInputError(f"cannot resume: the recipe differs from the one this run was made with "
+                                  f"({', '.join(changed_fields(old, new))}); start a new run",
+                                  file=self.recipe.path)
         for tier in self.tiers:
             done = [s for s in TIER_STAGES if stage_done(self.layout, tier, s)]
             if not done:
                 continue
             fp = read_stage(self.layout, tier, done[0]).fingerprint
-            if fp and fp != tier_fingerprint(self.recipe_dict, tier):
+            if fp and fp != tier_fingerprint(new, tier):
                 raise QevalInputError(
-                    f"cannot resume: the recipe changed ({', '.join(changed_fields(old, self.recipe_dict, tier))}) "
+                    f"cannot resume: the recipe changed ({', '.join(changed_fields(old, new, tier))}) "
                     f"since tier {tier!r} was measured; start a new run", file=self.recipe.path)
-        if old and old.get("model") != self.recipe_dict.get("model"):
-            raise QevalInputError("cannot resume: the recipe's model changed; start a new run",
-                                  file=self.recipe.path, field="model")
 
     def run(self) -> dict[str, TierResult]:
         """Run every stage that is not done yet. Returns ``{tier: tier result}``."""

@@ -19,12 +19,48 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .bounded import MAX_JSON_BYTES, expand_user, load_json, show_value
 from .errors import QevalInputError
 from .hashing import checkpoint_sha256, file_sha256
 from .paths import sources_dir
 from .recipe import ModelSpec
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+#: config.json fields qeval reads (capacity estimates, context checks): each, when
+#: present, must be an integer in 1 .. 2**31 (a string, a boolean or 10**400 is bad input).
+CONFIG_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "head_dim", "max_position_embeddings")
+CONFIG_INT_MAX = 1 << 31
+
+
+def read_model_config(path: str | Path, *, field: str | None = None) -> dict:
+    """A model's ``config.json`` (a file, or a checkpoint folder holding one), read with
+    the bounded JSON loader and checked: a JSON object whose :data:`CONFIG_INT_FIELDS`
+    (top level and ``text_config``) are integers in 1 .. :data:`CONFIG_INT_MAX`.
+
+    Raises:
+        QevalInputError: missing, not JSON, not an object, a bad field; names the file.
+    """
+    p = expand_user(path, field=field)
+    if p.is_dir():
+        p = p / "config.json"
+    cfg = load_json(p, limit=MAX_JSON_BYTES, expect=dict, what="model config", field=field)
+    sections = [("", cfg)]
+    if "text_config" in cfg:
+        if not isinstance(cfg["text_config"], dict):
+            raise QevalInputError("must be an object", file=p, field="text_config")
+        sections.append(("text_config.", cfg["text_config"]))
+    for prefix, sec in sections:
+        for k in CONFIG_INT_FIELDS:
+            v = sec.get(k)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= CONFIG_INT_MAX:
+                raise QevalInputError(f"must be an integer from 1 to {CONFIG_INT_MAX} (got {show_value(v)})",
+                                      file=p, field=prefix + k)
+    return cfg
 
 
 @dataclass
@@ -117,7 +153,7 @@ def model_source_path(source: str, base: str | Path | None = None) -> Path | Non
     """
     base = Path(base) if base is not None else Path.cwd()
     if source.startswith(("/", "~")):
-        return Path(source).expanduser()
+        return expand_user(source, field="model.source")
     local = base / source
     if source.startswith(".") or local.exists() or not _HUB_ID.match(source):
         return local
@@ -198,12 +234,15 @@ def hub_download_bytes(model, base: str | Path | None = None) -> tuple[int, Path
 
 
 def model_max_context(source_path: str | Path) -> int | None:
-    """``max_position_embeddings`` from the checkpoint's config.json (tokens), or None."""
-    try:
-        cfg = json.loads((Path(source_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    """``max_position_embeddings`` from the checkpoint's config.json (tokens), or None
+    when the config does not say.
+
+    Raises:
+        QevalInputError: config.json missing, not a JSON object, or a bad size field
+            (see :func:`read_model_config`).
+    """
+    cfg = read_model_config(Path(source_path) / "config.json")
+    return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
 
 
 def gguf_context_length(gguf_path: str | Path) -> int | None:

@@ -59,13 +59,25 @@ class Interrupted(Exception):
 
 # ---- fingerprints for resume --------------------------------------------------------
 
+#: Recipe sections that shape every measurement of a run (the tier specs shape their own).
+RUN_WIDE = ("model", "device", "threads", "speed", "calibration", "suites", "quality")
+
+
+def recipe_fingerprint(recipe_dict: dict) -> str:
+    """Hash of the recipe's name and :data:`RUN_WIDE` sections (16 hex digits), stored in
+    ``run.json``: a resume with a recipe of another name or content is refused."""
+    keep = {k: recipe_dict.get(k) for k in RUN_WIDE}
+    keep["suites"] = [stable_suite_dict(x) for x in keep["suites"] or []]
+    keep["name"] = recipe_dict.get("name")
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
     """Hash of everything that shapes a tier's measured results (model, device, threads,
     speed, calibration, suites, quality and the tier's own spec). Gate and report settings
     are left out: changing them does not invalidate measurements."""
     spec = next((t for t in recipe_dict["tiers"] if t["name"] == tier), None)
-    keep = {k: recipe_dict.get(k) for k in ("model", "device", "threads", "speed", "calibration", "suites",
-                                            "quality")}
+    keep = {k: recipe_dict.get(k) for k in RUN_WIDE}
     keep["suites"] = [stable_suite_dict(x) for x in keep["suites"] or []]
     keep["quality"] = stable_quality_dict(keep["quality"])
     keep["tier"] = stable_tier_dict(spec)
@@ -74,15 +86,18 @@ def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def changed_fields(old: dict, new: dict, tier: str) -> list[str]:
+def changed_fields(old: dict, new: dict, tier: str | None = None) -> list[str]:
+    """The :data:`RUN_WIDE` sections (and ``tiers[<tier>]`` when given) that differ between
+    two recipe dicts; ``["reference tier"]`` when none does."""
     out = []
-    for k in ("model", "device", "threads", "speed", "calibration", "suites", "quality"):
+    for k in RUN_WIDE:
         if old.get(k) != new.get(k):
             out.append(k)
-    o = next((t for t in old["tiers"] if t["name"] == tier), None)
-    n = next((t for t in new["tiers"] if t["name"] == tier), None)
-    if o != n:
-        out.append(f"tiers[{tier}]")
+    if tier is not None:
+        o = next((t for t in old.get("tiers") or [] if isinstance(t, dict) and t.get("name") == tier), None)
+        n = next((t for t in new.get("tiers") or [] if isinstance(t, dict) and t.get("name") == tier), None)
+        if o != n:
+            out.append(f"tiers[{tier}]")
     return out or ["reference tier"]
 
 
@@ -262,7 +277,8 @@ class TierRunner:
                 failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
                 break
             self.on_event(tier, stage, "starting")
-            timeout = self.recipe.load.timeout_s if stage == "load" else None
+            timeout = {"load": self.recipe.load.timeout_s,  # others: stage_timeout_s
+                       "measure": self.recipe.speed.timeout_s}.get(stage)
             out = self.run_stage(stage, tier, timeout=timeout, fingerprint=fp)
             self.push(RunLayout.tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
             if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality

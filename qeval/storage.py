@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .bounded import safe_join
 from .errors import QevalInputError
 from .hashing import checkpoint_sha256
 from .paths import cache_root
@@ -167,13 +168,18 @@ class RemoteStorage:
     def download_dir(self, rel: str, local: str | Path,
                      include: Callable[[str], bool] = lambda r: True) -> int:
         """Copy every file under ``rel`` (relative path passing ``include``) into ``local``,
-        each through a temporary name and ``os.replace``. Returns the number copied."""
+        each through a temporary name and ``os.replace``. Returns the number copied.
+
+        Raises:
+            QevalInputError: a stored name that would land outside ``local`` (``../``).
+        """
         local = Path(local)
         n = 0
         for f in self.list(rel):
             if not include(f):
                 continue
-            dst = local / f
+            dst = safe_join(local, *[part for part in f.split("/") if part], what="stored file name",
+                            file=self.url_of(f"{rel}/{f}"))  # a key with '..' never writes outside
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.with_name(dst.name + f".part{os.getpid()}")
             self.fs.get_file(self._p(f"{rel}/{f}"), str(tmp))

@@ -62,8 +62,8 @@ def static_checks(recipe) -> None:
         else:
             load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
     check_depths_fit(recipe, maxctx)
-    for t in recipe.quality.lm_eval_tasks:
-        check_task(recipe.resolve_path(t))  # the task's own data files: task file and field
+    for i, t in enumerate(recipe.quality.lm_eval_tasks):
+        check_lm_eval_task(recipe, i, t)
     if is_url(recipe.storage):
         try:
             check_protocol(recipe.storage)
@@ -72,6 +72,25 @@ def static_checks(recipe) -> None:
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
     tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
+
+
+def check_lm_eval_task(recipe, i: int, task: str) -> None:
+    """``quality.lm_eval_tasks[i]`` names a ``.yaml``/``.yml`` file holding a mapping with a
+    plain ``task:`` name (it names a file in the run folder) whose data files exist
+    (:func:`qeval.measure.lmeval.check_task`, read with the bounded YAML loader).
+
+    Raises:
+        QevalInputError: naming the recipe line, or the task file itself when it is bad.
+    """
+    loc = ("quality", "lm_eval_tasks", i)
+    p = recipe.resolve_path(task)
+    if p.suffix.lower() not in (".yaml", ".yml"):
+        raise recipe.error(loc, f"lm-eval task {task!r} must be a .yaml file")
+    doc = check_task(p)  # the task's own data files: task file and field
+    name = doc["task"]
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 200:
+        raise QevalInputError(f"task name {name[:80]!r} must be a plain name (it names a file)", file=p,
+                              field="task")
 
 
 def _local_checkpoint(model, base: Path | None = None) -> Path | None:
@@ -110,3 +129,9 @@ def tier_shape_checks(recipe, checkpoint: Path | None) -> None:
         except QevalInputError as e:
             fld = (e.field or "").rsplit(".", 1)[-1] or "method"
             raise recipe.error(("tiers", i, fld), e.message) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # transformers could not build the model from the checkpoint's config.json: the
+            # user's file (read_model_config checked the fields qeval itself uses)
+            raise QevalInputError(f"transformers cannot build the model from this config for tier "
+                                  f"{spec.name!r}: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}",
+                                  file=Path(checkpoint or ".") / "config.json") from None

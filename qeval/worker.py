@@ -22,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from .artifacts import get_or_build
 from .calibration import calibration_fields, load_calibration_texts
 from .engines import get_engine
@@ -35,7 +37,7 @@ from .measure.nvml import NvmlMemory, PairedPeak
 from .measure.quality import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .measure.serving import load_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
-from .recipe import Recipe
+from .recipe import Recipe, validation_error
 from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
 from .source import model_max_context, resolve_source
 from .stages import load_fingerprint
@@ -51,12 +53,21 @@ def _progress(msg: str) -> None:
 def load_recipe_from_run(run_dir: Path):
     """The resolved :class:`~qeval.recipe.Recipe` stored in ``run.json``, and the
     :class:`~qeval.results.RunInfo`; its relative paths start at the recipe's folder
-    recorded there (``recipe_dir``)."""
-    run = read_run_info(RunLayout(run_dir))
+    recorded there (``recipe_dir``).
+
+    Raises:
+        QevalInputError: ``run.json`` is not bounded JSON of the right shape, or its recipe
+            does not validate (one line naming ``run.json`` and the field).
+    """
+    layout = RunLayout(run_dir)
+    run = read_run_info(layout)
     rd = dict(run.recipe)
     if os.environ.get(OPTIONS_ENV):  # the real storage options (run.json's are redacted)
         rd["storage_options"] = json.loads(os.environ[OPTIONS_ENV])
-    r = Recipe.model_validate(rd)
+    try:
+        r = Recipe.model_validate(rd)
+    except ValidationError as e:
+        raise validation_error(e, rd, file=layout.run_json, prefix=("recipe",)) from None
     r._path = Path(run.recipe_path or "recipe.yaml")
     if run.recipe_dir:
         r._base = Path(run.recipe_dir)

@@ -144,7 +144,7 @@ def max_sequences(budget_bytes: float, weights_bytes: float, overhead_bytes: flo
     if context <= 0 or kv_bytes_per_token <= 0:
         raise QevalInputError(f"context ({context}) and KV bytes/token ({kv_bytes_per_token}) must be positive")
     free = budget_bytes - weights_bytes - overhead_bytes
-    return max(0, math.floor(free / (kv_bytes_per_token * context)))
+    return _floor_share(free, kv_bytes_per_token * context)
 
 
 def max_context(budget_bytes: float, weights_bytes: float, overhead_bytes: float,
@@ -158,7 +158,19 @@ def max_context(budget_bytes: float, weights_bytes: float, overhead_bytes: float
     if users <= 0 or kv_bytes_per_token <= 0:
         raise QevalInputError(f"users ({users}) and KV bytes/token ({kv_bytes_per_token}) must be positive")
     free = budget_bytes - weights_bytes - overhead_bytes
-    return max(0, math.floor(free / (kv_bytes_per_token * users)))
+    return _floor_share(free, kv_bytes_per_token * users)
+
+
+def _floor_share(free: float, per: float) -> int:
+    """``max(0, floor(free / per))``.
+
+    Raises:
+        QevalInputError: the quotient is not a finite number (figures far out of range).
+    """
+    q = free / per
+    if not math.isfinite(q):
+        raise QevalInputError(f"capacity figures out of range ({free:.3g} bytes free, {per:.3g} bytes per unit)")
+    return max(0, math.floor(q))
 
 
 def kv_bytes_per_token_from_config(config: dict, kv_dtype_bytes: float = 2) -> float:

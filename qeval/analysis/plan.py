@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from ..bounded import expand_user, load_json
 from ..errors import QevalInputError
 from ..model_config import ModelShape, model_shape
 from ..recipe import Tier
@@ -264,6 +265,9 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: TierResult | None, *, b
         row.notes.append(f"run: status {result.status}" + ("; estimates only" if est else ""))
     if ok:
         w = finite(get_path(result, "memory", "weight_bytes"))
+        if w and w > _MAX_BYTES:  # a hostile or corrupt run folder: not a figure to plan with
+            row.notes.append("run: memory.weight_bytes out of range, ignored")
+            w = None
         if w and w > 0:
             row.weights_bytes = Cell(int(w), MEAS, "run: memory.weight_bytes", row.weights_bytes.value)
             if est is not None:
@@ -273,6 +277,9 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: TierResult | None, *, b
         if b and b > 0:
             row.bits_per_weight = Cell(b, MEAS, "run: quant.bits_per_weight", row.bits_per_weight.value)
         kv = finite(get_path(result, "memory", "kv_bytes_per_token"))
+        if kv and not 1 <= kv <= _MAX_BYTES:  # every real cache holds at least a byte per token
+            row.notes.append("run: memory.kv_bytes_per_token out of range, ignored")
+            kv = None
         if kv and kv > 0:
             row.kv_bytes_per_token = Cell(kv, MEAS, "run: memory.kv_bytes_per_token (from the cache object)",
                                           row.kv_bytes_per_token.value)
@@ -430,10 +437,15 @@ def _run_tier_specs(run: RunInfo | None, results: dict[str, TierResult]) -> list
     return out
 
 
+#: Largest byte figure read from a run folder (1 EiB); above it a figure is corrupt or hostile.
+_MAX_BYTES = float(1 << 60)
+
+
 def run_memory_bytes(run: RunInfo | None) -> int | None:
-    """GPU memory recorded in a ``run.json`` (``gpu_memory_bytes``, bytes); None when absent."""
+    """GPU memory recorded in a ``run.json`` (``gpu_memory_bytes``, bytes); None when absent
+    (or above 1 EiB: not a GPU)."""
     v = finite(run.gpu_memory_bytes) if run is not None else None
-    return int(v) if v and v > 0 else None
+    return int(v) if v and 0 < v <= _MAX_BYTES else None
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -568,25 +580,19 @@ def plan_json(plan: Plan) -> str:
 
 
 def read_config(path: str | Path, field_name: str = "--model") -> tuple[dict, Path]:
-    """Load ``config.json`` (or ``<folder>/config.json``).
+    """Load ``config.json`` (or ``<folder>/config.json``) with the bounded JSON loader
+    (:func:`qeval.bounded.load_json`: a regular file, size and depth bounded).
 
     Raises:
-        QevalInputError: no such file, not JSON, not a JSON object.
+        QevalInputError: no such file, ``~nosuchuser``, not a regular file, too large, not
+            UTF-8, not JSON, too deep, not a JSON object.
     """
-    p = Path(path).expanduser()
+    p = expand_user(path, field=field_name)
     cfg_path = p / "config.json" if p.is_dir() else p
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise QevalInputError("no config.json there (give a config.json or a local model folder)",
                               file=str(path), field=field_name)
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise QevalInputError(f"not valid JSON: {e}", file=cfg_path, field=field_name) from None
-    except OSError as e:
-        raise QevalInputError(f"cannot read: {e.strerror}", file=cfg_path, field=field_name) from None
-    if not isinstance(cfg, dict):
-        raise QevalInputError(f"model config must be a JSON object (got a {type(cfg).__name__})", file=cfg_path,
-                              field=field_name)
+    cfg = load_json(cfg_path, expect=dict, what="model config", field=field_name)
     return cfg, cfg_path
 
 
@@ -603,7 +609,10 @@ def find_config(recipe: Any, run: RunInfo | None) -> Path | None:
     for src, rev in sources:
         if not src:
             continue
-        p = Path(str(src)).expanduser()
+        try:
+            p = expand_user(str(src))
+        except QevalInputError:  # ~nosuchuser in a recipe or run.json: no local config
+            continue
         if (p / "config.json").is_file():
             return p / "config.json"
         if p.is_file() and p.suffix == ".json":

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from ..bounded import expand_user, load_yaml, safe_join
 from ..errors import QevalInputError
 
 
@@ -26,17 +27,16 @@ def check_task(path: Path) -> dict:
             data file (naming the task file and its ``dataset_kwargs.data_files`` field).
     """
     p = Path(path)
-    try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise QevalInputError(f"cannot read lm-eval task: {e}".splitlines()[0], file=p,
-                              field="quality.lm_eval_tasks") from None
+    doc, _ = load_yaml(p, what="lm-eval task file", field="quality.lm_eval_tasks")  # bounded (qeval.bounded)
     if not isinstance(doc, dict) or not isinstance(doc.get("task"), str):
         raise QevalInputError("an lm-eval task YAML needs a 'task:' name", file=p, field="task")
-    files = (doc.get("dataset_kwargs") or {}).get("data_files")
+    kwargs = doc.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
     if isinstance(files, dict):
         for split, f in files.items():
-            q = Path(str(f)).expanduser()
+            if not isinstance(f, str):
+                raise QevalInputError("must be a file path", file=p, field=f"dataset_kwargs.data_files.{split}")
+            q = expand_user(f, file=p, field=f"dataset_kwargs.data_files.{split}")
             if not q.is_absolute():
                 q = (p.parent / q).resolve()
             if not q.is_file():
@@ -56,7 +56,8 @@ def resolve_tasks(task_paths: list[Path], out_dir: Path) -> list[str]:
     names = []
     for p in task_paths:
         doc = check_task(p)
-        (out_dir / f"{doc['task']}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        dest = safe_join(out_dir, f"{doc['task']}.yaml", what="lm-eval task name", file=p)  # never outside the run
+        dest.write_text(yaml.safe_dump(doc, sort_keys=False))
         names.append(doc["task"])
     return names
 

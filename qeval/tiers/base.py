@@ -2,13 +2,13 @@
 disk its artifact takes, preparing the artifact, loading it on an engine."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..bounded import name_problem
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
 from ..engines.openai import depth_texts
@@ -17,15 +17,13 @@ from ..results import RunLayout
 from ..weight_formats import Dense
 
 
-_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-
-
 class TierSpec(BaseModel):
     """The recipe fields every tier has; a method's spec adds ``method: Literal[...]`` and
     its own parameters (the recipe's ``Tier`` union is built from them).
 
     Attributes:
-        name: the tier's name (a file name in the run folder: letters, digits, ``-_.+``).
+        name: the tier's name (a file name in the run folder: letters, digits, ``-_.+``, at
+            most :data:`qeval.bounded.MAX_NAME_LEN` characters, the whole string matched).
         kv_cache: ``model`` (the engine's default KV cache dtype) or ``int8``.
         quality_engine: per-tier override of ``quality.engine``.
         engine: the engine that serves the tier (default: the method's).
@@ -34,7 +32,9 @@ class TierSpec(BaseModel):
         serve: with ``engine: openai``, the server qeval starts on the tier's artifact
             (:class:`~qeval.engines.servers.ServeSpec`: ``llama-server`` or ``vllm``).
     """
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # strict, as the recipe's sections (qeval.recipe._Strict): "4" is not an int, 1 is not a
+    # boolean, no NaN or infinity
+    model_config = ConfigDict(extra="forbid", frozen=False, strict=True, allow_inf_nan=False)
     #: Fields that are engine settings, not part of the artifact: two tiers differing only in
     #: them share one artifact (a GGUF file with and without the int8 KV cache).
     engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine", "endpoint", "serve")
@@ -51,9 +51,9 @@ class TierSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if ".." in v or "/" in v or "\\" in v or not _TIER_NAME.match(v):
-            raise ValueError(f"tier name {v!r} must be letters, digits, '-', '_', '.', '+' "
-                             "(no path separators, no '..')")
+        problem = name_problem(v, "tier name")
+        if problem:
+            raise ValueError(problem)
         return v
 
     @model_validator(mode="after")

@@ -34,9 +34,9 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from ..engines import get_engine
 from ..engines.hf import HFEngine
@@ -183,7 +183,7 @@ class W4Tier(HfTierSpec):
     """Fields GPTQ and AWQ tiers share: ``bits``, ``group_size`` (weights per scale; -1 per
     output channel; ``auto`` picks one the model's layers allow), ``sym``, ``desc_act``."""
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int | Literal["auto"] = 128
+    group_size: Annotated[int, Field(le=1 << 20)] | Literal["auto"] = 128
     sym: bool = True
     desc_act: bool = False
 
