@@ -336,10 +336,10 @@ def test_unreadable_and_empty_files(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(QevalInputError) as ei:
         load_suite(missing, "s")
-    assert str(missing) in str(ei.value) and "cannot read" in str(ei.value)
+    assert str(missing) in str(ei.value) and "suite file not found" in str(ei.value)
     with pytest.raises(QevalInputError) as ei:
         load_suite(tmp_path, "s")  # a directory
-    assert "cannot read" in str(ei.value)
+    assert "is a folder" in str(ei.value)
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n   \n\n", encoding="utf-8")
     with pytest.raises(QevalInputError, match="no items") as ei:

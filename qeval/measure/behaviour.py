@@ -6,6 +6,8 @@ text similarity, budget exhaustion.
   move together, as they are not independent).
 - Flips (Dutta et al. 2024, arXiv:2407.09141): checks whose pass/fail differs from BF16's
   on the same item and turn, pass->fail and fail->pass counted apart.
+- A check that could not be decided in bounded time (a regex that timed out, stored as
+  ``null``) counts in neither the pass rate nor the flips; ``checks_timed_out`` counts them.
 - First divergence: index of the first answer token that differs from BF16's answer.
 - ROUGE-L F1 (``rouge-score``) and chrF (``sacrebleu``) of each answer against BF16's
   (Kurtic et al. 2024, arXiv:2411.02355 compare texts this way).
@@ -97,24 +99,29 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
 
     Args:
         tier_segments: one dict per answered turn: ``item`` (suite/id), ``turn``,
-            ``answer_ids``, ``text``, ``finished``, ``checks`` (list of bool).
+            ``answer_ids``, ``text``, ``finished``, ``checks`` (list of bool, or None for a
+            check that timed out).
         ref_segments: the reference's segments keyed by ``(item, turn)``.
     Returns:
         dict with pass_rate, pass_ci_low/high, n_checks, flips_pass_to_fail,
         flips_fail_to_pass, flip_rate, budget_exhausted_rate, thinking_exhausted_rate,
-        rouge_l, chrf, first_divergence_mean, identical_rate, n_items, n_answers.
+        rouge_l, chrf, first_divergence_mean, identical_rate, n_items, n_answers,
+        checks_timed_out.
     """
     by_item: dict[str, list[bool]] = {}
-    p2f = f2p = compared = 0
+    p2f = f2p = compared = timed_out = 0
     divs: list[int] = []
     identical = 0
     hyps, refs = [], []
     for s in tier_segments:
-        by_item.setdefault(s["item"], []).extend(bool(c) for c in s["checks"])
+        by_item.setdefault(s["item"], []).extend(bool(c) for c in s["checks"] if c is not None)
+        timed_out += sum(c is None for c in s["checks"])
         ref = ref_segments.get((s["item"], s["turn"]))
         if ref is None:
             continue
         for mine, theirs in zip(s["checks"], ref["checks"]):
+            if mine is None or theirs is None:  # not decided on one side: no flip either way
+                continue
             compared += 1
             if theirs and not mine:
                 p2f += 1
@@ -141,7 +148,7 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
         "rouge_l": rl, "chrf": chrf,
         "first_divergence_mean": float(np.mean(divs)) if divs else None,
         "identical_rate": identical / len(hyps) if hyps else None,
-        "n_items": len(by_item), "n_answers": n,
+        "n_items": len(by_item), "n_answers": n, "checks_timed_out": timed_out,
     }
 
 

@@ -141,7 +141,7 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
     teacher-forced fidelity only) are answered with at most this many tokens.
 
     Returns one segment dict per answered turn: item, suite, turn, prompt_ids, answer_ids,
-    finished, text, checks (list of bool), check_details.
+    finished, text, checks (list of bool; None for a check that timed out), check_details.
     """
     segments: list[dict] = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)

@@ -11,14 +11,19 @@ the kinds are :mod:`qeval.measure.checks`, one module each).
 Every row, turn and check is validated when the file is loaded, so :func:`run_check` never
 raises on loaded data; bad input raises :class:`~qeval.errors.QevalInputError` whose message
 is one line ``file:line: field: what is wrong``.
+
+The file is read with the bounded loaders of :mod:`qeval.bounded` (size, nesting depth).
+A check that could not be decided in bounded time (a regex search that timed out,
+:mod:`qeval.measure.checks.regex`) has ``passed=None`` and ``status="timeout"``: neither a
+pass nor a fail.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bounded import MAX_DEPTH, MAX_JSONL_BYTES, parse_json, read_bytes
 from ..errors import QevalInputError
 from .checks import ParamError, check_kinds, validate_params
 from .checks.base import describe as _describe
@@ -98,13 +103,19 @@ class CheckResult:
 
     Attributes:
         kind: the check kind.
-        passed: whether the reply satisfies the check.
+        passed: whether the reply satisfies the check; None when the check could not be
+            decided in bounded time (a regex that timed out: :mod:`qeval.measure.checks.regex`).
         detail: one short human-readable line explaining the outcome (what was missing, counts, ...).
     """
 
     kind: str
-    passed: bool
+    passed: bool | None
     detail: str
+
+    @property
+    def status(self) -> str:
+        """``"pass"``, ``"fail"`` or ``"timeout"``."""
+        return "timeout" if self.passed is None else ("pass" if self.passed else "fail")
 
 
 CHECK_KINDS: frozenset[str] = frozenset(check_kinds())
@@ -119,33 +130,20 @@ _ROW_FIELDS = ("id", "category", "system", "max_new_tokens", "turns")
 _TURN_FIELDS = ("user", "checks")
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def jsonl_rows(path: str | Path, *, what: str = "file") -> list[tuple[int, Any]]:
     """Parsed rows of a UTF-8 JSONL file: ``[(1-based line number, value)]``, blank lines
-    skipped (still counted), a leading BOM ignored. Duplicate keys in an object, ``NaN`` and
-    ``Infinity`` are errors (the standard ``json`` module accepts them silently).
+    skipped (still counted), a leading BOM ignored. Read with the bounded loaders of
+    :mod:`qeval.bounded`: a regular file of at most :data:`~qeval.bounded.MAX_JSONL_BYTES`
+    bytes, each row nested at most :data:`~qeval.bounded.MAX_DEPTH` levels. Duplicate keys
+    in an object, ``NaN`` and ``Infinity`` are errors (the standard ``json`` module accepts
+    them silently).
 
     Raises:
-        QevalInputError: unreadable file (``cannot read <what>``), invalid UTF-8 or invalid
-            JSON, naming file, line and field ``row``.
+        QevalInputError: missing, not a regular file or too large (naming ``what``), invalid
+            UTF-8, invalid or too deeply nested JSON, naming file, line and field ``row``.
     """
     file = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise QevalInputError(f"cannot read {what}: {exc.strerror or exc}", file=file) from None
+    raw = read_bytes(path, limit=MAX_JSONL_BYTES, what=what)
     rows: list[tuple[int, Any]] = []
     for lineno, bline in enumerate(raw.split(b"\n"), start=1):
         if lineno == 1 and bline.startswith(b"\xef\xbb\xbf"):
@@ -157,13 +155,8 @@ def jsonl_rows(path: str | Path, *, what: str = "file") -> list[tuple[int, Any]]
                                   file=file, line=lineno, field="row") from None
         if not line.strip():
             continue
-        try:
-            rows.append((lineno, json.loads(line, object_pairs_hook=_no_duplicate_keys,
-                                            parse_constant=_reject_constant)))
-        except ValueError as exc:  # JSONDecodeError is a ValueError; so are the hooks' errors
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-            col = f" (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
-            raise QevalInputError(f"invalid JSON: {msg}{col}", file=file, line=lineno, field="row") from None
+        rows.append((lineno, parse_json(line, file=file, line=lineno, field="row", strict=True,
+                                        max_depth=MAX_DEPTH)))
     return rows
 
 
@@ -310,7 +303,7 @@ def run_check(check: Check, text: str) -> CheckResult:
     except ParamError as pe:
         raise ValueError(f"{check.kind}.{pe.field}: {pe.message}") from None
     passed, detail = check_kinds()[check.kind].evaluate(check.params, text)
-    return CheckResult(kind=check.kind, passed=bool(passed), detail=detail)
+    return CheckResult(kind=check.kind, passed=None if passed is None else bool(passed), detail=detail)
 
 
 def run_checks(turn: Turn, text: str) -> list[CheckResult]:

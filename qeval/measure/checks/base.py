@@ -15,12 +15,13 @@ class CheckKind:
         params: the parameter names a row may give.
         validate: ``validate(params)`` raises :class:`ParamError` for bad parameters (load time).
         evaluate: ``evaluate(params, reply text) -> (passed, one-line detail)``; never raises
-            on validated parameters.
+            on validated parameters; ``passed`` is None when the check could not be decided
+            in bounded time (a regex search that timed out: :mod:`qeval.measure.checks.regex`).
     """
     name: str
     params: frozenset[str]
     validate: Callable[[dict], None]
-    evaluate: Callable[[dict, str], tuple[bool, str]]
+    evaluate: Callable[[dict, str], tuple[bool | None, str]]
 
 
 class ParamError(Exception):

@@ -21,7 +21,7 @@ def _find_json_object(text: str) -> dict | None:
     for m in _FENCE_RE.finditer(text):
         try:
             obj = json.loads(m.group(1).strip())
-        except ValueError:
+        except (ValueError, RecursionError):  # a reply is model output: "{" x 100000 must not crash
             continue
         if isinstance(obj, dict):
             return obj
@@ -34,7 +34,7 @@ def _find_json_object(text: str) -> dict | None:
         tries += 1
         try:
             obj, _end = decoder.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             pos = start + 1
             continue
         return obj  # raw_decode at "{" always yields a dict
