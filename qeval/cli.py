@@ -1,13 +1,23 @@
 """Command line: ``qeval run | validate | report | gate | plan | compare | show``.
 
-Exit codes: 0 ok (gate candidates pass), 1 a gate candidate failed, 2 bad input (one
-line on stderr naming file, line and field; no traceback), 130 interrupted.
+Exit codes (a contract release CI relies on; :mod:`qeval.errors` holds the constants):
+
+* 0: done; for ``run`` and ``gate``, every gate candidate passed.
+* 1: a gate candidate failed (or the gate judged no candidate).
+* 2: bad input: a recipe, suite, model config, run folder, flag or an output that cannot
+  be written. One line on stderr naming file, line and field; no traceback.
+* 3: internal error (a bug in qeval or a library): one line on stderr naming the log file
+  that holds the traceback.
+* 130: interrupted by Ctrl-C; 143: by SIGTERM (a CI cancel). Finished stages are kept.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -16,13 +26,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
+from .bounded import check_output_dir, check_output_file, expand_user, safe_join
 from .analysis.compare import compare_markdown, compare_runs
 from .analysis.floor import check_rules_against_floor, floor_from_run, previous_floor
 from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
 from .executors import make_executor
-from .paths import staging_dir
-from .recipe import load_recipe
-from .report.outputs import build_outputs, plan_text
+from .paths import cache_root, staging_dir
+from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe
+from .report.outputs import OUTPUT_NAMES, build_outputs, plan_text
 from .report.review import item_changes_markdown, tier_review
 from .report.show import show as show_review
 from .results import RUN_SCOPE, RunLayout, get_path, load_run, stage_done
@@ -147,20 +158,28 @@ def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
 @app.command()
 def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         tiers: Optional[str] = typer.Option(None, "--tiers", help="comma-separated subset, e.g. bf16,int8"),
-        out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default: results/)"),
+        out_arg: Optional[str] = typer.Option(None, "--out", help="results folder (default: results/)"),
         resume_arg: Optional[str] = typer.Option(None, "--resume", help="an unfinished run folder (or its URL "
                                                  "under a storage URL) to complete"),
         executor: Optional[str] = typer.Option(None, "--executor", help="local or ray"),
         ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address"),
-        junit: Optional[Path] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
+        junit: Optional[str] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
         ) -> None:
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
-    resume = Path(resume_arg) if resume_arg else None
+    resume = None
+    out_dir: Optional[Path] = None
     try:
+        if out_arg is not None and not out_arg.strip():
+            raise QevalInputError("give a results folder (got an empty string)", field="--out")
+        out_dir = expand_user(out_arg, field="--out") if out_arg is not None else None
+        if resume_arg is not None and not resume_arg.strip():
+            raise QevalInputError("give a run folder (got an empty string)", field="--resume")
+        resume = expand_user(resume_arg, field="--resume") if resume_arg else None
         r = load_recipe(recipe)
         static_checks(r)
         subset = _parse_tiers(r, tiers)
         chosen = make_executor(executor or r.executor, ray_address)
+        junit_path = check_output_file(junit, field="--junit") if junit is not None else None
         remote = storage_for(r)
         if remote is not None:  # a URL: work in a local staging folder, copy through the store
             try:
@@ -183,8 +202,23 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
                 raise QevalInputError("not a qeval run folder (no run.json)", file=resume, field="--resume")
             run_dir = resume
         else:
+            check_output_dir(out_dir if out_dir is not None else Path("results"), field="--out")
             preflight(r)
-            run_dir = new_run_dir(r, out_dir)
+            run_dir = None
+        if junit_path is not None:
+            if run_dir is not None and any(junit_path.resolve() == (run_dir / n).resolve() for n in OUTPUT_NAMES):
+                raise QevalInputError("would overwrite one of the run's own outputs", file=junit_path,
+                                      field="--junit")
+        if run_dir is None:
+            try:
+                run_dir = new_run_dir(r, out_dir)
+            except OSError as e:
+                raise QevalInputError(f"cannot create the run folder: {e.strerror or e.__class__.__name__}",
+                                      file=out_dir or "results", field="--out") from None
+        runner = Runner(r, run_dir, subset, executor=chosen)
+        if resume is not None:
+            runner.check_resume()  # reads only: a refused resume changes nothing in the folder
+            check_output_dir(resume, field="--resume", create=False)  # stages are written there
     except QevalInputError as e:
         _fail(e)
     console.print(f"[bold]qeval[/] run [cyan]{escape(r.name)}[/] -> {escape(str(run_dir))}", highlight=False)
@@ -198,13 +232,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         else:
             status.update(f"[bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg)}")
 
-    runner = Runner(r, run_dir, subset, on_event=on_event, executor=chosen)
-    got = {"signal": signal.SIGINT}
-
-    def on_term(signum, _frame):  # CI cancels with SIGTERM: stop like Ctrl-C (stages kept, resume hint)
-        got["signal"] = signum
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
+    runner.on_event = on_event
     try:
         with status:
             runner.run()
@@ -217,8 +245,11 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "
                       f"`qeval run {escape(str(recipe))} --resume {escape(str(where))}`", highlight=False)
-        raise typer.Exit(128 + int(got["signal"]))  # 130 for Ctrl-C, 143 for SIGTERM
-    code = _decide(run_dir, junit)
+        raise typer.Exit(128 + int(_SIGNAL["n"]))  # 130 for Ctrl-C, 143 for SIGTERM
+    try:
+        code = _decide(run_dir, junit_path)
+    except QevalInputError as e:
+        _fail(e)
     if runner.remote is not None:
         try:
             runner.publish_outputs()
@@ -234,7 +265,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     raise typer.Exit(code)
 
 
-def _run_folder(arg: str):
+def _run_folder(arg: str, which: str = "run"):
     """A run folder argument: a local path, or the URL of a run in a store (copied into the
     staging folder first; fsspec reads credentials and endpoint from the environment, e.g.
     ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``). Returns ``(local folder, (store, rel) or None)``.
@@ -242,12 +273,17 @@ def _run_folder(arg: str):
     Raises:
         QevalInputError: the URL is not a run folder (no run.json) or cannot be read.
     """
+    if not arg.strip():
+        raise QevalInputError("give a run folder (got an empty string)", field=which)
     if not is_url(arg):
-        return Path(arg), None
+        local = expand_user(arg, field=which)
+        if not local.is_dir() or not (local / "run.json").exists():
+            raise QevalInputError("not a qeval run folder (no run.json)", file=local, field=which)
+        return local, None
     url = arg.rstrip("/")
     parts = url.split("/")
     if len(parts) < 5 or parts[-3] != "results":
-        raise QevalInputError(f"{arg} is not a run URL (.../results/<name>/<timestamp>)", field="run")
+        raise QevalInputError(f"{arg} is not a run URL (.../results/<name>/<timestamp>)", field=which)
     base = "/".join(parts[:-3])
     rel = "/".join(parts[-3:])
     try:
@@ -255,14 +291,14 @@ def _run_folder(arg: str):
         if not store.exists(f"{rel}/{RunLayout.RUN_JSON}"):
             if not store.fs.exists(store.root.split("/")[0]):
                 raise QevalInputError(f"cannot read {arg}: {base.split('://')[0]}://{store.root.split('/')[0]} does "
-                                      f"not exist or these credentials cannot see it", field="run")
-            raise QevalInputError(f"{arg} is not a qeval run folder (no run.json)", field="run")
+                                      f"not exist or these credentials cannot see it", field=which)
+            raise QevalInputError(f"{arg} is not a qeval run folder (no run.json)", field=which)
         local = _staging_copy(store, rel)
     except QevalInputError:
         raise
     except Exception as e:  # credentials, network: the user's setup
         raise QevalInputError(f"cannot read {arg}: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}",
-                              field="run") from None
+                              field=which) from None
     return local, (store, rel)
 
 
@@ -273,7 +309,7 @@ def _staging_root() -> Path:
 
 def _staging_copy(store, rel: str) -> Path:
     """Download the run ``rel`` (``results/<name>/<ts>``) into ``staging/<name>/<ts>``."""
-    local = _staging_root() / Path(rel).parent.name / Path(rel).name
+    local = safe_join(_staging_root(), Path(rel).parent.name, Path(rel).name, what="run name")  # no '..' out
     store.download_dir(rel, local)
     return local
 
@@ -306,12 +342,27 @@ def _decide(run_dir: Path, junit: Optional[Path]) -> int:
     return code
 
 
+def _writable_run(local: Path, junit: Optional[str] = None) -> Optional[Path]:
+    """Before reading anything: the run folder can take its outputs and ``--junit`` names
+    a file that can be written (not a folder, a device, nor one of the run's outputs).
+
+    Raises:
+        QevalInputError: naming the folder or the flag.
+    """
+    if local.is_dir() and (local / "run.json").exists():
+        check_output_dir(local, field="run", create=False)
+    if junit is None:
+        return None
+    return check_output_file(junit, field="--junit", not_in=tuple(local / n for n in OUTPUT_NAMES))
+
+
 @app.command()
 def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL")) -> None:
     """Rebuild table.md/csv, gate.json and report.html from stored JSON (no model is loaded).
     A run at a URL is copied into the staging folder, rebuilt, and its outputs copied back."""
     try:
         local, remote = _run_folder(run_dir)
+        _writable_run(local)
         _decide(local, None)
         if remote is not None:
             remote[0].upload_dir(local, remote[1], include=lambda rel: rel in RunLayout.OUTPUT_FILES)
@@ -321,10 +372,14 @@ def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL und
 
 @app.command()
 def gate(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL"),
-         junit: Optional[Path] = typer.Option(None, "--junit", help="write JUnit XML here")) -> None:
+         junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here")) -> None:
     """Judge a finished run against its recipe's gate: exit 0 pass, 1 fail, 2 bad input."""
     try:
-        code = _decide(_run_folder(run_dir)[0], junit)
+        if junit is not None and not junit.strip():
+            raise QevalInputError("give a file name (got an empty string)", field="--junit")
+        local = _run_folder(run_dir)[0]
+        junit_path = _writable_run(local, junit)
+        code = _decide(local, junit_path)
     except QevalInputError as e:
         _fail(e)
     raise typer.Exit(code)
@@ -358,6 +413,10 @@ def plan(run_dir: Optional[str] = typer.Argument(None, help="a run folder or its
             raise QevalInputError(f"must be a positive number of tokens (got {context})", field="--context")
         if users <= 0:
             raise QevalInputError(f"must be a positive number of sequences (got {users})", field="--users")
+        if context > MAX_TOKENS:  # a bound keeps every product below float overflow
+            raise QevalInputError(f"must be at most {MAX_TOKENS:,} tokens (got {context})", field="--context")
+        if users > MAX_COUNT:
+            raise QevalInputError(f"must be at most {MAX_COUNT:,} sequences (got {users})", field="--users")
         local = _run_folder(run_dir)[0] if run_dir else None
         out.print(plan_text(local, model, gpu_mem, context, users, overhead, recipe=recipe, gpu=gpu,
                             bandwidth=bandwidth, usable=usable, as_json=as_json), highlight=False)
@@ -370,7 +429,7 @@ def compare(run_a: str = typer.Argument(..., help="baseline run folder (or its U
             run_b: str = typer.Argument(..., help="new run folder (or its URL)")) -> None:
     """Compare the same tiers of two runs side by side, with deltas."""
     try:
-        a, b = _run_folder(run_a)[0], _run_folder(run_b)[0]
+        a, b = _run_folder(run_a, "RUN_A")[0], _run_folder(run_b, "RUN_B")[0]
         rows = compare_runs(a, b)
         out.print(compare_markdown(rows, run_a, run_b), highlight=False)
         out.print(item_changes_markdown(a, b, [r.tier for r in rows]), highlight=False)
@@ -405,14 +464,53 @@ def show(run_dir: str = typer.Argument(..., help="a run folder, or its URL under
         _fail(e)
 
 
+#: The signal that stopped the process (SIGINT unless SIGTERM arrived): exit 128 + it.
+_SIGNAL = {"n": int(signal.SIGINT)}
+
+
+def _on_term(signum, _frame) -> None:  # CI cancels with SIGTERM: stop like Ctrl-C (stages kept, exit 143)
+    _SIGNAL["n"] = int(signum)
+    raise KeyboardInterrupt
+
+
+def _crash_log(exc: BaseException) -> Path | None:
+    """Write the traceback of an unexpected exception to ``$QEVAL_CACHE/logs/`` (else the
+    temporary folder); returns the file, or None when nothing could be written."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = f"qeval {' '.join(sys.argv[1:])}\n{text}"
+    name = f"qeval-crash-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+    folders: list[Path] = []
+    try:
+        folders.append(cache_root() / "logs")
+    except Exception:  # noqa: BLE001 - a bad $QEVAL_CACHE must not hide the crash
+        pass
+    folders.append(Path(tempfile.gettempdir()))
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            p = folder / name
+            p.write_text(text, encoding="utf-8")
+            return p
+        except OSError:
+            continue
+    return None
+
+
 def main() -> None:
-    """Console entry point. Usage errors (unknown option or command, a flag value of the
-    wrong type, a missing argument) are one line ``error: <command>: <message>``, exit 2,
-    instead of click's boxed usage text."""
+    """Console entry point; applies the exit-code contract in the module docstring.
+
+    Usage errors (unknown option or command, a flag value of the wrong type, a missing
+    argument) are one line ``error: <command>: <message>``, exit 2, instead of click's
+    boxed usage text. An unexpected exception is one line naming the log file that holds
+    its traceback, exit 3."""
     try:
         from typer._click.exceptions import UsageError  # optional: typer >= 0.2x vendors click
     except ImportError:  # older typer: click itself
         from click.exceptions import UsageError  # optional: older typer has no vendored click
+    try:
+        signal.signal(signal.SIGTERM, _on_term)
+    except ValueError:  # not the main thread (embedded use): leave signals alone
+        pass
     try:
         rc = app(standalone_mode=False, prog_name="qeval")
     except UsageError as e:  # NoSuchOption, BadParameter, MissingParameter, ...
@@ -422,11 +520,22 @@ def main() -> None:
             console.print(f"[bold red]error:[/] {escape(where)}: {escape(msg)} (see `{escape(where)} --help`)",
                           highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
-    except typer.Abort:
-        sys.exit(130)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(128 + _SIGNAL["n"])
     except QevalInputError as e:  # pragma: no cover - commands catch their own
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the contract: one line, traceback in a log, exit 3
+        log = _crash_log(e)
+        what = " ".join(f"{e.__class__.__name__}: {e}".split())[:300]
+        console.print(f"[bold red]internal error:[/] {escape(what)} (traceback in "
+                      f"{escape(str(log)) if log else 'no log: nothing could be written'}; please report it)",
+                      highlight=False, soft_wrap=True)
+        sys.exit(EXIT_INTERNAL)
+    if rc == 130:  # typer turns KeyboardInterrupt (also ours, from SIGTERM) into exit 130
+        rc = 128 + _SIGNAL["n"]
     sys.exit(rc if isinstance(rc, int) else 0)
 
 

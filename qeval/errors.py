@@ -1,10 +1,13 @@
 """Errors qeval raises for bad input, and how the CLI turns them into exit codes.
 
-Exit codes (used by model-release CI):
-    0  run finished and every gate candidate passed
-    1  run finished and a gate candidate failed
-    2  bad input (recipe, dataset, model path, flags): one line on stderr, no traceback
-    3  internal error: a run-wide stage (source, env) failed; its reason and log tail printed
+Exit codes (used by model-release CI; the contract is applied in :func:`qeval.cli.main`):
+    0    run finished and every gate candidate passed
+    1    run finished and a gate candidate failed (or the gate judged no candidate)
+    2    bad input (recipe, dataset, model config, run folder, flags, an output that cannot
+         be written): one line on stderr naming file, line and field, no traceback
+    3    internal error: an unexpected exception (one line naming the log with the
+         traceback), or a run-wide stage (source, env) failed (its reason and log tail printed)
+    130  interrupted by Ctrl-C (SIGINT); 143 by SIGTERM
 
 A tier that cannot run on this machine as the recipe asks (a llama.cpp build without GPU
 offload asked for ``device: cuda``, gptqmodel CUDA kernels that cannot be built here, no
@@ -19,6 +22,8 @@ EXIT_OK = 0
 EXIT_GATE_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class QevalInputError(Exception):

@@ -7,7 +7,7 @@ each path)::
     run.json                    RunInfo: resolved recipe, recipe_path and recipe_dir (where its
                                 relative paths start), package versions, CPU/GPU, threads, git
                                 commit, memory bandwidth (bytes/s), source checkpoint,
-                                noise_floor (NoiseFloorSummary, below)
+                                noise_floor (NoiseFloorSummary, below),
                                 recipe_fingerprint (name + run-wide sections: --resume refuses
                                 another recipe)
     tiers/<tier>.json           TierResult per tier, written atomically
@@ -281,7 +281,8 @@ class RunLayout:
         return self._join(self.root / "answers", f"{tier}.json")
 
     def review(self, tier: str) -> Path:
-        return self.root / "review" / f"{tier}.json"
+        """``review/<tier>.json``; raises as :meth:`tier_result`."""
+        return self._join(self.root / "review", f"{tier}.json")
 
     def lm_eval_tasks(self, tier: str) -> Path:
         """``lm_eval_tasks/<tier>/``; raises as :meth:`tier_result`."""
@@ -644,7 +645,7 @@ class AnswerRow(_Open):
     depth: int | None = None
     text: str = ""
     finished: bool = True
-    checks: list[bool] = Field(default_factory=list)
+    checks: list[bool | None] = Field(default_factory=list)  # None: not decided in bounded time (a regex timeout)
     check_details: list[str] = Field(default_factory=list)
     system: str | None = None
     prompt: str | None = None
@@ -1122,9 +1123,7 @@ def get_path(obj: Any, *keys: Any) -> Any:
 
 
 def _list_of(path: Path, model: type[M]) -> list[M]:
-    data = read_json(path)
-    if not isinstance(data, list):
-        raise QevalInputError("expected a JSON list", file=path)
+    data = read_json(path, expect=list)  # bounded (qeval.bounded)
     return [parse_model(row, model, f"{path}[{i}]") for i, row in enumerate(data)]
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import QevalInputError
 from ..metrics import display_unit, format_value, metric
 from ..metrics import value as metric_value
-from ..results import TierResult, get_path, load_run
-from .gate import analysis_depth, tier_order
+from ..results import RunInfo, TierResult, get_path
+from .gate import analysis_depth, load_run_checked, tier_order
 
 #: Metric names (qeval.metrics.METRICS) of the compared figures, in column order.
 COMPARE_METRICS: tuple[str, ...] = ("weight_bytes", "peak_bytes", "decode_tokens_per_s", "kld_mean", "pass_rate")
@@ -62,6 +63,14 @@ def _figures(t: TierResult | None, depth: int, is_ref: bool) -> dict[str, float 
     return {k: metric_value(t, k, depth, is_reference=is_ref) if t else None for k in COMPARE_METRICS}
 
 
+def _load(run_dir: str | Path, which: str) -> tuple[RunInfo, dict[str, TierResult]]:
+    """:func:`qeval.analysis.gate.load_run_checked`, its errors saying which of the two runs is bad."""
+    try:
+        return load_run_checked(run_dir)
+    except QevalInputError as e:
+        raise QevalInputError(f"{which}: {e.message}", file=e.file or run_dir, line=e.line, field=e.field) from None
+
+
 def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
                  depth: int | None = None) -> list[CompareRow]:
     """Put the same tiers of two runs side by side.
@@ -76,8 +85,8 @@ def compare_runs(run_a_dir: str | Path, run_b_dir: str | Path,
     Raises:
         QevalInputError: either folder is not a run folder or holds malformed JSON.
     """
-    run_a, tiers_a = load_run(run_a_dir)
-    run_b, tiers_b = load_run(run_b_dir)
+    run_a, tiers_a = _load(run_a_dir, "run A")
+    run_b, tiers_b = _load(run_b_dir, "run B")
     if depth is None:
         depth = analysis_depth(run_a.recipe)
     ref_a = get_path(run_a.recipe, "gate", "reference") or "bf16"

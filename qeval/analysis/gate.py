@@ -25,6 +25,7 @@ reference's; value = the candidate's users, threshold = rule x reference users).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,8 +33,8 @@ from pydantic import ValidationError
 from ..errors import EXIT_GATE_FAILED, EXIT_OK, QevalInputError
 from ..metrics import GATE_RULES, GIB, METRICS, GateRule
 from ..metrics import value as metric_value
-from ..recipe import GateSpec, SpeedSpec
-from ..results import STATUS_OK, TierResult, get_path
+from ..recipe import GateSpec, LoadSpec, ParetoSpec, ReportSpec, SpeedSpec, validation_error
+from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, get_path, load_run, short_error
 from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, rule_below_floor
 
 #: Rule names in the order they are checked and reported (qeval.metrics.GATE_RULES).
@@ -106,8 +107,9 @@ class GateReport:
 
     @property
     def passed(self) -> bool:
-        """True when every candidate passes (vacuously true with no candidates)."""
-        return all(c.passed for c in self.candidates)
+        """True when there is at least one candidate and every candidate passes (a gate
+        that judges nothing does not pass)."""
+        return bool(self.candidates) and all(c.passed for c in self.candidates)
 
     def exit_code(self) -> int:
         """0 when every candidate passes, 1 when any fails (qeval.errors exit codes)."""
@@ -144,19 +146,38 @@ class GateReport:
 
 # ---- recipe helpers ---------------------------------------------------------------------
 
-def validate_section(model: type, data: Any, where: str):
+def validate_section(model: type, data: Any, where: str, file: str | None = None):
     """Validate one recipe section dict (``None``: all defaults) with a pydantic model.
 
     Raises:
-        QevalInputError: the first validation error, naming the dotted field
-            (``gate.quality_metric: ...``).
+        QevalInputError: the first validation error, naming ``file`` (when given) and the
+            dotted field (``gate.quality_metric: ...``).
     """
     try:
         return model.model_validate(data if data is not None else {})
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in (where, *err["loc"]))
-        raise QevalInputError(err.get("msg", "invalid value"), field=loc) from None
+        raise validation_error(e, data, file=file, prefix=tuple(where.split("."))) from None
+
+
+#: Sections of ``run.json``'s recorded recipe the analysis reads, and their schemas.
+RECORDED_SECTIONS = (("speed", SpeedSpec), ("gate", GateSpec), ("report", ReportSpec), ("pareto", ParetoSpec),
+                     ("load", LoadSpec))
+
+
+def load_run_checked(run_dir: str | Path) -> tuple[RunInfo, dict[str, TierResult]]:
+    """:func:`qeval.results.load_run`, and the recorded recipe's sections the analysis reads
+    (:data:`RECORDED_SECTIONS`) validated against the recipe schema, so a bad one is one
+    line naming ``run.json`` and the field (``recipe.gate.depth``) before any output is made.
+
+    Raises:
+        QevalInputError: as :func:`~qeval.results.load_run`, or a section that does not validate.
+    """
+    run, tiers = load_run(run_dir)
+    file = str(RunLayout(run_dir).run_json)
+    for key, model in RECORDED_SECTIONS:
+        if run.recipe.get(key) is not None:
+            validate_section(model, run.recipe[key], f"recipe.{key}", file=file)
+    return run, tiers
 
 
 def as_gate_spec(gate: GateSpec | dict | None) -> GateSpec:
@@ -323,8 +344,8 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         if cand is None:
             why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"
         elif status != STATUS_OK:
-            err = str(cand.error or "").strip().splitlines()
-            why = f"tier {name!r} has status {status}" + (f": {err[0]}" if err else "")  # its first line
+            err = cand.error  # may hold a whole log: one short line here
+            why = f"tier {name!r} has status {status}" + (f": {short_error(err)}" if err else "")
             short = f"status {status}"
         else:
             why = short = None

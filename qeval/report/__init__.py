@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.gate import GateReport
-from ..results import RunLayout, atomic_write_json, atomic_write_text
+from ..results import RunLayout, json_text, write_all
 from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, _analyse, _tables_text, default_budget_bytes, render_report,
                    slow_path_flags, write_report, write_tables)
 from .table import COLUMNS, SlowPath, TierTable, markdown_table, tier_table
@@ -40,7 +40,8 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
 
     Writes ``table.md``, ``table.csv``, ``gate.json`` (gate verdict plus the Pareto front and
     fallback ladder), ``report.html`` and, when ``junit`` is true or a path, JUnit XML
-    (``True``: ``<run_dir>/junit.xml``). All writes are atomic.
+    (``True``: ``<run_dir>/junit.xml``). Everything is computed before anything is written,
+    and the files are written all or none (:func:`qeval.results.write_all`).
 
     Args:
         run_dir: run folder (``run.json`` + ``tiers/*.json``).
@@ -52,25 +53,24 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
         :class:`Outputs`; ``outputs.exit_code()`` is the gate's exit code.
 
     Raises:
-        QevalInputError: not a run folder, malformed JSON, or a recipe section that does
-            not validate.
+        QevalInputError: not a run folder, malformed JSON, a recipe section that does
+            not validate, or an output that cannot be written.
     """
     layout = RunLayout(run_dir)
     run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
     md, csv_text = _tables_text(a, slow)
-    atomic_write_text(layout.table_md, md)
-    atomic_write_text(layout.table_csv, csv_text)
     gate_doc = a.gate.to_dict()
     gate_doc["quality_metric"] = a.quality_metric
     gate_doc["pareto"] = a.pareto.to_dict()
     gate_doc["ladder"] = a.ladder.to_dict()
     gate_doc["slow_path"] = {n: s.text for n, s in slow.items()}
-    atomic_write_json(layout.gate_json, gate_doc)
     reviews = run_reviews(layout.root, list(a.tiers), a.reference)
-    atomic_write_text(layout.report_html, render_report(run, a, spec, reviews=reviews))
+    files = {layout.table_md: md, layout.table_csv: csv_text, layout.gate_json: json_text(gate_doc),
+             layout.report_html: render_report(run, a, spec, reviews=reviews)}
     jpath = None
     if junit:
         jpath = layout.junit_xml if junit is True else Path(junit)
-        write_junit(a.gate, jpath, offenders=gate_offenders(a.gate, reviews))
+        files[jpath] = junit_xml(a.gate, offenders=gate_offenders(a.gate, reviews))
+    write_all(files)  # all or none: a failure while rendering or writing leaves every old output as it was
     return Outputs(layout.table_md, layout.table_csv, layout.gate_json, layout.report_html, jpath, a.gate)

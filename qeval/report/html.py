@@ -28,12 +28,12 @@ from pathlib import Path
 
 from ..analysis import RunAnalysis, analyse_run
 from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES
-from ..analysis.gate import validate_section
+from ..analysis.gate import load_run_checked, validate_section
 from ..analysis.pareto import GIB, decode_at, finite, quality_direction
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
 from ..errors import QevalInputError
 from ..recipe import ReportSpec
-from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, load_run
+from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, short_error
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
 from .table import LOAD_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table, markdown_table, tier_table
@@ -72,7 +72,7 @@ def slow_path_flags(tiers: dict[str, TierResult], reference: str, depth: int,
 
 
 def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, RunAnalysis, ReportSpec]:
-    run, tiers = load_run(run_dir)
+    run, tiers = load_run_checked(run_dir)  # run.json's own sections are checked there, naming the file
     a = analyse_run(run, tiers, recipe_dict)
     spec = validate_section(ReportSpec, a.recipe.get("report"), "report")
     return run, a, spec
@@ -95,7 +95,7 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     if unfinished:
         md += ["Tiers that did not finish:", ""]
         for n, t in unfinished:
-            md.append(f"- `{n}`: {t.status}: {t.error or 'no error recorded'}")
+            md.append(f"- `{n}`: {t.status}: {short_error(t.error or 'no error recorded')}")
             tail = [ln.replace("`", "'") for ln in str(t.log_tail or "").splitlines() if ln.strip()][-6:]
             if tail:  # the last lines of the failed stage's log (all of it: logs/<tier>.<stage>.log)
                 md += ["", "  ```", *[f"  {ln}" for ln in tail], "  ```"]
@@ -218,7 +218,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
     rows = [{"build": b, "memory": m, "speed": sp, "quality": q, "cls": c} for b, m, sp, q, c in
             zip(tab.html["build"]["rows"], tab.html["memory"]["rows"], tab.html["speed"]["rows"],
                 tab.html["quality"]["rows"], row_cls)]
-    unfinished = [{"name": n, "status": t.status, "error": t.error or "no error recorded",
+    unfinished = [{"name": n, "status": t.status, "error": short_error(t.error or "no error recorded", 2000),
                    "log_tail": t.log_tail} for n, t in a.tiers.items() if t.status != STATUS_OK]
     device = run.device or a.recipe.get("device") or "?"
     gpu = run.gpu or "none"

@@ -3,7 +3,9 @@
 One ``<testcase>`` per (candidate tier, rule), including the ``status`` check every
 candidate gets; a failing rule carries a ``<failure>`` with the rule's message and, for a
 quality rule, the items that most explain it (:func:`qeval.report.review.offending_items`),
-so a CI system that renders JUnit shows what failed.
+so a CI system that renders JUnit shows what failed. A gate with no candidate gets one
+failing ``no_candidates`` case (a gate that judges nothing does not pass, and CI must not
+read an empty suite as green).
 ``classname`` is ``qeval.gate.<tier>``, ``name`` the rule.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from ..analysis.gate import GateReport
+from ..analysis.gate import CandidateVerdict, GateReport, RuleResult
 from ..metrics import GATE_RULES
 from ..results import atomic_write_text
 from .review import TierReview, offending_items
@@ -40,6 +42,9 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate",
     ``offenders`` (:func:`gate_offenders`) adds a failing rule's worst items to its message."""
     offenders = offenders or {}
     cases = [(c, r) for c in gate_report.candidates for r in c.rules]
+    if not gate_report.candidates:
+        cases = [(CandidateVerdict("none", None), RuleResult("no_candidates", False, None, None,
+                                                              "the gate judged no candidate tier"))]
     failures = sum(1 for _, r in cases if not r.passed)
     root = ET.Element("testsuites", name=suite_name, tests=str(len(cases)), failures=str(failures),
                       errors="0")

@@ -11,8 +11,13 @@ from ..analysis.plan import build_plan, find_config, plan_json, plan_markdown, r
 from ..errors import QevalInputError
 from ..model_config import model_shape
 from ..recipe import load_recipe
-from ..results import load_run
+from ..analysis.gate import load_run_checked
+from ..results import RunLayout
 from . import rebuild_outputs
+
+#: Files of a run folder that qeval itself writes; ``--junit`` may not name one of them
+#: (its own default, ``junit.xml``, aside).
+OUTPUT_NAMES = tuple(n for n in RunLayout.OUTPUT_FILES if n != "junit.xml")
 
 
 def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
@@ -26,6 +31,8 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     outs = rebuild_outputs(run_dir, None, junit=junit or False)
     g = outs.gate
     lines = [outs.table_md.read_text(), "", f"gate (reference {g.reference}, depth {g.depth}):"]
+    if not g.candidates:
+        lines.append("  no candidates: a gate that judges nothing does not pass")
     lines += [f"  warning: {w}" for w in g.warnings]
     for c in g.candidates:
         judged = [r.message for r in c.failed_rules if not r.message.startswith("not judged")]
@@ -77,7 +84,7 @@ def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str | None, cont
     g = find_gpu(gpu) if gpu is not None else None
     run, results = (None, None)
     if run_dir is not None:
-        run, results = load_run(run_dir)
+        run, results = load_run_checked(run_dir)
     rec = None
     if recipe is not None:
         rec = load_recipe(recipe)

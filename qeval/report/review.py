@@ -24,7 +24,7 @@ REPORT_LIMIT = 40
 @dataclass
 class CheckPair:
     """One check of an item: its one-line reasons and pass/fail on both sides (None: that
-    side has no such check)."""
+    side has no such check, or it was not decided in bounded time: a regex timeout)."""
     detail_ref: str | None
     detail_tier: str | None
     ref: bool | None

@@ -20,7 +20,7 @@ from ..analysis import RunAnalysis
 from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
-from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path
+from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path, short_error
 
 Section = Literal["build", "memory", "speed", "quality", "long_context"]
 SECTIONS: tuple[Section, ...] = ("build", "memory", "speed", "quality", "long_context")
@@ -363,15 +363,20 @@ def _notes(r: Row) -> Cell:
         notes.append(str(r.t.decode_note))
     fb = get_path(r.t, "quant", "fallback_tensors")
     if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
-        types = get_path(r.t, "quant", "tensor_types") or {}
-        n_q = sum(v for k, v in types.items() if str(k).upper() not in ("F32", "F16", "BF16")) or None
-        kinds = ", ".join(f"{k} ×{v}" for k, v in (get_path(r.t, "quant", "fallbacks") or {}).items())
+        types = get_path(r.t, "quant", "tensor_types")
+        types = types if isinstance(types, dict) else {}  # quant keeps method extras: shapes not promised
+        n_q = sum(v for k, v in types.items() if isinstance(v, int) and str(k).upper() not in ("F32", "F16", "BF16")) or None
+        falls = get_path(r.t, "quant", "fallbacks")
+        kinds = ", ".join(f"{k} ×{v}" for k, v in (falls if isinstance(falls, dict) else {}).items())
         notes.append(f"{fb}{f' of {n_q}' if n_q else ''} quantized tensors fell back from the nominal type"
                      + (f" ({kinds})" if kinds else ""))
+    timed_out = get_path(r.t, "quality", "behaviour", "checks_timed_out")
+    if timed_out:
+        notes.append(f"{timed_out} check{'s' if timed_out > 1 else ''} timed out (not judged)")
     if not r.ok and r.t.error:
-        notes.append(str(r.t.error))
+        notes.append(short_error(r.t.error))  # a failed tier's error may hold a whole log
     if (r.t.load or {}).get("error"):
-        notes.append(f"load sweep failed: {r.t.load['error']}")
+        notes.append(f"load sweep failed: {short_error(r.t.load['error'])}")
     return "; ".join(notes), {"slow_path": bool(r.slow)}
 
 
@@ -581,7 +586,7 @@ def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
     for name, t in tiers.items():
         load = t.load or {}
         if load.get("error"):
-            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {load['error']}"])
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {short_error(load['error'])}"])
             continue
         gain = load.get("batching_gain") or {}
         for p in load.get("points") or []:
