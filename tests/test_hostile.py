@@ -752,16 +752,17 @@ def test_sigterm_exit_code_is_143(tmp_path):
     """SIGTERM while a command reads its input exits 143 (a CI cancel), not a traceback."""
     import signal
     import time
-    code = ("import sys, time, qeval.recipe as r\n"
-            "def slow(*a, **k): time.sleep(60)\n"
-            "r.load_recipe = slow\n"
+    code = ("import sys, time, qeval.cli as cli\n"
+            "def slow(*a, **k):\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(60)\n"
+            "cli.load_recipe = slow\n"
             "sys.argv = ['qeval', 'validate', 'x.yaml']\n"
-            "print('ready', flush=True)\n"
-            "from qeval.cli import main; main()\n")
+            "cli.main()\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert p.stdout.readline().strip() == "ready"
-    time.sleep(1.0)
+    assert p.stdout.readline().strip() == "ready"  # inside the command: its handlers are set
+    time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 143, err
