@@ -505,6 +505,12 @@ add(
          setup=lambda d, r: (shutil.copytree(FIXTURE_RUN, d / "good"), _write("run.json", "[]")(_copy_run(d)))),
     Case("compare-missing-b", 9, ["compare", "{D}/good", "{D}/nope"], 2, ("RUN_B", "not a qeval run folder"),
          setup=lambda d, r: shutil.copytree(FIXTURE_RUN, d / "good")),
+    Case("show-tier-path", 5, ["show", "{D}/run", "../../x"], 2, ("TIER", "no tier"),
+         setup=lambda d, r: _copy_run(d)),
+    run_folder("report-answers-not-list", 5, _write("answers/int8.json", '{"a": 1}'), "{D}/run/answers/int8.json",
+               "array", argv=("report",)),
+    run_folder("report-answers-check-list", 8, _write("answers/int8.json", '[{"item": "s/a", "checks": [[1]]}]'),
+               "{D}/run/answers/int8.json", "checks", argv=("report",)),
     run_folder("control-gate", 5, lambda r: None, rc=1),
 )
 
