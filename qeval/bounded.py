@@ -85,6 +85,18 @@ def name_problem(v: Any, what: str = "name") -> str | None:
     return None
 
 
+def checked_name(v: Any, what: str = "name") -> str:
+    """``v`` when it is a valid name (:func:`name_problem`), for pydantic field validators.
+
+    Raises:
+        ValueError: the problem, one line.
+    """
+    problem = name_problem(v, what)
+    if problem:
+        raise ValueError(problem)
+    return v
+
+
 def show_value(v: Any, limit: int = 60) -> str:
     """A short, one-line ``repr`` of a user value for an error message (a 400-digit
     integer or a megabyte string is summarised, never printed whole)."""

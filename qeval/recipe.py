@@ -29,7 +29,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       field_validator, model_validator)
 
 from . import data as builtin_data
-from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, name_problem, parse_yaml,
+from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, checked_name, parse_yaml,
                       pydantic_message, read_bytes, show_value)
 from .engines import engine_names
 from .errors import QevalInputError
@@ -227,10 +227,7 @@ class SuiteSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        problem = name_problem(v, "suite name")
-        if problem:
-            raise ValueError(problem)
-        return v
+        return checked_name(v, "suite name")
 
     @field_validator("depths")
     @classmethod
@@ -345,10 +342,7 @@ class Recipe(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        problem = name_problem(v, "recipe name")
-        if problem:
-            raise ValueError(problem)
-        return v
+        return checked_name(v, "recipe name")
 
     @field_validator("storage")
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..bounded import name_problem
+from ..bounded import checked_name
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
 from ..engines.openai import depth_texts
@@ -51,10 +51,7 @@ class TierSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        problem = name_problem(v, "tier name")
-        if problem:
-            raise ValueError(problem)
-        return v
+        return checked_name(v, "tier name")
 
     @model_validator(mode="after")
     def _server_settings(self) -> "TierSpec":
