@@ -80,6 +80,18 @@ def test_kv_cache_and_flash_attention_share_one_artifact():
     assert a != m.key_fields(_spec(type="Q8_0"), _ctx())
 
 
+def test_converter_dir_defaults_to_the_cache_without_the_env_var(tmp_path, monkeypatch):
+    # CI's fresh machine has no $QEVAL_LLAMA_CONVERTER_DIR: the default path must resolve
+    # (a local name once shadowed paths.converter_dir and recursed forever).
+    from qeval.engines.gguf_convert import converter_dir, converter_root
+    monkeypatch.delenv("QEVAL_LLAMA_CONVERTER_DIR", raising=False)
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "c"))
+    assert converter_root() == tmp_path / "c" / "llama_cpp_convert"
+    assert converter_dir("9.9.9") == tmp_path / "c" / "llama_cpp_convert" / "9.9.9"
+    monkeypatch.setenv("QEVAL_LLAMA_CONVERTER_DIR", str(tmp_path / "x"))
+    assert converter_dir("9.9.9") == tmp_path / "x" / "9.9.9"
+
+
 def test_extract_converter_keeps_only_the_converter(tmp_path):
     from qeval.engines.gguf_convert import converter_present, extract_converter
     sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..hashing import file_sha256
-from ..paths import converter_dir
+from .. import paths
 
 CONVERTER_DIR_ENV = "QEVAL_LLAMA_CONVERTER_DIR"
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
@@ -82,7 +82,7 @@ def converter_root() -> Path:
     env = os.environ.get(CONVERTER_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    return converter_dir()
+    return paths.converter_dir()
 
 
 def converter_dir(version: str | None = None) -> Path:
