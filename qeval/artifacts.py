@@ -64,16 +64,25 @@ def verify(folder: Path) -> tuple[bool, str]:
 
 
 def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
-                 log: Callable[[str], None] = print, remote: Any = None) -> tuple[Path, dict, bool]:
+                 log: Callable[[str], None] = print, remote: Any = None,
+                 fresh: bool = False) -> tuple[Path, dict, bool]:
     """Return ``(folder, manifest, reused)`` for the artifact of ``fields``, building it with
     ``build(tmp_folder) -> info`` when absent or corrupt. The build writes into a temporary
     sibling folder renamed into place only after the manifest is written.
 
     With ``remote`` (a :class:`qeval.storage.RemoteStorage`), an artifact missing here is
     first fetched from the store (and verified like a local one); a built or local one is
-    uploaded when the store lacks it, so other nodes and later runs reuse it."""
+    uploaded when the store lacks it, so other nodes and later runs reuse it.
+
+    ``fresh``: build anew even when a verified copy exists (``qeval run --fresh``); the new
+    build replaces it, here and in the store."""
     key = artifact_key(fields)
     folder = artifact_dir(method, key)
+    if fresh:
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return _build(folder, tmp, key, fields, build, remote, log, replace=True)
 
     def reuse(where: str) -> dict | None:
         """The manifest when ``folder`` holds a verified artifact; else remove it (None)."""
@@ -104,6 +113,12 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    return _build(folder, tmp, key, fields, build, remote, log, replace=remote_bad)
+
+
+def _build(folder: Path, tmp: Path, key: str, fields: dict, build: Callable[[Path], dict], remote: Any,
+           log: Callable[[str], None], replace: bool) -> tuple[Path, dict, bool]:
+    """Build into ``tmp``, write the manifest, rename over ``folder``; publish to the store."""
     try:
         t0 = time.time()
         info = build(tmp)
@@ -117,7 +132,7 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(remote, folder, log, replace=remote_bad)
+    _publish(remote, folder, log, replace=replace)
     return folder, manifest, False
 
 

@@ -32,6 +32,8 @@ from .analysis.floor import check_rules_against_floor, floor_from_run, previous_
 from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
 from .executors import make_executor
 from .paths import cache_root, staging_dir
+from .pipeline import default_lanes
+from .progress import RunProgress, planned_stages
 from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe
 from .report.outputs import OUTPUT_NAMES, build_outputs, plan_text
 from .report.review import item_changes_markdown, tier_review
@@ -164,6 +166,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         executor: Optional[str] = typer.Option(None, "--executor", help="local or ray"),
         ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address"),
         junit: Optional[str] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
+        fresh: bool = typer.Option(False, "--fresh", help="recompute the reference pass and quality results "
+                                   "instead of reusing cached ones with the same content key (speed, memory "
+                                   "and load are always measured anew)"),
         ) -> None:
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
     resume = None
@@ -215,14 +220,15 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             except OSError as e:
                 raise QevalInputError(f"cannot create the run folder: {e.strerror or e.__class__.__name__}",
                                       file=out_dir or "results", field="--out") from None
-        runner = Runner(r, run_dir, subset, executor=chosen)
+        runner = Runner(r, run_dir, subset, executor=chosen, fresh=fresh)
         if resume is not None:
             runner.check_resume()  # reads only: a refused resume changes nothing in the folder
             check_output_dir(resume, field="--resume", create=False)  # stages are written there
     except QevalInputError as e:
         _fail(e)
     console.print(f"[bold]qeval[/] run [cyan]{escape(r.name)}[/] -> {escape(str(run_dir))}", highlight=False)
-    status = console.status("starting", spinner="dots")
+    progress = RunProgress(console, r.name, planned_stages(r, runner.tiers, runner.layout),
+                           lanes=default_lanes(r, None if r.device == "auto" else r.device))
 
     def on_event(tier: str, stage: str, msg: str) -> None:
         if stage in ("done", "failed", "storage"):
@@ -230,11 +236,12 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             console.print(f"  [{colour}]{stage:>6}[/] {escape(tier)}" + (f": {escape(msg)}" if msg else ""),
                           highlight=False)
         else:
-            status.update(f"[bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg)}")
+            progress.event(tier, stage, msg)
 
     runner.on_event = on_event
+    runner.on_stage_end = progress.stage_end
     try:
-        with status:
+        with progress:
             runner.run()
     except QevalInputError as e:
         _fail(e)

@@ -32,7 +32,7 @@ from .failures import failure_text
 from .paths import cache_root, node_dir
 from .recipe import Recipe
 from .results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
-from .stages import TierRunner
+from .stages import FRESH_ENV, TierRunner
 from .storage import localize_source, storage_for
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
@@ -159,6 +159,8 @@ class RayExecutor:
             opts["memory"] = int(res.memory_gib * 2 ** 30)
         task = ray.remote(_tier_task).options(**opts)
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+        if runner.env.get(FRESH_ENV):  # qeval run --fresh reaches the tasks' stages too
+            env[FRESH_ENV] = runner.env[FRESH_ENV]
         if runner.remote is None:  # mounted storage: the driver's cache is every node's
             env["QEVAL_CACHE"] = str(cache_root())
             where = str(runner.run_dir.resolve())

@@ -549,6 +549,8 @@ class Quality(_Closed):
     long_context: LongContext | None = None
     reference_dtype: str | None = None
     noise_floor: bool | None = None
+    reused: bool | None = None       # the result of an earlier run with the same content key (issue 18)
+    content_key: str | None = None   # that key (qeval.measure.quality.quality_fields); None: not keyable
 
 
 class FloorStage(_StageBase):
@@ -731,8 +733,25 @@ class TierResult(_Closed):
         return self.status == STATUS_OK
 
 
+class ScheduledStage(_Closed):
+    """One stage as the local pipelined executor ran it (``run.json`` ``schedule``):
+    ``tier`` (``_run`` for run-wide stages), ``stage``, ``start_s`` (seconds after the
+    pipeline began), ``seconds`` (wall time in the parent, process start included),
+    ``threads`` (OMP/torch threads it was given), ``timed`` (ran alone) and ``beside``
+    (``tier.stage`` of every stage whose run overlapped it)."""
+    tier: str
+    stage: str
+    start_s: float
+    seconds: float
+    threads: int
+    timed: bool
+    ok: bool
+    beside: list[str] = Field(default_factory=list)
+
+
 class RunInfo(_Closed):
-    """``run.json``: what was run, where and with what (versions, CPU, GPU, bandwidth)."""
+    """``run.json``: what was run, where and with what (versions, CPU, GPU, bandwidth), and,
+    with the pipelined local executor, which stages ran beside which (``lanes``, ``schedule``)."""
     recipe: dict[str, Any]
     recipe_path: str | None = None
     recipe_dir: str | None = None  # where the recipe's relative paths start (absolute)
@@ -751,6 +770,8 @@ class RunInfo(_Closed):
     gpu_memory_bytes: int | None = None
     noise_floor: NoiseFloorSummary | None = None
     recipe_fingerprint: str | None = None  # qeval.stages.recipe_fingerprint: --resume refuses another recipe
+    lanes: int | None = None  # untimed stages run side by side, at most this many (qeval.pipeline)
+    schedule: list[ScheduledStage] | None = None
 
     @field_validator("recipe")
     @classmethod

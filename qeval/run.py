@@ -26,6 +26,7 @@ from .failures import failure_text
 from .measure.long_context import recipe_long_context
 from .measure.quality import _budget, load_suites
 from .paths import cache_root
+from .pipeline import Pipeline, default_lanes
 from .recipe import Recipe, check_context
 from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, RunInfo, RunLayout, TierResult,
                       read_run_info, read_stage, stage_done, write_run_info)
@@ -87,12 +88,15 @@ class Runner(TierRunner):
         executor: where the tiers run: an :class:`~qeval.executors.Executor`, or its name
             (``local``, ``ray``); None: the recipe's ``executor``.
         ray_address: the Ray cluster's address when ``executor`` is a name.
+        fresh: recompute the reference pass and every quality result instead of reusing
+            cached ones with the same content key (``qeval run --fresh``).
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path, tiers: list[str] | None = None,
                  on_event: Callable[[str, str, str], None] = lambda t, s, m: None,
-                 executor: Executor | str | None = None, ray_address: str | None = None) -> None:
-        super().__init__(recipe, run_dir, on_event)
+                 executor: Executor | str | None = None, ray_address: str | None = None,
+                 fresh: bool = False) -> None:
+        super().__init__(recipe, run_dir, on_event, fresh=fresh)
         self.tiers = tiers or [t.name for t in recipe.tiers]
         if executor is None or isinstance(executor, str):
             executor = make_executor(executor or recipe.executor, ray_address)
@@ -193,13 +197,36 @@ class Runner(TierRunner):
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,
                              "device": env.device, "gpu": env.gpu, "gpu_memory_bytes": env.gpu_memory_bytes})
-        reference_failed = self.reference_stage() if self.recipe.suites else None
-        if self.recipe.suites and not reference_failed:
-            self.write_run_json({"noise_floor": self.floor_stage()})
-        self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
-        results = self.executor.run_tiers(self, self.tiers, reference_failed)
+        lanes = default_lanes(self.recipe, env.device)
+        if self.executor.name == "local" and lanes > 1:
+            results = self.run_pipelined(lanes)
+        else:
+            reference_failed = self.reference_stage() if self.recipe.suites else None
+            if self.recipe.suites and not reference_failed:
+                self.write_run_json({"noise_floor": self.floor_stage()})
+            self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
+            results = self.executor.run_tiers(self, self.tiers, reference_failed)
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
         return results
+
+    def run_pipelined(self, lanes: int) -> dict[str, TierResult]:
+        """The reference, floor and tier stages through :class:`~qeval.pipeline.Pipeline`
+        (untimed stages side by side, at most ``lanes``; timed ones alone); ``run.json``
+        records ``lanes`` and the ``schedule``."""
+        def on_floor(out: StageOutcome) -> None:
+            if out.ok:
+                summary = floor_summary(read_stage(self.layout, RUN_SCOPE, "floor"))
+            else:
+                why = (out.reason or "failed").splitlines()[0]
+                self.on_event("run", "floor", f"noise floor not measured: {why}")
+                summary = NoiseFloorSummary(measured=False, why=f"the floor stage failed: {why}")
+            self.write_run_json({"noise_floor": summary})
+
+        pipe = Pipeline(self, self.tiers, lanes, on_floor=on_floor)
+        try:
+            return pipe.run()
+        finally:
+            self.write_run_json({"lanes": lanes, "schedule": pipe.schedule()})
 
     def check_download(self) -> None:
         """Pre-flight for a hub id: free disk in the Hugging Face cache against the files the

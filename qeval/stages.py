@@ -35,6 +35,10 @@ from .tiers import get_method
 
 TIMED_STAGES = ("measure", "load", "env")
 
+#: Set to ``1`` in every stage's environment by ``qeval run --fresh``: the reference pass and
+#: the tiers' quality results are recomputed instead of reused from the cache.
+FRESH_ENV = "QEVAL_FRESH"
+
 
 def stage_threads(recipe: Recipe, stage: str) -> int:
     """Threads of a stage: the recipe's pinned ``threads`` where speed or bandwidth is
@@ -151,14 +155,18 @@ class TierRunner:
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path,
-                 on_event: Callable[[str, str, str], None] = lambda t, s, m: None) -> None:
+                 on_event: Callable[[str, str, str], None] = lambda t, s, m: None, fresh: bool = False) -> None:
         self.recipe = recipe
         self.recipe_dict = recipe.model_dump(mode="json")
         self.run_dir = Path(run_dir)
         self.layout = RunLayout(self.run_dir)
         self.on_event = on_event
+        #: ``(tier, stage, seconds, ok)`` after every stage process ends (any thread).
+        self.on_stage_end: Callable[[str, str, float, bool], None] = lambda t, s, sec, ok: None
         self.env = child_env(recipe)
-        self._proc: subprocess.Popen | None = None
+        if fresh:
+            self.env[FRESH_ENV] = "1"
+        self._procs: set[subprocess.Popen] = set()  # stage processes running now
         self.remote = storage_for(recipe)  # a storage URL: run files are copied there as they finish
         self.remote_rel = run_rel(self.run_dir)
         self._pushed: dict[str, tuple[int, int]] = {}
@@ -194,8 +202,28 @@ class TierRunner:
         return [sys.executable, "-m", "qeval.worker", stage, str(self.run_dir), tier]
 
     def run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
-                  fingerprint: str | None = None) -> StageOutcome:
+                  fingerprint: str | None = None, threads: int | None = None) -> StageOutcome:
+        """Run one stage in a child process and wait for it (:meth:`_run_stage`); then call
+        ``on_stage_end(tier, stage, seconds, ok)`` (the progress display, the stage-time
+        history), also when the stage failed."""
+        t0 = time.time()
+        out = StageOutcome(False, "interrupted")
+        try:
+            out = self._run_stage(stage, tier, timeout, fingerprint, threads)
+            return out
+        finally:
+            try:
+                self.on_stage_end(tier, stage, time.time() - t0, out.ok)
+            except Exception:  # noqa: BLE001 - a display error must not fail the stage
+                pass
+
+    def _run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
+                   fingerprint: str | None = None, threads: int | None = None) -> StageOutcome:
         """Run one stage in a child process and wait for it (polling the log for progress).
+
+        ``threads``: OMP/torch threads of an untimed stage (default :func:`stage_threads`);
+        timed stages always get the recipe's pinned ``threads``. Safe to call from several
+        threads at once (the pipelined executor runs untimed stages side by side).
 
         The child runs in its own session (a timeout kills its whole process group) and
         is killed by the kernel if this process dies (PR_SET_PDEATHSIG), so a killed run
@@ -213,11 +241,12 @@ class TierRunner:
             lf.flush()
             env = dict(self.env, QEVAL_FINGERPRINT=fingerprint or "")
             if stage not in TIMED_STAGES:  # nothing is timed here: use the machine
-                t = str(stage_threads(self.recipe, stage))
+                t = str(threads or stage_threads(self.recipe, stage))
                 env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, QEVAL_STAGE_THREADS=t)
-            self._proc = proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
-                                                 start_new_session=True, stdin=subprocess.DEVNULL,
-                                                 preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
+            self._procs.add(proc)
             last = ""
             try:
                 while True:
@@ -237,7 +266,7 @@ class TierRunner:
                 _kill(proc)
                 raise Interrupted() from None
             finally:
-                self._proc = None
+                self._procs.discard(proc)
         if rc == 0 and stage_done(self.layout, tier, stage):
             return StageOutcome(True)
         reason = None
@@ -256,6 +285,16 @@ class TierRunner:
             logged = reason_from_log(log) if rc > 0 else None  # a signal is its own reason
             reason = f"{logged} (from its log; the {stage} process {how})" if logged else f"{stage} process {how}"
         return StageOutcome(False, reason, _tail(log), input_error)
+
+    def kill_stages(self) -> None:
+        """Kill every stage process still running (an interrupted pipelined run)."""
+        for proc in list(self._procs):
+            _kill(proc)
+
+    def stage_timeout(self, stage: str) -> float | None:
+        """The time limit of a tier stage: ``load.timeout_s``, ``speed.timeout_s`` for
+        measure, else None (``stage_timeout_s``)."""
+        return {"load": self.recipe.load.timeout_s, "measure": self.recipe.speed.timeout_s}.get(stage)
 
     def run_tier(self, tier: str, reference_failed: str | None = None) -> TierResult:
         """Run the tier's unfinished stages (prepare, measure, load, quality) in child
@@ -277,9 +316,7 @@ class TierRunner:
                 failed = StageOutcome(False, f"reference pass failed: {reference_failed}")
                 break
             self.on_event(tier, stage, "starting")
-            timeout = {"load": self.recipe.load.timeout_s,  # others: stage_timeout_s
-                       "measure": self.recipe.speed.timeout_s}.get(stage)
-            out = self.run_stage(stage, tier, timeout=timeout, fingerprint=fp)
+            out = self.run_stage(stage, tier, timeout=self.stage_timeout(stage), fingerprint=fp)
             self.push(RunLayout.tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
             if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality
                 self.on_event(tier, "load", f"load sweep failed: {out.reason}")

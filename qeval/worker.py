@@ -40,7 +40,7 @@ from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_fr
 from .recipe import Recipe, validation_error
 from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
 from .source import model_max_context, resolve_source
-from .stages import load_fingerprint
+from .stages import FRESH_ENV, load_fingerprint
 from .storage import OPTIONS_ENV, publish_source, storage_for
 from .tiers import get_method
 from .tiers.base import TierContext
@@ -367,7 +367,7 @@ def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = reference_context(recipe, tier_context(recipe, run_dir, device))
-    return reference_pass(recipe, run_dir, ctx, progress=_progress)
+    return reference_pass(recipe, run_dir, ctx, progress=_progress, fresh=os.environ.get(FRESH_ENV) == "1")
 
 
 def stage_floor(recipe, run_dir: Path, tier: str | None) -> dict:
@@ -384,7 +384,7 @@ def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
-    return tier_quality(recipe, run_dir, tier, ctx, progress=_progress)
+    return tier_quality(recipe, run_dir, tier, ctx, progress=_progress, fresh=os.environ.get(FRESH_ENV) == "1")
 
 
 STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "measure": stage_measure,

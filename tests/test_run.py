@@ -216,3 +216,24 @@ def test_second_run_reuses_the_reference_pass(reference_run, tmp_path):
     got = json.loads((second / "tiers/bf16-kv8.json").read_text())["quality"]["fidelity"]
     want = json.loads((first_dir / "tiers/bf16-kv8.json").read_text())["quality"]["fidelity"]
     assert got == want
+    # issue 18: the quality result itself is reused (same content key), its answers and review
+    # copied into the new run; speed is measured anew
+    for tier in ("bf16", "bf16-kv8"):
+        qa = json.loads((first_dir / f"tiers/{tier}.json").read_text())["quality"]
+        qb = json.loads((second / f"tiers/{tier}.json").read_text())["quality"]
+        assert qa["reused"] is False and qb["reused"] is True and qa["content_key"] == qb["content_key"]
+        assert {k: v for k, v in qa.items() if k not in ("reused",)} == {k: v for k, v in qb.items() if k != "reused"}
+        for part in ("answers", "review"):
+            assert (second / part / f"{tier}.json").read_bytes() == (first_dir / part / f"{tier}.json").read_bytes()
+    ma = json.loads((first_dir / "stages/bf16.measure.json").read_text())
+    mb = json.loads((second / "stages/bf16.measure.json").read_text())
+    assert ma["stage_seconds"] != mb["stage_seconds"]  # a new measure process, not a copy
+    assert "quality reused (content key" in (second / "table.md").read_text()
+    # --fresh: the reference pass and every quality result are computed again, to the same figures
+    p = _qeval("run", recipe, "--out", tmp_path / "fresh", "--fresh", env=_env(recipe.parent / "cache"))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    third = _run_dir(tmp_path / "fresh")
+    assert json.loads((third / "stages/_run.reference.json").read_text())["reused"] is False
+    qc = json.loads((third / "tiers/bf16-kv8.json").read_text())["quality"]
+    assert qc["reused"] is False and qc["fidelity"] == want

@@ -27,6 +27,7 @@ measured with the real kernel. The tier row records which engine produced the fi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -284,13 +285,14 @@ def reference_fields(recipe, ctx) -> dict:
             **({"dtype": ctx.dtype} if ctx.dtype != recipe.model.dtype else {})}
 
 
-def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
+def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print,
+                   fresh: bool = False) -> dict:
     """Reference answers and log-probabilities into ``run_dir/reference/``: built once per
     :func:`reference_fields` in the artifact cache (a second run of the same recipe
-    reuses them) and linked into the run folder."""
+    reuses them; ``fresh``: built again) and linked into the run folder."""
     folder, manifest, reused = get_or_build("reference", reference_fields(recipe, ctx),
                                             lambda out: build_reference(recipe, run_dir, ctx, out, progress),
-                                            log=progress, remote=storage_for(recipe))
+                                            log=progress, remote=storage_for(recipe), fresh=fresh)
     layout = RunLayout(run_dir)
     layout.reference_dir.mkdir(parents=True, exist_ok=True)
     for dst in (layout.reference_segments, layout.reference_logprobs, layout.reference_long_context,
@@ -517,19 +519,120 @@ def fidelity(engine: Any, segments: list[dict], ref_logprobs: np.ndarray, window
     return acc.summary()
 
 
-def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str], None] = print) -> dict:
-    """Quality of one tier against the stored reference: ``{"quality": {...}}``."""
+#: Packages whose versions are part of a quality result's content key (:func:`quality_fields`).
+QUALITY_KEY_PACKAGES = ("torch", "transformers", "torchao", "gptqmodel", "llama-cpp-python", "gguf", "hqq",
+                        "lm-eval", "numpy", "tokenizers")
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except Exception:  # PackageNotFoundError: an optional extra not installed
+        return None
+
+
+def qeval_code_sha256() -> str:
+    """SHA-256 over qeval's own Python sources (sorted relative paths and bytes): a quality
+    result computed by other qeval code is not reused (its version string does not move
+    with every change)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def quality_engine_choice(recipe, layout: RunLayout, tier: str) -> str:
+    """``real`` or ``dequantized``: what :func:`choose_quality_engine` asks for this tier,
+    given its measured decode tokens/s at the main depth (when measured)."""
+    spec = recipe.tier(tier)
+    measured = None
+    if stage_done(layout, tier, "measure"):
+        point = read_stage(layout, tier, "measure").speed.get(str(recipe.speed.main_depth))
+        measured = point.decode_tokens_per_s if point is not None else None
+    return choose_quality_engine(recipe, spec, measured, get_method(spec.method).has_dequantized)
+
+
+def quality_fields(recipe, layout: RunLayout, tier: str, ctx, which: str) -> dict | None:
+    """The content key of a tier's quality result (issue 18: warm runs reuse what cannot
+    have changed): the reference pass's own key (source, reference tier, suites and their
+    file hashes, quality settings, reference dtype), the tier's spec and artifact key, the
+    quality engine asked for (``which``), the lm-eval task files and limit, device, stage
+    threads, library versions and qeval's code hash.
+
+    Returns None when the result cannot be keyed: a tier behind an ``endpoint:`` URL (the
+    server may change under the same URL), or no finished reference stage."""
+    spec = recipe.tier(tier)
+    if getattr(spec, "endpoint", None) is not None or not stage_done(layout, RUN_SCOPE, "reference"):
+        return None
+    ref = read_stage(layout, RUN_SCOPE, "reference")
+    ref_key = Path(str(getattr(ref, "artifact", "") or "")).name
+    if not ref_key:
+        return None
+    prep = read_stage(layout, tier, "prepare") if stage_done(layout, tier, "prepare") else None
+    tasks = {}
+    for p in recipe.quality.lm_eval_tasks or []:
+        path = recipe.resolve_path(p)
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        tasks[str(p)] = {str(f.relative_to(path) if path.is_dir() else f.name): file_sha256(f) for f in files}
+    q = recipe.quality
+    return {"kind": "quality", "reference": ref_key, "tier": stable_tier_dict(spec.model_dump(mode="json")),
+            "artifact": getattr(prep, "key", None) if prep is not None else None,
+            "source_sha256": ctx.source_sha256, "engine": which,
+            "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
+            "bootstrap": q.bootstrap, "lm_eval": tasks, "lm_eval_limit": q.lm_eval_limit,
+            "reference_is_tier": tier == recipe.gate.reference,
+            "device": ctx.device, "threads": ctx.threads, "stage_threads": os.environ.get("QEVAL_STAGE_THREADS"),
+            "versions": {p: _package_version(p) for p in QUALITY_KEY_PACKAGES},
+            "qeval_code": qeval_code_sha256()}
+
+
+def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str], None] = print,
+                 fresh: bool = False) -> dict:
+    """Quality of one tier against the stored reference: ``{"quality": {...}}``.
+
+    The result, its answers and its review are kept in the artifact cache under
+    :func:`quality_fields` (kind ``quality``); a later run with the same content key reuses
+    them (``quality.reused`` True, ``quality.content_key`` the key) instead of scoring
+    again. ``fresh`` (``qeval run --fresh``) recomputes and replaces the cached copy.
+    Speed, memory and load are never reused."""
+    layout = RunLayout(run_dir)
+    which = quality_engine_choice(recipe, layout, tier)
+    fields = quality_fields(recipe, layout, tier, ctx, which)
+    if fields is None:
+        out = _tier_quality(recipe, run_dir, tier, ctx, which, progress)
+        out["quality"].update(reused=False, content_key=None)
+        return out
+    kept = (("answers.json", layout.answers(tier)), ("review.json", layout.review(tier)))
+
+    def build(folder: Path) -> dict:
+        got = _tier_quality(recipe, run_dir, tier, ctx, which, progress)
+        for name, path in kept:
+            shutil.copyfile(path, folder / name)
+        return got
+
+    folder, manifest, reused = get_or_build("quality", fields, build, log=progress, remote=storage_for(recipe),
+                                            fresh=fresh)
+    if reused:
+        for name, path in kept:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            shutil.copyfile(folder / name, tmp)
+            os.replace(tmp, path)
+        progress(f"quality reused: {folder.name} (same content key; qeval run --fresh recomputes)")
+    out = json.loads(json.dumps(manifest["info"]))
+    out["quality"].update(reused=reused, content_key=manifest["key"])
+    return out
+
+
+def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: Callable[[str], None]) -> dict:
+    """Score and answer: the body of :func:`tier_quality` (``which``: the engine asked for)."""
     from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     artifact = _artifact(run_dir, tier)
-    measured = None
     layout = RunLayout(run_dir)
-    if stage_done(layout, tier, "measure"):
-        point = read_stage(layout, tier, "measure").speed.get(str(recipe.speed.main_depth))
-        measured = point.decode_tokens_per_s if point is not None else None
-    which = choose_quality_engine(recipe, spec, measured, method.has_dequantized)
     engine = None
     if which == "dequantized":
         engine = method.load_dequantized(spec, ctx, artifact)

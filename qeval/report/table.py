@@ -337,6 +337,14 @@ def _kv_lc_text(r: Row) -> str | None:
     return kv_long_context_change(r.a.tiers, r.name, base, r.a.reference, long_context_depths(r.a.tiers))
 
 
+def _reused_text(r: Row) -> str | None:
+    """``quality reused (key …)`` when the tier's quality result came from an earlier run
+    with the same content key (issue 18); speed, memory and load never do."""
+    if get_path(r.t, "quality", "reused") is True:
+        return f"quality reused (content key {get_path(r.t, 'quality', 'content_key')}; --fresh recomputes)"
+    return None
+
+
 def _notes(r: Row) -> Cell:
     notes = [r.slow.text] if r.slow else []
     base = kv_base_tier(r.a.tiers, r.name)
@@ -370,6 +378,9 @@ def _notes(r: Row) -> Cell:
         kinds = ", ".join(f"{k} ×{v}" for k, v in (falls if isinstance(falls, dict) else {}).items())
         notes.append(f"{fb}{f' of {n_q}' if n_q else ''} quantized tensors fell back from the nominal type"
                      + (f" ({kinds})" if kinds else ""))
+    reused = _reused_text(r)
+    if reused:
+        notes.append(reused)
     timed_out = get_path(r.t, "quality", "behaviour", "checks_timed_out")
     if timed_out:
         notes.append(f"{timed_out} check{'s' if timed_out > 1 else ''} timed out (not judged)")
@@ -469,7 +480,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("lm-eval", _lm_eval, "quality"),
     Column("users @SLO", lambda r: (_f(r.v("users_at_slo"), "g"), {}), "quality", numeric=True),  # CSV: _load
     Column("Pareto", _pareto, "quality"),
-    Column("notes", _notes, "quality", html_cell=lambda r: r.slow.text if r.slow else ""),
+    Column("notes", _notes, "quality",
+           html_cell=lambda r: "; ".join(x for x in ((r.slow.text if r.slow else ""), _reused_text(r) or "") if x)),
     Column("load", lambda r: _load(r), None, md=False),
 )
 

@@ -1,0 +1,195 @@
+"""Progress of a run a person can plan around: an overall bar (stages done of all, elapsed,
+time remaining estimated from this machine's earlier stage times) above one line per
+running stage in a terminal, and one line per finished stage with its seconds in
+non-interactive logs (CI).
+
+The display is rich's (``rich.progress.Progress``: bars, elapsed and remaining columns);
+what this module adds is the plan of a run's stages and the stage-time history the
+estimate comes from: ``$QEVAL_CACHE/stage_times.json``, ``{recipe name: {"tier.stage":
+seconds}}``, the last time each stage took on this machine (a warm run's reused stages are
+short, so the estimate follows what the cache holds now).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from .paths import cache_root
+from .results import RUN_SCOPE, RunLayout, stage_done
+from .stages import TIMED_STAGES
+
+HISTORY_NAME = "stage_times.json"
+
+
+def history_path() -> Path:
+    """``$QEVAL_CACHE/stage_times.json``."""
+    return cache_root() / HISTORY_NAME
+
+
+def read_history(recipe_name: str, path: Path | None = None) -> dict[str, float]:
+    """``{"tier.stage": seconds}`` of ``recipe_name``'s last run here; {} when none or unreadable."""
+    try:
+        data = json.loads((path or history_path()).read_text())
+        got = data.get(recipe_name) if isinstance(data, dict) else None
+        return {str(k): float(v) for k, v in (got or {}).items() if isinstance(v, (int, float))}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def write_history(recipe_name: str, times: dict[str, float], path: Path | None = None) -> None:
+    """Merge ``times`` into the history file (atomically; an unwritable cache is ignored)."""
+    path = path or history_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault(recipe_name, {}).update({k: round(v, 2) for k, v in times.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def planned_stages(recipe, tiers: list[str], layout: RunLayout) -> list[str]:
+    """``tier.stage`` of every stage the run will start, less those already done (a
+    resumed run): the run-wide source, env, reference and floor (with suites), then each
+    tier's prepare, measure, load (when ``load.enabled``; engines that cannot batch skip
+    it) and quality (with suites)."""
+    plan = [f"{RUN_SCOPE}.source", f"{RUN_SCOPE}.env"]
+    if recipe.suites:
+        plan += [f"{RUN_SCOPE}.reference", f"{RUN_SCOPE}.floor"]
+    for t in tiers:
+        plan += [f"{t}.prepare", f"{t}.measure"]
+        if recipe.load.enabled:
+            plan.append(f"{t}.load")
+        if recipe.suites:
+            plan.append(f"{t}.quality")
+    return [p for p in plan if not stage_done(layout, *p.split(".", 1))]
+
+
+def estimate_remaining(todo: list[str], history: dict[str, float], lanes: int = 1,
+                       running: dict[str, float] | None = None) -> float | None:
+    """Seconds left: timed stages one after another, untimed ones ``lanes`` at a time,
+    each from ``history``; a running stage counts what its history says is left of it.
+    None when a stage still to run has no history (a first run)."""
+    running = running or {}
+    timed = untimed = 0.0
+    for name in todo:
+        if name not in history:
+            return None
+        left = max(0.0, history[name] - running.get(name, 0.0))
+        if name.split(".", 1)[1] in TIMED_STAGES:
+            timed += left
+        else:
+            untimed += left
+    return timed + untimed / max(1, lanes)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
+
+
+class RunProgress:
+    """The display of one run (see the module docstring); fed by the runner's
+    ``on_event`` and ``on_stage_end`` callbacks, from any thread.
+
+    Args:
+        console: where to draw (a terminal gets bars; anything else gets lines).
+        recipe_name: the history's key.
+        plan: ``tier.stage`` of the stages to run (:func:`planned_stages`).
+        lanes: untimed stages side by side (for the estimate).
+        history_file: default ``$QEVAL_CACHE/stage_times.json``.
+    """
+
+    def __init__(self, console: Console, recipe_name: str, plan: list[str], lanes: int = 1,
+                 history_file: Path | None = None) -> None:
+        self.console = console
+        self.name = recipe_name
+        self.todo = list(plan)
+        self.total = len(plan)
+        self.lanes = lanes
+        self.history_file = history_file
+        self.history = read_history(recipe_name, history_file)
+        self.times: dict[str, float] = {}
+        self.started: dict[str, float] = {}
+        self.t0 = time.time()
+        self.lock = threading.Lock()
+        self.interactive = console.is_terminal
+        self.progress: Progress | None = None
+        self.overall: Any = None
+        self.lines: dict[str, Any] = {}
+
+    # -- the rich display ---------------------------------------------------------------
+    def __enter__(self) -> "RunProgress":
+        if self.interactive:
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
+                                     console=self.console, transient=True)
+            self.overall = self.progress.add_task("[bold]run[/]", total=max(1, self.total), eta=self._eta_text())
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        write_history(self.name, self.times, self.history_file)
+
+    def _eta_text(self) -> str:
+        now = time.time()
+        left = estimate_remaining(self.todo, self.history, self.lanes,
+                                  {k: now - v for k, v in self.started.items()})
+        if left is None:
+            return "remaining: no earlier times here yet"
+        return f"about {_clock(left)} left"
+
+    # -- callbacks ----------------------------------------------------------------------
+    def event(self, tier: str, stage: str, msg: str) -> None:
+        """``on_event``: a stage starting or reporting progress (``done``/``failed`` tier
+        lines are the CLI's)."""
+        if stage in ("done", "failed", "storage"):
+            return
+        key = f"{RUN_SCOPE if tier == 'run' else tier}.{stage}"
+        with self.lock:
+            if msg == "starting":
+                self.started[key] = time.time()
+            if self.progress is None:
+                return
+            text = f"  [bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg if msg != 'starting' else '')}"
+            if key not in self.lines:
+                self.lines[key] = self.progress.add_task(text, total=None, eta="")
+            else:
+                self.progress.update(self.lines[key], description=text)
+            self.progress.update(self.overall, eta=self._eta_text())
+
+    def stage_end(self, tier: str, stage: str, seconds: float, ok: bool) -> None:
+        """``on_stage_end``: count it, remember its time, print its line."""
+        key = f"{tier}.{stage}"
+        with self.lock:
+            self.times[key] = seconds
+            if key in self.todo:
+                self.todo.remove(key)
+            self.started.pop(key, None)
+            line = f"  {seconds:7.1f} s  {'' if ok else 'FAILED '}{stage} {'(run)' if tier == RUN_SCOPE else tier}"
+            if self.progress is not None:
+                if key in self.lines:
+                    self.progress.remove_task(self.lines.pop(key))
+                self.progress.update(self.overall, completed=self.total - len(self.todo), eta=self._eta_text())
+                self.progress.console.print(escape(line), highlight=False)
+            else:
+                done = self.total - len(self.todo)
+                self.console.print(f"{escape(line)}  [{done}/{self.total}, {_clock(time.time() - self.t0)} elapsed]",
+                                   highlight=False)
