@@ -250,3 +250,27 @@ def test_sweep_records_points_that_do_not_fit_as_not_admitted(tiny):
     assert not pts[64]["admitted"] and "KV budget" in pts[64]["reason"] and pts[64]["requests_not_admitted"] == 128
     assert out["users_at_slo"] == 2 and out["requests_not_admitted"] == 136
     assert out["scheduling"] == ["continuous"] and set(out["batching_gain"]) == {"1", "2"}
+
+
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_llamacpp_answers_in_a_batch_equal_alone(tiny, kv):
+    """Issue 18: the GGUF tiers answer the suites a batch at once (generate_batch), with the
+    same greedy tokens as one prompt at a time, stop tokens ending each sequence alone."""
+    from qeval.engines.llamacpp import LlamaCppEngine
+    pf = _prompts(tiny, 40)
+    prompts = [pf(s, 0)[:40 - 9 * s] for s in range(4)]
+    eng = LlamaCppEngine(tiny["f16"], threads=1, kv_cache=kv)
+    try:
+        assert eng.capabilities.batch
+        alone = [eng.generate(p, 12, ignore_stop=True).token_ids for p in prompts]
+        assert len({tuple(a) for a in alone}) > 1  # distinct answers: a mix-up would show
+        got = eng.generate_batch(prompts, 12)
+        assert [g[0] for g in got] == alone and not any(g[1] for g in got)
+        stop = [alone[1][4]]  # a token stream 1 produces at its 5th step
+        want = [eng.generate(p, 12, stop_ids=stop) for p in prompts]
+        got = eng.generate_batch(prompts, 12, stop_ids=stop)
+        assert [(g.token_ids, g.finished) for g in want] == [(list(i), f) for i, f in got]
+        assert got[1][1] and len(got[1][0]) <= 5
+        assert eng.generate_batch([], 4) == []
+    finally:
+        eng.close()

@@ -310,7 +310,7 @@ class LlamaCppEngine:
     decode_mode = None  # one decode loop: no modes (transformers' eager/static)
     decode_note = None
     kv_requant_period = None  # the q8_0 cache is quantized per token, never re-quantized
-    capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="process", kv_bytes=True,
+    capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="process", kv_bytes=True,
                                 lm_eval=False, scored_generate=True, serve="qeval.engines.llamacpp_load:serve_closed_loop")
 
     @classmethod
@@ -547,6 +547,93 @@ class LlamaCppEngine:
         # llama.cpp's own count (K/V rows + ~12 bytes of cell metadata per token + header)
         self.last_state_bytes = int(L.llama_state_seq_get_size(ctx, 0))
         return gen
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       stop_ids: Sequence[int] = (), pad_id: int = 0) -> list[tuple[list[int], bool]]:
+        """Greedy answers to several prompts at once (quality only: no timings), with the
+        same tokens as :meth:`generate` on each prompt alone.
+
+        One context with a sequence per prompt (``n_seq_max`` = the prompts, llama.cpp's
+        default non-unified KV cache: each sequence its own cells); every prompt prefilled
+        alone in ``n_batch`` chunks, as :meth:`generate` does; then one ``llama_decode``
+        per step holding the next token of every sequence still answering (the
+        multi-sequence loop of :mod:`qeval.engines.llamacpp_load`, which llama.cpp's server
+        runs too). A sequence stops at a stop token or ``max_new_tokens``. ``pad_id`` is
+        not used (nothing is padded).
+
+        Returns:
+            per prompt ``(new token ids up to and including the stop token, finished)``.
+
+        Raises:
+            ValueError: an empty prompt or a token id outside the vocabulary.
+            RuntimeError: llama.cpp refuses the context or a decode.
+        """
+        L = self._L
+        ps = [[int(t) for t in p] for p in prompts]
+        if not ps:
+            return []
+        for p in ps:
+            if not p:
+                raise ValueError("generate_batch needs at least one token per prompt")
+            self._check_ids(p)
+        n_seq = len(ps)
+        n_ctx_seq = -(-(max(len(p) for p in ps) + max_new_tokens) // _CTX_ROUND) * _CTX_ROUND
+        n_batch = max(self.n_batch, n_seq)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx_seq * n_seq
+        cp.n_batch = cp.n_ubatch = n_batch
+        cp.n_seq_max = n_seq
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.type_k = cp.type_v = self.type_kv
+        cp.kv_unified = False
+        cp.embeddings = False
+        ctx = L.llama_init_from_model(self._model, cp)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp cannot create a context of {n_seq} sequences x {n_ctx_seq} tokens")
+        batch = L.llama_batch_init(n_batch, 0, 1)
+        stop = {int(t) for t in stop_ids}
+        out: list[list[int]] = [[] for _ in ps]
+        done = [False] * n_seq
+        pos = [len(p) for p in ps]
+
+        def put(i: int, tok: int, at: int, seq: int, logits: bool) -> None:
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, at, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+
+        def decode(n: int) -> None:
+            batch.n_tokens = n
+            rc = L.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {n_seq} sequences)")
+
+        try:
+            for q, p in enumerate(ps):
+                for s0 in range(0, len(p), self.n_batch):
+                    chunk = p[s0:s0 + self.n_batch]
+                    for j, t in enumerate(chunk):
+                        put(j, t, s0 + j, q, s0 + j == len(p) - 1)
+                    decode(len(chunk))
+                tok = int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(self.vocab_size,))))
+                out[q].append(tok)
+                done[q] = tok in stop or max_new_tokens <= 1
+            while True:
+                live = [q for q in range(n_seq) if not done[q]]
+                if not live:
+                    break
+                for j, q in enumerate(live):
+                    put(j, out[q][-1], pos[q], q, True)
+                    pos[q] += 1
+                decode(len(live))
+                rows = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(live), self.vocab_size))
+                for q, tok in zip(live, rows.argmax(axis=1).tolist()):
+                    out[q].append(int(tok))
+                    done[q] = int(tok) in stop or len(out[q]) >= max_new_tokens
+        finally:
+            L.llama_batch_free(batch)
+            L.llama_free(ctx)
+        return [(o, bool(o and o[-1] in stop)) for o in out]
 
     def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:
         """The attention path of this engine's contexts: llama.cpp's flash-attention type is
