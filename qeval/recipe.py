@@ -102,6 +102,11 @@ class SpeedSpec(_Strict):
                                    description="depth the Pareto front and gate use; default: middle depth")
     decode_tokens: int = Field(32, le=MAX_TOKENS)
     repeats: int = Field(3, le=MAX_COUNT)
+    prefill_repeats: int | None = Field(None, ge=1, le=MAX_COUNT,
+                                        description="repeats that prefill the whole prompt (TTFT, prefill "
+                                                    "tokens/s); the other repeats decode from the KV cache cut "
+                                                    "back to the depth where the engine can (decode tokens/s "
+                                                    "only). Default: every repeat prefills")
     warmup: int = Field(1, le=MAX_COUNT)
     timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS,
                              description="seconds the measure stage (memory and speed sweep) may run "
@@ -120,6 +125,12 @@ class SpeedSpec(_Strict):
         if len(set(v)) != len(v):
             raise ValueError("depths must be distinct")
         return sorted(v)
+
+    @model_validator(mode="after")
+    def _prefill_repeats(self) -> "SpeedSpec":
+        if self.prefill_repeats is not None and self.prefill_repeats > self.repeats:
+            raise ValueError(f"prefill_repeats ({self.prefill_repeats}) cannot exceed repeats ({self.repeats})")
+        return self
 
     @field_validator("decode_tokens")
     @classmethod

@@ -445,6 +445,7 @@ class SpeedPoint(_Closed):
     decode_tokens_per_s: float | None = None
     ttft_s_all: list[float] = Field(default_factory=list)
     decode_tokens_per_s_all: list[float] = Field(default_factory=list)
+    decode_from_cache: int | None = None  # repeats that decoded from the cache cut back to the depth (no prefill)
     roofline_tokens_per_s: float | None = None
     roofline_share: float | None = None
 

@@ -263,7 +263,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
                               f"period of {engine.kv_requant_period}: the figure leaves re-quantization out")
     speed, peaks, kv, extra = speed_sweep(engine, prompts, decode_tokens=n_decode,
                                           repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
-                                          progress=_progress)
+                                          prefill_repeats=recipe.speed.prefill_repeats, progress=_progress)
     kv_alloc = {d: e["kv_allocated_bytes"] for d, e in extra.items()}
     kvpt = kv_bytes_per_token_from_sweep(kv, n_decode)
     add_roofline(speed, bw, weight_bytes, kvpt)

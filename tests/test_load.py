@@ -274,3 +274,21 @@ def test_llamacpp_answers_in_a_batch_equal_alone(tiny, kv):
         assert eng.generate_batch([], 4) == []
     finally:
         eng.close()
+
+
+def test_llamacpp_decode_again_equals_a_full_prefill(tiny):
+    """Issue 18 item 4 on llama.cpp: the cache cut back to the depth (llama_memory_seq_rm)
+    decodes the same greedy tokens as a full prefill; another prompt is not in the cache."""
+    from qeval.engines.llamacpp import LlamaCppEngine
+    ids = _prompts(tiny, 40)(0, 0)
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        full = eng.generate(ids, 10, ignore_stop=True)
+        for _ in range(2):  # twice: the second cut starts from the first repeat's cache
+            again = eng.decode_again(ids, 10)
+            assert again is not None and again.token_ids == full.token_ids
+        assert eng.decode_again(ids[:-3], 10) is None
+        list(eng.iter_logprobs(ids[:20]))  # another use of the context clears what it held
+        assert eng.decode_again(ids, 10) is None
+    finally:
+        eng.close()

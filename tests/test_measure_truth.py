@@ -290,3 +290,29 @@ def test_reference_in_the_served_dtype_has_no_floor_and_scores_zero(tiny_llama, 
     bf16 = json.loads((run_dir / "tiers" / "bf16.json").read_text())
     assert bf16["quality"]["fidelity"]["kld_mean"] == 0.0 and bf16["quality"]["noise_floor"] is False
     assert "Noise floor: not measured" in (run_dir / "table.md").read_text()
+
+
+def test_decode_again_reads_the_same_cache_as_a_full_prefill(tiny_llama, tmp_path):
+    """Issue 18 item 4: a decode repeat from the KV cache cut back to the depth yields the
+    same greedy tokens as a full prefill and decode (llama.cpp and transformers), and the
+    sweep keeps TTFT from full prefills only."""
+    from qeval.engines.base import EngineOptions
+    from qeval.engines.hf import HFEngine
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.speed import speed_sweep
+    eng = HFEngine.open("hf", tiny_llama, EngineOptions(device="cpu", dtype="bfloat16", threads=1))
+    ids = [(i * 37) % 200 + 3 for i in range(48)]
+    try:
+        full = eng.generate(ids, 8, ignore_stop=True)
+        again = eng.decode_again(ids, 8)
+        assert again is not None and again.token_ids == full.token_ids
+        assert eng.decode_again(ids[:-1], 8) is None  # another prompt: not in the cache
+        speed, *_ = speed_sweep(eng, {16: ids[:16], 48: ids}, decode_tokens=4, repeats=3, warmup=0,
+                                peak=PeakMemory("cpu"), prefill_repeats=1)
+        for point in speed.values():
+            assert len(point["ttft_s_all"]) == 1 and len(point["decode_tokens_per_s_all"]) == 3
+            assert point["decode_from_cache"] == 2
+        speed, *_ = speed_sweep(eng, {16: ids[:16]}, decode_tokens=4, repeats=2, warmup=0, peak=PeakMemory("cpu"))
+        assert len(speed["16"]["ttft_s_all"]) == 2 and speed["16"]["decode_from_cache"] == 0
+    finally:
+        eng.close()

@@ -437,6 +437,7 @@ class HFEngine:
         preallocated rows beyond them are left out) and ``last_cache_tokens``."""
         torch = self._torch
         model = self.model
+        self._cached = None  # the last call's cache is freed before this one allocates (peak memory)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         cache, step_fn = None, model
         if self.decode_mode == "static":
@@ -461,6 +462,9 @@ class HFEngine:
         with torch.inference_mode():
             self._sync()
             gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+        # a dynamic (unquantized) cache can be cut back for decode_again; others are not kept
+        self._cached = (list(prompt_ids), cache) if (type(cache).__name__ == "DynamicCache"
+                                                    and step_fn is model) else None
         self.last_cache_tokens = ids.shape[1] + len(gen.token_ids) - 1
         if self.decode_mode == "static":  # K/V rows of the tokens held, not the preallocated length
             held = sum((lay.keys.nbytes + lay.values.nbytes) * self.last_cache_tokens // lay.max_cache_len
@@ -469,6 +473,46 @@ class HFEngine:
             held = cache_nbytes(cache)
         self.last_cache_bytes = held
         return gen
+
+    def decode_again(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation | None:
+        """Decode ``max_new_tokens`` after ``prompt_ids`` again without prefilling it: the
+        dynamic cache of the last :meth:`generate` of the same prompt is cut back to
+        ``len(prompt_ids) - 1`` tokens (each layer's ``crop``), the last prompt token is fed
+        again, then the same greedy loop (stop tokens ignored). Its ``prefill_s`` is one
+        token's time, not a TTFT. None when the last cache was not a plain dynamic one
+        (int8 KV, static decode) or held another prompt."""
+        torch = self._torch
+        got = getattr(self, "_cached", None)
+        ids = list(prompt_ids)
+        if got is None or got[0] != ids or not ids:
+            return None
+        cache = got[1]
+        held = cache.get_seq_length()
+        drop = held - (len(ids) - 1)
+        if drop > 0:
+            for layer in cache.layers:
+                layer.crop(-drop)
+        if cache.get_seq_length() != len(ids) - 1:
+            self._cached = None
+            return None
+        model = self.model
+        kw = {self._cache_kw: cache, "use_cache": True}
+        last = torch.tensor([ids[-1:]], dtype=torch.long, device=self.device)
+        state = {}
+
+        def prefill() -> int:
+            out = model(input_ids=last, **kw)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])
+
+        def step(_tok: int) -> int:
+            out = model(input_ids=state["nxt"], **kw)
+            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+            return int(state["nxt"])
+
+        with torch.inference_mode():
+            self._sync()
+            return greedy_loop(prefill, step, max_new_tokens, (), True)
 
     def generate_scored(self, prompt_ids: Sequence[int], score_start: int, score_end: int, max_new_tokens: int, *,
                         stop_ids: Sequence[int] = (), window: int = 256) -> tuple[Generation, list]:

@@ -402,6 +402,7 @@ class LlamaCppEngine:
             self.n_ctx = int(L.llama_n_ctx(ctx))
             self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        self._cached_prompt = None
         return self._ctx
 
     def _free_ctx(self) -> None:
@@ -535,6 +536,7 @@ class LlamaCppEngine:
             return int(np.argmax(self._last_logits()))
 
         gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+        self._cached_prompt = ids  # decode_again may cut the cache back to it
         pos = state["pos"]
         L.llama_synchronize(ctx)
         pc = L.llama_perf_context(ctx)
@@ -546,6 +548,33 @@ class LlamaCppEngine:
         self.last_cache_allocated_bytes = int(round(self.kv_bytes_per_token_analytic() * self.n_ctx))
         # llama.cpp's own count (K/V rows + ~12 bytes of cell metadata per token + header)
         self.last_state_bytes = int(L.llama_state_seq_get_size(ctx, 0))
+        return gen
+
+    def decode_again(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation | None:
+        """Decode ``max_new_tokens`` after ``prompt_ids`` again without prefilling it: the
+        cache left by the last :meth:`generate` of the same prompt is cut back to
+        ``len(prompt_ids) - 1`` tokens (``llama_memory_seq_rm``), the last prompt token is
+        fed again, then the same greedy loop (stop tokens ignored). Its ``prefill_s`` is one
+        token's time, not a TTFT. None when the cache does not hold that prompt."""
+        L = self._L
+        ids = [int(t) for t in prompt_ids]
+        if self._ctx is None or not ids or getattr(self, "_cached_prompt", None) != ids:
+            return None
+        ctx = self._ctx
+        L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, len(ids) - 1, -1)
+        state = {"pos": len(ids)}
+
+        def prefill() -> int:
+            self._decode(ids[-1:], len(ids) - 1, "last")
+            return int(np.argmax(self._last_logits()))
+
+        def step(tok: int) -> int:
+            self._decode([tok], state["pos"], "last")
+            state["pos"] += 1
+            return int(np.argmax(self._last_logits()))
+
+        gen = greedy_loop(prefill, step, max_new_tokens, (), True)
+        L.llama_synchronize(ctx)
         return gen
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

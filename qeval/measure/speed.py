@@ -38,9 +38,18 @@ def depth_prompt_ids(tokenizer: Any, text_path: str | Path, depth: int) -> list[
 
 
 def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens: int, repeats: int,
-                warmup: int, peak: PeakMemory,
+                warmup: int, peak: PeakMemory, prefill_repeats: int | None = None,
                 progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict, dict]:
     """Measure every depth in ``prompts`` (depth -> exactly ``depth`` token ids).
+
+    The first ``prefill_repeats`` repeats of a depth (default: all) prefill the whole
+    prompt and give TTFT and prefill tokens/s as well as decode tokens/s; the others, where
+    the engine has ``decode_again`` (its KV cache cut back to ``depth - 1`` tokens, the
+    last prompt token fed again, then the same greedy decode), give decode tokens/s only:
+    the decode of a repeat reads the same cache either way, and a 4096-token prefill at one
+    thread costs far more than the decode it precedes. An engine without ``decode_again``
+    (or whose cache cannot be cut) prefills every repeat. ``decode_from_cache`` per depth
+    counts the repeats that did not prefill.
 
     Returns:
         ``(speed, peak_bytes, kv_bytes, extra)``: per depth (str) a dict with ``ttft_s``,
@@ -69,10 +78,19 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
         peak.reset()
         ttfts: list[float] = []
         decs: list[float] = []
+        again = getattr(engine, "decode_again", None)
+        full = repeats if prefill_repeats is None else max(1, min(prefill_repeats, repeats))
+        from_cache = 0
         for r in range(repeats):
-            progress(f"depth {depth}: repeat {r + 1}/{repeats}")
-            g = engine.generate(ids, decode_tokens, ignore_stop=True)
-            ttfts.append(g.prefill_s)
+            g = None
+            if r >= full and again is not None:
+                progress(f"depth {depth}: repeat {r + 1}/{repeats} (decode from the cache cut back to the depth)")
+                g = again(ids, decode_tokens)
+                from_cache += g is not None
+            if g is None:
+                progress(f"depth {depth}: repeat {r + 1}/{repeats}")
+                g = engine.generate(ids, decode_tokens, ignore_stop=True)
+                ttfts.append(g.prefill_s)
             if g.decode_tokens_per_s:
                 decs.append(g.decode_tokens_per_s)
         peaks[str(depth)] = peak.read()
@@ -88,6 +106,7 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
             "decode_tokens_per_s": dec,
             "ttft_s_all": ttfts,
             "decode_tokens_per_s_all": decs,
+            "decode_from_cache": from_cache,
         }
     return speed, peaks, kv, extra
 
