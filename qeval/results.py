@@ -235,6 +235,12 @@ class RunLayout:
         return self.reference_dir / "long_context_logprobs.npy"
 
     @property
+    def floor_review(self) -> Path:
+        """``reference/floor_review.json``: the floor stage's review of the reference tier as
+        served (per-item KLD, worst positions), which that tier's quality stage reuses."""
+        return self.reference_dir / "floor_review.json"
+
+    @property
     def table_md(self) -> Path:
         return self.root / "table.md"
 
@@ -566,6 +572,7 @@ class FloorStage(_StageBase):
     backend: str | None = None
     seconds: float | None = None
     why: str | None = None
+    reused: bool | None = None  # from an earlier run with the same content key (measure.quality.floor_fields)
 
 
 class NoiseFloorSummary(_Closed):

@@ -376,7 +376,7 @@ def stage_floor(recipe, run_dir: Path, tier: str | None) -> dict:
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
-    return noise_floor_pass(recipe, run_dir, ctx, progress=_progress)
+    return noise_floor_pass(recipe, run_dir, ctx, progress=_progress, fresh=os.environ.get(FRESH_ENV) == "1")
 
 
 def stage_quality(recipe, run_dir: Path, tier: str) -> dict:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -438,7 +439,8 @@ def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop:
     return summary, mine
 
 
-def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print) -> dict:
+def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print,
+                     fresh: bool = False) -> dict:
     """The run's noise floor: the reference tier as served (``ctx.dtype``, the model dtype),
     teacher-forced on the stored reference tokens and scored against the stored reference
     (computed in :func:`resolve_reference_dtype`) exactly as every tier is
@@ -449,9 +451,13 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
     with itself: the floor is not measured (``measured`` False, no figures) and the
     reference tier's KLD is 0 by construction.
 
+    The pass also collects the reference tier's review (per-item KLD, worst positions) into
+    ``reference/floor_review.json``, so that tier's quality stage does not score the same
+    tokens again, and is cached under :func:`floor_fields` (``fresh``: computed again).
+
     Returns:
         ``{"tier", "served_dtype", "reference_dtype", "measured", "fidelity" (the
-        :meth:`FidelityAccumulator.summary` dict or None), "backend", "why"}``.
+        :meth:`FidelityAccumulator.summary` dict or None), "backend", "why", "reused"}``.
     """
     ref_name = recipe.gate.reference
     spec = recipe.tier(ref_name)
@@ -461,17 +467,66 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
         return {**out, "measured": False, "fidelity": None, "backend": None,
                 "why": f"the reference pass computes in the served dtype ({ctx.dtype}), so the reference tier "
                        f"scores 0 by construction; set quality.reference_dtype: float32 to measure the floor"}
-    method = get_method(spec.method)
-    engine = method.load(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
-    progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference ({engine.backend})")
     layout = RunLayout(run_dir)
-    segments = json.loads(layout.reference_segments.read_text())
-    ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
-    t0 = time.time()
-    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress)
-    engine.close()
-    return {**out, "measured": True, "fidelity": fid, "backend": engine.backend, "seconds": time.time() - t0,
-            "why": None}
+
+    def build(folder: Path) -> dict:
+        from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
+        method = get_method(spec.method)
+        engine = method.load(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
+        progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference "
+                 f"({engine.backend})")
+        segments = json.loads(layout.reference_segments.read_text())
+        ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
+        t0 = time.time()
+        review = ReviewCollector()
+        fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
+        engine.close()
+        tok = AutoTokenizer.from_pretrained(ctx.source_path)
+        atomic_write_json(folder / "review.json", ReviewFile(tier=ref_name, **review.result(
+            lambda ids: tok.decode(ids, skip_special_tokens=False),
+            lambda i: tok.decode([i], skip_special_tokens=False))))
+        return {**out, "measured": True, "fidelity": fid, "backend": engine.backend, "seconds": time.time() - t0,
+                "why": None}
+
+    fields = floor_fields(recipe, layout, ctx)
+    if fields is None:
+        d = Path(tempfile.mkdtemp(prefix="qeval-floor-"))
+        try:
+            got = build(d)
+            _copy_into(d / "review.json", layout.floor_review)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        return {**got, "reused": False}
+    folder, manifest, reused = get_or_build("floor", fields, build, log=progress, remote=storage_for(recipe),
+                                            fresh=fresh)
+    _copy_into(folder / "review.json", layout.floor_review)
+    if reused:
+        progress(f"noise floor reused: {folder.name} (same content key; qeval run --fresh recomputes)")
+    return {**json.loads(json.dumps(manifest["info"])), "reused": reused}
+
+
+def floor_fields(recipe, layout: RunLayout, ctx) -> dict | None:
+    """The content key of the noise floor: the reference pass's key, the reference tier's
+    spec, the quality window, device, threads, library versions and qeval's code hash
+    (None without a finished reference stage)."""
+    if not stage_done(layout, RUN_SCOPE, "reference"):
+        return None
+    ref_key = Path(str(getattr(read_stage(layout, RUN_SCOPE, "reference"), "artifact", "") or "")).name
+    if not ref_key:
+        return None
+    return {"kind": "floor", "reference": ref_key, "served_dtype": ctx.dtype,
+            "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")),
+            "window": recipe.quality.window, "device": ctx.device, "threads": ctx.threads,
+            "stage_threads": os.environ.get("QEVAL_STAGE_THREADS"),
+            "versions": {p: _package_version(p) for p in QUALITY_KEY_PACKAGES}, "qeval_code": qeval_code_sha256()}
+
+
+def _copy_into(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` atomically (a temporary sibling renamed into place)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def _floor(run_dir: Path) -> Any:
@@ -650,9 +705,15 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
     floor = _floor(run_dir) if tier == recipe.gate.reference else None
     t0 = time.time()
     review = ReviewCollector()
-    # the reference tier's figures are the noise floor's (the floor stage scored the same
-    # engine on the same tokens); scored again here so its review holds the per-item KLD
-    fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
+    floor_review = None
+    if floor is not None and floor.measured and floor.fidelity is not None and layout.floor_review.is_file():
+        # the reference tier's figures are the noise floor's: the floor stage scored the same
+        # engine on the same tokens and kept the review; not scored twice
+        progress("fidelity: the noise floor's scoring of this tier (same engine, same tokens)")
+        fid = floor.fidelity.model_dump()
+        floor_review = json.loads(layout.floor_review.read_text())
+    else:
+        fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0
     ref_by_key = {(s["item"], s["turn"]): s for s in segments}
     stop = (read_stage(layout, RUN_SCOPE, "reference").stop_ids if stage_done(layout, RUN_SCOPE, "reference")
@@ -685,8 +746,12 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
          "system": prompts.get((s["item"], s["turn"]), (None, None))[0],
          "prompt": prompts.get((s["item"], s["turn"]), (None, None))[1]} for s in mine]
         + [{k: s[k] for k in ("item", "depth", "text", "finished", "checks", "check_details")} for s in lc_mine])
-    atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
-        lambda ids: tok.decode(ids, skip_special_tokens=False), lambda i: tok.decode([i], skip_special_tokens=False))))
+    if floor_review is not None:
+        atomic_write_json(layout.review(tier), ReviewFile.model_validate(floor_review))
+    else:
+        atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
+            lambda ids: tok.decode(ids, skip_special_tokens=False),
+            lambda i: tok.decode([i], skip_special_tokens=False))))
     return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
                         "long_context": long_context,
