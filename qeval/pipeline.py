@@ -81,16 +81,22 @@ class Pipeline:
         cores: the machine's cores (default ``os.cpu_count()``): each untimed stage gets
             ``max(1, cores // lanes)`` threads.
         on_floor: called with the floor stage's outcome in the main thread (``run.json``).
+        expected: ``{"tier.stage": seconds}`` from this machine's earlier runs
+            (:func:`qeval.progress.read_history`): ready untimed stages start longest first
+            (LPT order: a long quantization begins while the short ones pair up beside it);
+            stages without a figure keep the graph's order after those with one.
     """
 
     def __init__(self, runner: TierRunner, tiers: list[str], lanes: int, cores: int | None = None,
-                 on_floor: Callable[[StageOutcome], None] = lambda out: None) -> None:
+                 on_floor: Callable[[StageOutcome], None] = lambda out: None,
+                 expected: dict[str, float] | None = None) -> None:
         self.runner = runner
         self.recipe = runner.recipe
         self.tiers = tiers
         self.lanes = max(1, lanes)
         self.threads = max(1, (cores or os.cpu_count() or 1) // self.lanes)
         self.on_floor = on_floor
+        self.expected = expected or {}
         self.steps: list[_Step] = []
         self.reference_failed: str | None = None
         self._t0 = time.time()
@@ -196,7 +202,10 @@ class Pipeline:
         results: dict[str, TierResult] = {}
         try:
             while True:
-                for s in self._ready():
+                ready = self._ready()
+                order = {id(s): i for i, s in enumerate(ready)}
+                ready.sort(key=lambda s: (s.name not in self.expected, -self.expected.get(s.name, 0.0), order[id(s)]))
+                for s in ready:
                     if running and (s.timed or any(x.timed for x in running)):
                         continue
                     if not s.timed and len(running) >= self.lanes:

@@ -27,6 +27,7 @@ from .measure.long_context import recipe_long_context
 from .measure.quality import _budget, load_suites
 from .paths import cache_root
 from .pipeline import Pipeline, default_lanes
+from .progress import read_history
 from .recipe import Recipe, check_context
 from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, RunInfo, RunLayout, TierResult,
                       read_run_info, read_stage, stage_done, write_run_info)
@@ -222,7 +223,8 @@ class Runner(TierRunner):
                 summary = NoiseFloorSummary(measured=False, why=f"the floor stage failed: {why}")
             self.write_run_json({"noise_floor": summary})
 
-        pipe = Pipeline(self, self.tiers, lanes, on_floor=on_floor)
+        pipe = Pipeline(self, self.tiers, lanes, on_floor=on_floor,
+                        expected=read_history(self.recipe.name))
         try:
             return pipe.run()
         finally:

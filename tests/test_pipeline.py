@@ -66,11 +66,12 @@ def recipe(tmp_path, tiny_llama):
                                     extra="gate: {reference: bf16}\nlanes: 2"))
 
 
-def _run(recipe, tmp_path, **kw):
+def _run(recipe, tmp_path, expected=None, **kw):
     runner = FakeRunner(recipe, tmp_path / "run", **kw)
-    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
     floors = []
-    pipe = Pipeline(runner, [t.name for t in recipe.tiers], lanes=2, cores=2, on_floor=floors.append)
+    pipe = Pipeline(runner, [t.name for t in recipe.tiers], lanes=2, cores=2, on_floor=floors.append,
+                    expected=expected)
     results = pipe.run()
     return runner, pipe, results, floors
 
@@ -144,3 +145,12 @@ def test_default_lanes():
     assert default_lanes(R, "cpu", cores=64) == 8
     R.lanes = 3
     assert default_lanes(R, "cuda", cores=2) == 3
+
+
+def test_longest_known_untimed_stage_starts_first(recipe, tmp_path):
+    runner, *_ = _run(recipe, tmp_path, expected={"gptq.prepare": 500.0, "int8.prepare": 20.0})
+    starts = [name for name, _ in runner.overlaps]
+    assert starts[0] == "gptq.prepare"  # LPT: the long quantization first
+    assert starts.index("int8.prepare") < starts.index("bf16.prepare")  # known before unknown
+    runner, *_ = _run(recipe, tmp_path / "b")
+    assert [name for name, _ in runner.overlaps][:2] == ["bf16.prepare", "gptq.prepare"]  # no history: graph order
