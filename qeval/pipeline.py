@@ -42,16 +42,19 @@ from .tiers import get_method
 
 
 def default_lanes(recipe, device: str | None, cores: int | None = None) -> int:
-    """The recipe's ``lanes``, else every core on a CPU run (at most 8) and 1 on CUDA
-    (stages side by side on one GPU would share its memory)."""
+    """The recipe's ``lanes``, else 1 (the plain tier-after-tier order).
+
+    Not every core by default: measured on the 2-core machine (cold default run,
+    2026-12-01), gptqmodel's GPTQ and AWQ quantization side by side at one thread each
+    estimated 13 and 128 minutes where each alone at two threads had taken about 2 and 9,
+    so a stage that scales with threads loses far more than pairing gains. ``device``
+    and ``cores`` are kept for a default that knows which stages pair well."""
     if recipe.lanes:
         return recipe.lanes
-    if device == "cuda":
-        return 1
-    return max(1, min(8, cores or os.cpu_count() or 1))
+    return 1
 
 
-@dataclass
+@dataclass(eq=False)
 class _Step:
     tier: str
     stage: str
@@ -136,6 +139,10 @@ class Pipeline:
                     deps.append(self.floor_step)
                 steps.append(self._add(tier, "quality", deps))
             self.tier_steps[tier] = steps
+        if self.ref_step is not None:  # the reference unlocks every quality stage: it goes first
+            head = [*self.ref_step.deps, self.ref_step, self.floor_step]
+            ids = {id(x) for x in head}
+            self.steps = head + [x for x in self.steps if id(x) not in ids]
         for s in self.steps:  # finished stages (a resumed run) are done already
             if s.stage == "load" and stage_done(layout, s.tier, "load"):
                 self.runner._wants_load(s.tier)  # a load stage of another load section is removed

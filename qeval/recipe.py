@@ -328,8 +328,9 @@ class Recipe(_Strict):
                                      "(quantize, reference, quality); default: all cores")
     lanes: int | None = Field(None, gt=0, le=64, description="untimed stages (prepare, reference, floor, quality) "
                               "of different tiers run side by side, at most this many at once, each with "
-                              "cores/lanes threads; timed stages (env, measure, load) always run alone. Default: "
-                              "every core on a CPU run, 1 on CUDA; 1 gives the plain tier-after-tier order")
+                              "cores/lanes threads; timed stages (env, measure, load) always run alone. Default "
+                              "1: the plain tier-after-tier order (gptqmodel's quantization at one thread each "
+                              "side by side ran many times slower than alone at two)")
     tiers: list[Tier] = Field(max_length=256)
     speed: SpeedSpec = Field(default_factory=SpeedSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
