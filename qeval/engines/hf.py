@@ -243,6 +243,22 @@ def resolve_decode_mode(decode: str, device: str, kv_cache: str) -> str:
     return decode
 
 
+
+def _next_token(out: Any, state: dict) -> int:
+    """The greedy next token of a forward pass ``out`` (argmax of the last position's
+    logits), kept in ``state["nxt"]`` as the next step's input; the host copy synchronises
+    CUDA too."""
+    state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
+    return int(state["nxt"])
+
+
+def _greedy_step(fn: Any, kw: dict, state: dict) -> Any:
+    """The decode step of :func:`qeval.engines.base.greedy_loop`: feed ``state["nxt"]``
+    through ``fn`` (the model, or its compiled call) with the cache in ``kw``."""
+    def step(_tok: int) -> int:
+        return _next_token(fn(input_ids=state["nxt"], **kw), state)
+    return step
+
 class HFEngine:
     """Engine over a transformers causal LM.
 
@@ -451,13 +467,9 @@ class HFEngine:
 
         def prefill() -> int:
             out = model(input_ids=ids, **kw, logits_to_keep=1)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])  # the host copy synchronises CUDA too
+            return _next_token(out, state)  # the host copy synchronises CUDA too
 
-        def step(_tok: int) -> int:
-            out = step_fn(input_ids=state["nxt"], **kw)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])
+        step = _greedy_step(step_fn, kw, state)
 
         with torch.inference_mode():
             self._sync()
@@ -502,13 +514,9 @@ class HFEngine:
 
         def prefill() -> int:
             out = model(input_ids=last, **kw)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])
+            return _next_token(out, state)
 
-        def step(_tok: int) -> int:
-            out = model(input_ids=state["nxt"], **kw)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])
+        step = _greedy_step(model, kw, state)
 
         with torch.inference_mode():
             self._sync()
@@ -548,13 +556,9 @@ class HFEngine:
                 rows.append((start - first, torch.log_softmax(out.logits[0, :m].float(), dim=-1).cpu().numpy()))
             for start in range(score_end, n, window):  # the rest of the prompt (questions)
                 out = model(input_ids=ids[:, start:min(start + window, n)], **kw, logits_to_keep=1)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])
+            return _next_token(out, state)
 
-        def step(_tok: int) -> int:
-            out = model(input_ids=state["nxt"], **kw)
-            state["nxt"] = out.logits[:, -1].argmax(-1, keepdim=True)
-            return int(state["nxt"])
+        step = _greedy_step(model, kw, state)
 
         with torch.inference_mode():
             gen = greedy_loop(prefill, step, max_new_tokens, stop_ids)
