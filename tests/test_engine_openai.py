@@ -323,7 +323,7 @@ def test_llama_server_generates_what_llama_cpp_generates_and_serves_load(served,
         assert g.token_ids == want  # greedy over HTTP = greedy in process, token for token
         assert len(g.token_times_s) == 8 and g.decode_tokens_per_s
         counter = eng.peak_counter()
-        speed, peaks, _ = speed_sweep(eng, {16: ids[:16], 48: ids}, decode_tokens=4, repeats=2, warmup=1,
+        speed, peaks, *_ = speed_sweep(eng, {16: ids[:16], 48: ids}, decode_tokens=4, repeats=2, warmup=1,
                                       peak=counter)
         assert set(speed) == {"16", "48"} and all(v["ttft_s"] > 0 for v in speed.values())
         assert peaks["48"] > 10 * 2**20 and counter.kind == "server_rss_sampled"  # the server's RSS, not ours

@@ -316,3 +316,23 @@ def test_decode_again_reads_the_same_cache_as_a_full_prefill(tiny_llama, tmp_pat
         assert len(speed["16"]["ttft_s_all"]) == 2 and speed["16"]["decode_from_cache"] == 0
     finally:
         eng.close()
+
+
+def test_every_peak_counter_has_the_whole_counter_api():
+    """speed_sweep reads reserved_unallocated() of whatever counter a tier gets: the server
+    RSS sampler, NVML and the remote endpoint's must have it too (a served tier's measure
+    stage once failed on it)."""
+    from qeval.engines.openai import NotMeasured
+    from qeval.engines.servers import ServerRss
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.nvml import NvmlMemory, PairedPeak
+    for cls in (PeakMemory, ServerRss, NvmlMemory, PairedPeak, NotMeasured):
+        for name in ("reset", "read", "reserved_unallocated", "close"):
+            assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name}"
+    import os
+    rss = ServerRss(os.getpid())
+    try:
+        rss.reset()
+        assert rss.read() >= 0 and rss.reserved_unallocated() is None
+    finally:
+        rss.close()

@@ -504,6 +504,9 @@ class NotMeasured:
     def read(self) -> None:
         return None
 
+    def reserved_unallocated(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 

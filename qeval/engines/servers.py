@@ -313,7 +313,7 @@ class ServerRss:
     ``interval_s`` in a thread (psutil's ``memory_info().rss`` over
     ``children(recursive=True)``; /proc's VmHWM cannot be reset from outside the process
     and misses children). The counter API of :class:`qeval.measure.memory.PeakMemory`:
-    ``reset``, ``read``, ``close``, ``kind``.
+    ``reset``, ``read``, ``reserved_unallocated``, ``close``, ``kind``.
 
     Args:
         pid: the server's pid.
@@ -365,6 +365,10 @@ class ServerRss:
         with self._lock:
             self._peak = max(self._peak, v)
             return max(self._peak - self.baseline, 0)
+
+    def reserved_unallocated(self) -> None:
+        """No allocator to ask outside the process: None (the counter API of PeakMemory)."""
+        return None
 
     def close(self) -> None:
         self._stop.set()

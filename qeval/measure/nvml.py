@@ -182,6 +182,10 @@ class NvmlMemory:
                 return max(self._win_proc - self.baseline_process, 0)
             return max(self._win_dev - self.baseline_device, 0)
 
+    def reserved_unallocated(self) -> None:
+        """NVML sees no allocator: None (the counter API of :class:`qeval.measure.memory.PeakMemory`)."""
+        return None
+
     def close(self) -> None:
         """Stop the sampling thread."""
         self._stop.set()
