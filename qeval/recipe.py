@@ -755,6 +755,18 @@ def stable_suite_dict(suite: dict) -> dict:
 #: them while at the default, so a recipe that does not set them keeps its fingerprints.
 LATER_QUALITY_DEFAULTS = {"reference_dtype": "auto"}
 
+#: Speed fields added after runs existed: left out of fingerprints while at their default,
+#: so a run folder made before them stays resumable.
+LATER_SPEED_DEFAULTS = {"prefill_repeats": None}
+
+
+def stable_speed_dict(speed: dict | None) -> dict | None:
+    """The recipe's ``speed`` dict as fingerprints hash it: :data:`LATER_SPEED_DEFAULTS`
+    dropped while at their default."""
+    if speed is None:
+        return None
+    return {k: v for k, v in speed.items() if not (k in LATER_SPEED_DEFAULTS and v == LATER_SPEED_DEFAULTS[k])}
+
 
 def stable_quality_dict(quality: dict | None) -> dict | None:
     """The recipe's ``quality`` dict as fingerprints hash it: :data:`LATER_QUALITY_DEFAULTS`

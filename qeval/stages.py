@@ -26,7 +26,7 @@ from typing import Callable
 from .engines import get_engine
 from .failures import failure_text, reason_from_log
 from .paths import torch_extensions_dir
-from .recipe import Recipe, stable_quality_dict, stable_suite_dict, stable_tier_dict
+from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite_dict, stable_tier_dict
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
                       RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
 from .source import model_source_path
@@ -72,6 +72,7 @@ def recipe_fingerprint(recipe_dict: dict) -> str:
     ``run.json``: a resume with a recipe of another name or content is refused."""
     keep = {k: recipe_dict.get(k) for k in RUN_WIDE}
     keep["suites"] = [stable_suite_dict(x) for x in keep["suites"] or []]
+    keep["speed"] = stable_speed_dict(keep["speed"])
     keep["name"] = recipe_dict.get("name")
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -83,6 +84,7 @@ def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
     spec = next((t for t in recipe_dict["tiers"] if t["name"] == tier), None)
     keep = {k: recipe_dict.get(k) for k in RUN_WIDE}
     keep["suites"] = [stable_suite_dict(x) for x in keep["suites"] or []]
+    keep["speed"] = stable_speed_dict(keep["speed"])
     keep["quality"] = stable_quality_dict(keep["quality"])
     keep["tier"] = stable_tier_dict(spec)
     keep["reference"] = stable_tier_dict(next((t for t in recipe_dict["tiers"]
