@@ -134,5 +134,9 @@ def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny_llama
     if kv == "model":  # in float32 chunking does not move the argmax: the answer is generate()'s
         e32 = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
         assert e32.generate_scored(ids, 200, 261, 5, window=16)[0].token_ids == e32.generate(ids, 5).token_ids
+        # a scored span of whole windows (here 64 = 4 x 16: score_end - score_start + 1): the
+        # token at score_end - 1 is still fed (it once was skipped, shifting every later position)
+        assert e32.generate_scored(ids, 200, 264, 5, window=16)[0].token_ids == e32.generate(ids, 5).token_ids
+        assert e32.generate_scored(ids, 237, 301, 5, window=16)[0].token_ids == e32.generate(ids, 5).token_ids
     with pytest.raises(ValueError):
         eng.generate_scored(ids, 0, 10, 2)

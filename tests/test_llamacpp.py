@@ -370,6 +370,11 @@ def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny):
         assert max(np.abs(a - b).max() for (_, a), (_, b) in zip(rows, want)) < 1e-4
         logp = _all_logp(eng, ids + g.token_ids, 256)
         assert list(logp[len(ids) - 1:].argmax(-1)[:6]) == g.token_ids
+        # a scored span of whole windows (64 = 2 x 32): llama.cpp once refused the decode after
+        # it ("inconsistent sequence positions", the default recipe's 256-token window and span)
+        for start, end in ((200, 264), (236, 300)):
+            g2, _ = eng.generate_scored(ids, start, end, 6, window=32)
+            assert g2.token_ids == eng.generate(ids, 6).token_ids
         with pytest.raises(ValueError):
             eng.generate_scored(ids, 0, 10, 2)
     finally:

@@ -550,11 +550,17 @@ class HFEngine:
             for start in range(0, first, window):  # as iter_logprobs: prefix fills the cache only
                 model(input_ids=ids[:, start:min(start + window, first)], **kw, logits_to_keep=1)
             out = None
+            done = first  # the prompt tokens in the cache
             for start in range(first, score_end - 1, window):
-                out = model(input_ids=ids[:, start:min(start + window, score_end)], **kw)
+                end = min(start + window, score_end)
+                out = model(input_ids=ids[:, start:end], **kw)
                 m = min(window, score_end - 1 - start)
                 rows.append((start - first, torch.log_softmax(out.logits[0, :m].float(), dim=-1).cpu().numpy()))
-            for start in range(score_end, n, window):  # the rest of the prompt (questions)
+                done = end
+            # the rest of the prompt from where the scored chunks stopped: when the scored span
+            # is a whole number of windows, the last scored chunk ends one token short of
+            # score_end, and that token must not be skipped
+            for start in range(done, n, window):
                 out = model(input_ids=ids[:, start:min(start + window, n)], **kw, logits_to_keep=1)
             return _next_token(out, state)
 

@@ -485,6 +485,7 @@ class LlamaCppEngine:
             for s in range(0, first, self.n_batch):
                 self._decode(ids[s:min(s + self.n_batch, first)], s, "none")
             step = max(1, min(int(window), self.n_batch))
+            done = first  # the prompt tokens in the cache
             for start in range(first, score_end - 1, step):
                 chunk = ids[start:min(start + step, score_end)]
                 m = min(len(chunk), score_end - 1 - start)
@@ -494,9 +495,12 @@ class LlamaCppEngine:
                 x -= x.max(axis=1, keepdims=True)
                 x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
                 rows.append((start - first, x))
-            if score_end == n:  # the last scored chunk ended the prompt: its last row is the next token's
+                done = start + len(chunk)
+            if done == n:  # the last scored chunk ended the prompt: its last row is the next token's
                 return int(np.argmax(self._last_logits()))
-            for s in range(score_end, n, self.n_batch):
+            # from where the scored chunks stopped: a scored span of whole windows ends one
+            # token short of score_end (llama.cpp refuses the gap: positions must be consecutive)
+            for s in range(done, n, self.n_batch):
                 chunk = ids[s:s + self.n_batch]
                 self._decode(chunk, s, "last" if s + len(chunk) == n else "none")
             return int(np.argmax(self._last_logits()))

@@ -280,6 +280,9 @@ def reference_fields(recipe, ctx) -> dict:
     return {"kind": "reference", "source_sha256": ctx.source_sha256,
             "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")), "suites": suites,
             **({"filler_sha256": fillers} if fillers else {}),
+            # long-context answers before this fix skipped one prompt token when the scored
+            # span was whole windows (engines' generate_scored): such references are not reused
+            **({"long_context_prefill": 2} if recipe_long_context(recipe) else {}),
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
             "versions": {p: version(p) for p in ("torch", "transformers")},
