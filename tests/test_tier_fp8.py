@@ -35,7 +35,7 @@ def _logprobs(engine, ids):
 
 def test_recipe_and_key(tiny_llama):
     m, i8 = get_method("fp8"), get_method("int8")
-    assert m.engines() == ("hf",) and m.needs_artifact and m.has_dequantized
+    assert m.engines() == ("hf", "openai") and m.needs_artifact and m.has_dequantized  # openai: served by vLLM
     r = parse_recipe("name: x\nmodel: {source: /m}\ntiers: [{name: bf16, method: bf16}, {name: f, method: fp8}]\n")
     ctx = TierContext(source_path="/m", source_sha256="a" * 64, device="cpu")
     key = m.key_fields(r.tier("f"), ctx)
