@@ -435,6 +435,15 @@ class LlamaCppEngine:
         ptr = self._L.llama_get_logits_ith(self._ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
 
+    def _chunk_logprobs(self, n: int, m: int) -> np.ndarray:
+        """Log-softmax (float32, natural log) of the first ``m`` of the ``n`` logit rows the
+        last ``llama_decode`` kept: shape ``[m, vocab]``."""
+        ptr = self._L.llama_get_logits(self._ctx)
+        x = np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size))[:m].astype(np.float32, copy=True)
+        x -= x.max(axis=1, keepdims=True)
+        x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
+        return x
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise ValueError(f"token id out of range for this GGUF's vocabulary of {self.vocab_size}")
@@ -460,11 +469,7 @@ class LlamaCppEngine:
             chunk = ids[start:start + step]
             m = min(len(chunk), n - 1 - start)
             self._decode(chunk, start, "all")
-            ptr = self._L.llama_get_logits(self._ctx)
-            x = np.ctypeslib.as_array(ptr, shape=(len(chunk), self.vocab_size))[:m].astype(np.float32, copy=True)
-            x -= x.max(axis=1, keepdims=True)
-            x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
-            yield start, x
+            yield start, self._chunk_logprobs(len(chunk), m)
 
     def generate_scored(self, prompt_ids: Sequence[int], score_start: int, score_end: int, max_new_tokens: int, *,
                         stop_ids: Sequence[int] = (), window: int = 256) -> tuple[Generation, list]:
@@ -490,11 +495,7 @@ class LlamaCppEngine:
                 chunk = ids[start:min(start + step, score_end)]
                 m = min(len(chunk), score_end - 1 - start)
                 self._decode(chunk, start, "all")
-                ptr = self._L.llama_get_logits(self._ctx)
-                x = np.ctypeslib.as_array(ptr, shape=(len(chunk), self.vocab_size))[:m].astype(np.float32, copy=True)
-                x -= x.max(axis=1, keepdims=True)
-                x -= np.log(np.exp(x).sum(axis=1, keepdims=True, dtype=np.float32))
-                rows.append((start - first, x))
+                rows.append((start - first, self._chunk_logprobs(len(chunk), m)))
                 done = start + len(chunk)
             if done == n:  # the last scored chunk ended the prompt: its last row is the next token's
                 return int(np.argmax(self._last_logits()))
