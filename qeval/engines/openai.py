@@ -406,16 +406,25 @@ class OpenAIEngine:
 
     def _answer_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, ignore_stop: bool) -> list[int]:
         """Every answer token id, non-streamed (llama-server's native ``/completion`` with
-        ``return_tokens``; other servers: the ids of ``logprobs``)."""
-        if self.client.dialect == "llama.cpp":
-            d = self.client.post("/completion", {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens,
-                                                 "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.0,
-                                                 "cache_prompt": False, "return_tokens": True,
-                                                 "ignore_eos": ignore_stop})
-            return [int(t) for t in d.get("tokens") or []]
-        d = self.client.post("/v1/completions", self.client.body([int(t) for t in prompt_ids], max_new_tokens,
-                                                                 stream=False, ignore_eos=ignore_stop))
-        return chunk_token_ids(d)
+        ``return_tokens``; other servers: the ids of ``logprobs``).
+
+        Raises:
+            ServerFailed: the managed server died during the request (CI saw this re-run cut
+                by a SIGKILL: httpx's RemoteProtocolError is not the reason, the death is).
+        """
+        try:
+            if self.client.dialect == "llama.cpp":
+                d = self.client.post("/completion", {"prompt": [int(t) for t in prompt_ids],
+                                                     "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                                                     "repeat_penalty": 1.0, "cache_prompt": False,
+                                                     "return_tokens": True, "ignore_eos": ignore_stop})
+                return [int(t) for t in d.get("tokens") or []]
+            d = self.client.post("/v1/completions", self.client.body([int(t) for t in prompt_ids], max_new_tokens,
+                                                                     stream=False, ignore_eos=ignore_stop))
+            return chunk_token_ids(d)
+        except Exception as e:  # noqa: BLE001 - a dead server is the reason, whatever httpx saw
+            self._alive(e)
+            raise
 
     def topk_at(self, prefix: Sequence[int]) -> list[tuple[int, float]]:
         """The server's top-``k`` ``(token id, logprob)`` of the token after ``prefix``."""
