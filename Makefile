@@ -25,7 +25,11 @@ LLAMA_CMAKE_ARGS ?= $(LLAMA_CPU_FLAGS) $(LLAMA_CUDA_FLAGS)
 EXTRAS ?= quant,gguf,ray,storage,lmeval,test$(if $(CUDA),$(comma)gpu,)
 RECIPE ?= recipes/smollm2-135m.yaml
 STAMP := $(VENV)/.qeval-installed$(if $(CUDA),-cuda,)
-PYTEST_ARGS ?=
+# The suite's time is qeval runs in subprocesses (each stage imports torch: seconds of one
+# core), so two workers, whole files each (a file's shared run stays in one worker), halve
+# CI's wall time on 2 cores. No test is timed. PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) --durations=25
 # Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
 LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
 

@@ -115,7 +115,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
 
     torch_dtype = getattr(torch, dtype)
     folder, name = str(gguf_path.parent), gguf_path.name
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    # one temporary folder per process: two runs expanding the same GGUF at once (lanes, two
+    # CI jobs, parallel tests on a fresh cache) must not delete each other's half-written files
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -139,8 +141,14 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     (tmp / "QEVAL_SOURCE.txt").write_text(
         f"Expanded to {dtype} from {gguf_path.name} by qeval. This is the GGUF (quantized) release "
         "dequantized, not the original BF16 weights.\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    if out_dir.exists() and not (out_dir / "config.json").is_file():
+        shutil.rmtree(out_dir, ignore_errors=True)  # a partial folder an older qeval left behind
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same expansion first
 
 
 def model_source_path(source: str, base: str | Path | None = None) -> Path | None:

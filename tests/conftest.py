@@ -107,8 +107,10 @@ def qeval_cache(tmp_path, monkeypatch) -> Path:
     return d
 
 
-def write_recipe(path: Path, model_dir: Path, *, tiers: str, suites: bool = True, extra: str = "") -> Path:
-    """A recipe for the tiny model with small depths and the small test suites."""
+def write_recipe(path: Path, model_dir: Path, *, tiers: str, suites: bool = True, extra: str = "",
+                 load: bool = True) -> Path:
+    """A recipe for the tiny model with small depths and the small test suites; ``load=False``
+    turns the load stage off (tests of failures and retries, where it adds only minutes)."""
     suites_yaml = f"""
 suites:
   - {{name: lo, path: {REPO}/tests/data/suite_long.jsonl, kind: long_output, max_new_tokens: 12, limit: 2}}
@@ -121,7 +123,7 @@ threads: 1
 tiers:
 {tiers}
 speed: {{depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}}
-load: {{concurrency: [1, 2], output_tokens: 4, requests_per_stream: 1, prefill_chunk: 16}}
+load: {{enabled: {str(load).lower()}, concurrency: [1, 2], output_tokens: 4, requests_per_stream: 1, prefill_chunk: 16}}
 quality: {{window: 16, bootstrap: 50}}
 {suites_yaml}
 {extra}

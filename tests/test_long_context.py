@@ -330,6 +330,7 @@ tiers:
   - {{name: bf16-kv8, method: bf16, kv_cache: int8}}
   - {{name: bf16-copy, method: bf16}}
 speed: {{depths: [16, 640], main_depth: 640, decode_tokens: 4, repeats: 1, warmup: 0}}
+load: {{enabled: false}}  # not what this file checks (its default sweep at depth 640 cost minutes)
 quality: {{window: 16, bootstrap: 50, reference_dtype: bfloat16}}  # the model's dtype: a BF16 copy scores exactly 0
 suites:
   - {{name: lc, path: {items}, kind: long_context, depths: {depths}, max_new_tokens: 12, fidelity_tokens: 64}}
