@@ -20,8 +20,17 @@ def node_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def local_ray(node_cache):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"QEVAL_CACHE": str(node_cache)}})
+    # Ray gives its raylet a fixed 30 s to register (ray/_private/node.py, 2.60); on 2 cores
+    # shared with the other test worker's qeval run it sometimes needs longer: try again
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"QEVAL_CACHE": str(node_cache)}})
+            break
+        except Exception:  # noqa: BLE001 - "timed out during startup" / "waiting for GCS"
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield ray
     ray.shutdown()
 
