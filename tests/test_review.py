@@ -58,9 +58,16 @@ def flipped_run(reference_run, tmp_path):
     checks disagree with the reference's and its verdict changes: a flip the report, show,
     compare and JUnit must name."""
     _, run_dir, _ = reference_run
+    dst, row = _flip_one_answer(run_dir, tmp_path, TIER)
+    return run_dir, dst, row
+
+
+def _flip_one_answer(run_dir: Path, tmp_path: Path, tier: str) -> tuple[Path, dict]:
+    """Copy the run and rewrite one of ``tier``'s answers so that its checks flip against
+    the reference pass; the copy's gate fails the int8-KV tier. Returns (copy, the row)."""
     dst = tmp_path / "tiny" / run_dir.name
     shutil.copytree(run_dir, dst)
-    ans_p = dst / "answers" / f"{TIER}.json"
+    ans_p = dst / "answers" / f"{tier}.json"
     answers = json.loads(ans_p.read_text())
     refs = {(s["item"], s["turn"]): s for s in json.loads((dst / "reference" / "segments.json").read_text())}
     def rewritten(r):  # every check flipped to the verdict the tier's answer did not have
@@ -74,7 +81,7 @@ def flipped_run(reference_run, tmp_path):
     run = json.loads((dst / "run.json").read_text())
     run["recipe"]["gate"]["rules"] = {"max_kld_mean": 0.0}  # the int8-KV tier fails it: KLD > 0
     (dst / "run.json").write_text(json.dumps(run))
-    return run_dir, dst, row
+    return dst, row
 
 
 def test_real_run_stores_prompts_item_kld_and_worst_positions(reference_run):
@@ -119,6 +126,35 @@ def test_report_shows_flipped_items_with_both_answers(flipped_run):
     assert "&lt;&lt;a different answer&gt;&gt;" in flipped and "<mark>" in flipped  # escaped, divergence marked
     assert "first divergence at character 3" in flipped and "edited: check 0 set to" in flipped
     assert "Positions of highest KLD" in tier_sec
+
+
+def test_reference_tier_flips_against_the_reference_pass_show_both_answers(reference_run, tmp_path):
+    """The reference tier (bf16 as served) is scored against the float32 reference pass: its
+    flips are the noise floor's own, listed with both answers (the default run's report
+    showed only one text, labelled "reference answer", beside checks that disagreed)."""
+    _, run_dir, _ = reference_run
+    dst, row = _flip_one_answer(run_dir, tmp_path, "bf16")
+    # the tiny random model's answers are noise; give the reference pass's answer a text to find
+    seg_p = dst / "reference" / "segments.json"
+    segs = json.loads(seg_p.read_text())
+    ref_text = row["text"][:3] + " the reference pass answered this"
+    next(s for s in segs if (s["item"], s["turn"]) == (row["item"], row["turn"]))["text"] = ref_text
+    seg_p.write_text(json.dumps(segs))
+    p = _qeval("report", dst)
+    assert p.returncode == 0, p.stderr
+    html = (dst / "report.html").read_text()
+    sec = html[html.index('<details class="review" id="rv-bf16"'):]
+    end = sec.find('<details class="review"', 10)
+    sec = sec if end < 0 else sec[:end]
+    assert "<h3>Flipped against the reference pass" in sec
+    flipped = sec[sec.index("<h3>Flipped"):sec.index("<h3>Failing on")]
+    assert f'id="rv-bf16-{row["item"]}' in flipped and "&lt;&lt;a different answer&gt;&gt;" in flipped
+    assert "the reference pass answered this" in flipped  # the reference pass's answer beside it
+    wide = dict(os.environ, COLUMNS="240")
+    p = _qeval("show", dst, "bf16", "--flips", env=wide)
+    assert p.returncode == 0, p.stderr
+    assert "noise floor's own flips" in p.stdout and "a different answer" in p.stdout
+    assert "the reference pass answered this" in p.stdout
 
 
 def test_show_prints_the_flip_and_refuses_unknown_names(flipped_run):

@@ -38,7 +38,7 @@ def item_panel(v: ItemView, tier: str, is_reference: bool) -> Panel:
     parts: list = []
     if v.prompt is not None:
         parts.append(Text("prompt: ", style="bold") + Text(v.prompt))
-    if is_reference:
+    if is_reference and v.ref_text is None:  # no reference pass answer beside it (served dtype = reference dtype)
         parts.append(Text("answer: ", style="bold") + Text(v.tier_text))
     else:
         pair = Table(expand=True, show_lines=False, box=None)
@@ -81,8 +81,9 @@ def show(console: Console, review: TierReview, *, item: str | None = None, flips
     head = f"{review.tier}{' (reference)' if review.is_reference else ''}: {len(review.flipped)} flipped, " \
            f"{len(review.failing_items)} failing of {len(review.items)} answered turns"
     console.print(Text(head, style="bold"))
-    if (flips or both) and not review.is_reference:
-        console.rule("flipped against the reference")
+    if (flips or both) and (not review.is_reference or review.flipped):
+        # the reference tier's own flips are against the reference pass (float32 by default): the noise floor's
+        console.rule("flipped against the reference" + (" pass (the noise floor's own flips)" if review.is_reference else ""))
         for v in review.flipped:
             console.print(item_panel(v, review.tier, False))
             n += 1
