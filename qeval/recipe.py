@@ -273,6 +273,12 @@ class QualitySpec(_Strict):
         "auto", description="dtype the reference pass computes in; auto: float32 on CPU, the model dtype on "
                             "CUDA. The reference tier served in the model dtype and scored against it is the "
                             "run's noise floor (docs/design.md)")
+    bf16_matmul: Literal["auto", "native", "float32"] = Field(
+        "auto", description="how the quality stages (noise floor included) compute a bfloat16 model's linear "
+                            "layers: native torch, or float32 matmuls over the bfloat16 weights and activations "
+                            "with the output rounded to bfloat16 (a GPU GEMM's arithmetic); auto: float32 on a "
+                            "CPU without a fast bfloat16 path (qeval.engines.bf16_matmul), else native. Speed, "
+                            "memory and load always run natively")
     lm_eval_tasks: list[DataPath] = Field(default_factory=list, max_length=256, description="local lm-eval task "
                                           "YAMLs, relative to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
     lm_eval_limit: int | None = Field(None, gt=0, le=MAX_COUNT)
@@ -753,7 +759,7 @@ def stable_suite_dict(suite: dict) -> dict:
 
 #: ``quality`` fields added after fingerprints existed, with their defaults: left out of
 #: them while at the default, so a recipe that does not set them keeps its fingerprints.
-LATER_QUALITY_DEFAULTS = {"reference_dtype": "auto"}
+LATER_QUALITY_DEFAULTS = {"reference_dtype": "auto", "bf16_matmul": "auto"}
 
 #: Speed fields added after runs existed: left out of fingerprints while at their default,
 #: so a run folder made before them stays resumable.

@@ -556,6 +556,7 @@ class Quality(_Closed):
     long_context: LongContext | None = None
     reference_dtype: str | None = None
     noise_floor: bool | None = None
+    bf16_matmul: str | None = None   # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     reused: bool | None = None       # the result of an earlier run with the same content key (issue 18)
     content_key: str | None = None   # that key (qeval.measure.quality.quality_fields); None: not keyable
 
@@ -570,6 +571,7 @@ class FloorStage(_StageBase):
     measured: bool = False
     fidelity: Fidelity | None = None
     backend: str | None = None
+    bf16_matmul: str | None = None  # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     seconds: float | None = None
     why: str | None = None
     reused: bool | None = None  # from an earlier run with the same content key (measure.quality.floor_fields)
@@ -583,6 +585,7 @@ class NoiseFloorSummary(_Closed):
     reference_dtype: str | None = None
     measured: bool = False
     backend: str | None = None
+    bf16_matmul: str | None = None
     kld_mean: float | None = None
     kld_se: float | None = None
     kld_median: float | None = None

@@ -307,7 +307,8 @@ def floor_summary(floor: FloorStage) -> NoiseFloorSummary:
     fid = floor.fidelity.model_dump() if floor.fidelity is not None else {}
     keep = ("kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max", "same_top_rate", "ppl_ratio", "n_tokens")
     return NoiseFloorSummary(tier=floor.tier, served_dtype=floor.served_dtype, reference_dtype=floor.reference_dtype,
-                             measured=floor.measured, backend=floor.backend, why=floor.why,
+                             measured=floor.measured, backend=floor.backend, bf16_matmul=floor.bf16_matmul,
+                             why=floor.why,
                              **{k: fid.get(k) for k in keep})
 
 

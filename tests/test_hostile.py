@@ -143,6 +143,8 @@ add(
     recipe("yaml-not-utf8", 1, b"name: h\xff\xfe\n", 2, "{D}/r.yaml:1", "UTF-8"),
     recipe("yaml-nul-bytes", 1, b"name: h\x00\x00\n", 2, "{D}/r.yaml"),
     recipe("yaml-huge-string", 9, GOOD + "device: '" + "x" * 900_000 + "'\n", 2, "{D}/r.yaml:6", "device"),
+    recipe("quality-bf16-matmul-unknown", 8, GOOD + "quality: {bf16_matmul: fast}\n", 2, "{D}/r.yaml:6",
+           "bf16_matmul"),
     recipe("yaml-huge-method", 9, HEAD + "tiers: [{name: a, method: '" + "m" * 50_000 + "'}]\n", 2,
            "{D}/r.yaml:3", "unknown method"),
 )

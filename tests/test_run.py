@@ -58,10 +58,16 @@ def test_run_writes_every_output(reference_run):
     assert floor["measured"] and floor["reference_dtype"] == "float32" and floor["served_dtype"] == "bfloat16"
     assert bf16["quality"]["fidelity"]["kld_mean"] == pytest.approx(floor["kld_mean"], rel=1e-3)
     assert floor["kld_mean"] > 0 and bf16["quality"]["noise_floor"]
+    # quality.bf16_matmul auto: the floor and every tier's quality computed the same way,
+    # float32 matmuls exactly where this CPU has no fast bfloat16 path, and the row says so
+    from qeval.engines.bf16_matmul import cpu_has_fast_bf16
+    want = "native" if cpu_has_fast_bf16() else "float32"
+    assert floor["bf16_matmul"] == want and bf16["quality"]["bf16_matmul"] == want
+    assert ("float32 matmuls" in floor["backend"]) == (want == "float32")
     assert bf16["memory"]["runtime_bytes"] > 0 and bf16["memory"]["peak_breakdown"]["48"]["kv_cache_bytes"] > 0
     assert bf16["attention"]["engine"] == "transformers" and bf16["kv_cache_dtype"] == "bfloat16"
     kv8 = json.loads((run_dir / "tiers/bf16-kv8.json").read_text())
-    assert kv8["quality"]["fidelity"]["kld_mean"] > 0
+    assert kv8["quality"]["fidelity"]["kld_mean"] > 0 and kv8["quality"]["bf16_matmul"] == want
     # the load stage: both concurrencies served batched, in its own process
     for t, sched in ((bf16, "continuous"), (kv8, "static")):
         ld = t["load"]

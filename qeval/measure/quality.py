@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..engines.bf16_matmul import apply_to_engine, resolve_bf16_matmul
 from ..hashing import file_sha256
 from ..artifacts import get_or_build
 from ..recipe import stable_suite_dict, stable_tier_dict
@@ -476,8 +477,9 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         method = get_method(spec.method)
         engine = method.load(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
+        matmul, backend = _bf16_matmul(engine, recipe, ctx)
         progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference "
-                 f"({engine.backend})")
+                 f"({backend})")
         segments = json.loads(layout.reference_segments.read_text())
         ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
         t0 = time.time()
@@ -488,8 +490,8 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
         atomic_write_json(folder / "review.json", ReviewFile(tier=ref_name, **review.result(
             lambda ids: tok.decode(ids, skip_special_tokens=False),
             lambda i: tok.decode([i], skip_special_tokens=False))))
-        return {**out, "measured": True, "fidelity": fid, "backend": engine.backend, "seconds": time.time() - t0,
-                "why": None}
+        return {**out, "measured": True, "fidelity": fid, "backend": backend, "bf16_matmul": matmul,
+                "seconds": time.time() - t0, "why": None}
 
     fields = floor_fields(recipe, layout, ctx)
     if fields is None:
@@ -518,10 +520,20 @@ def floor_fields(recipe, layout: RunLayout, ctx) -> dict | None:
     if not ref_key:
         return None
     return {"kind": "floor", "reference": ref_key, "served_dtype": ctx.dtype,
+            "bf16_matmul": resolve_bf16_matmul(recipe.quality.bf16_matmul, ctx.device, ctx.dtype),
             "tier": stable_tier_dict(recipe.tier(recipe.gate.reference).model_dump(mode="json")),
             "window": recipe.quality.window, "device": ctx.device, "threads": ctx.threads,
             "stage_threads": os.environ.get("QEVAL_STAGE_THREADS"),
             "versions": {p: _package_version(p) for p in QUALITY_KEY_PACKAGES}, "qeval_code": qeval_code_sha256()}
+
+
+def _bf16_matmul(engine: Any, recipe, ctx) -> tuple[str, str]:
+    """Apply ``quality.bf16_matmul`` to a quality stage's engine
+    (:func:`qeval.engines.bf16_matmul.apply_to_engine`): ``(as applied, backend label)``,
+    the label naming float32 matmuls when they are used."""
+    matmul, n = apply_to_engine(engine, recipe.quality.bf16_matmul, ctx.device, ctx.dtype)
+    label = engine.backend if matmul == "native" else f"{engine.backend}, {n} linear layers as float32 matmuls"
+    return matmul, label
 
 
 def _copy_into(src: Path, dst: Path) -> None:
@@ -637,6 +649,7 @@ def quality_fields(recipe, layout: RunLayout, tier: str, ctx, which: str) -> dic
     return {"kind": "quality", "reference": ref_key, "tier": stable_tier_dict(spec.model_dump(mode="json")),
             "artifact": getattr(prep, "key", None) if prep is not None else None,
             "source_sha256": ctx.source_sha256, "engine": which,
+            "bf16_matmul": resolve_bf16_matmul(q.bf16_matmul, ctx.device, ctx.dtype),
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "bootstrap": q.bootstrap, "lm_eval": tasks, "lm_eval_limit": q.lm_eval_limit,
             "reference_is_tier": tier == recipe.gate.reference,
@@ -701,7 +714,8 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
     if not engine.capabilities.score:
         raise RuntimeError(f"the {engine.name} engine cannot score tokens: fidelity needs teacher-forced "
                            "log-probabilities")
-    progress(f"quality on the {which} engine ({engine.backend})")
+    matmul, backend = _bf16_matmul(engine, recipe, ctx)
+    progress(f"quality on the {which} engine ({backend})")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     segments = json.loads(layout.reference_segments.read_text())
     ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
@@ -755,7 +769,8 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
             lambda ids: tok.decode(ids, skip_special_tokens=False),
             lambda i: tok.decode([i], skip_special_tokens=False))))
-    return {"quality": {"engine": which, "backend": engine.backend, "fidelity": fid, "behaviour": beh,
+    return {"quality": {"engine": which, "backend": backend, "bf16_matmul": matmul, "fidelity": fid,
+                        "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
                         "long_context": long_context,
                         "reference_dtype": resolve_reference_dtype(recipe, ctx.device),
