@@ -208,13 +208,18 @@ def _sequences(run_dir: Path) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def _hf_rows(path: str, dtype: str, seqs, threads: int):
+def _hf_rows(path: str, dtype: str, seqs, threads: int, float32_matmuls: bool = False):
     """float64 log-probabilities of the answer rows from a transformers model: one forward
-    over each whole sequence, no cache, no windows."""
+    over each whole sequence, no cache, no windows. ``float32_matmuls``: bfloat16 linear
+    layers as float32 matmuls, as the run's quality stages computed them
+    (``quality.bf16_matmul``; torch arithmetic, not qeval's scoring)."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    if float32_matmuls:
+        from qeval.engines.bf16_matmul import float32_matmuls as widen
+        widen(model)
     res = []
     with torch.inference_mode():
         for seq, rows in seqs:
@@ -265,8 +270,9 @@ def independent_kld(run_dir: Path, tier_names: list[str], threads: int | None = 
             tier_lp = _llama_rows(gguf_file(t), seqs, threads=threads, flash_attn=bool(t.flash_attn), kv=kv_type(t))
             how = "llama-cpp-python Llama(logits_all)"
         elif not get_method(t.method).needs_artifact and (t.kv_cache or "model") == "model":
-            tier_lp = _hf_rows(src, recipe.model.dtype, seqs, threads)  # the source checkpoint as served
-            how = f"transformers in {recipe.model.dtype}"
+            widened = floor is not None and floor.bf16_matmul == "float32"
+            tier_lp = _hf_rows(src, recipe.model.dtype, seqs, threads, widened)  # the source checkpoint as served
+            how = f"transformers in {recipe.model.dtype}" + (", float32 matmuls as the run's" if widened else "")
         else:
             print(f"   {name}: skipped (only GGUF tiers and a tier served from the source are recomputed)")
             continue
