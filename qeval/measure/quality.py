@@ -287,7 +287,11 @@ def reference_fields(recipe, ctx) -> dict:
             "window": q.window, "batch_size": q.batch_size, "fidelity_max_new_tokens": q.fidelity_max_new_tokens,
             "device": ctx.device, "threads": ctx.threads,
             "versions": {p: version(p) for p in ("torch", "transformers")},
-            **({"dtype": ctx.dtype} if ctx.dtype != recipe.model.dtype else {})}
+            **({"dtype": ctx.dtype} if ctx.dtype != recipe.model.dtype else {}),
+            # keyed only when it changes the arithmetic (a bfloat16 reference as float32 matmuls),
+            # so a float32 reference keeps its key
+            **({"bf16_matmul": "float32"}
+               if resolve_bf16_matmul(q.bf16_matmul, ctx.device, ctx.dtype) == "float32" else {})}
 
 
 def reference_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None] = print,
@@ -332,6 +336,10 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
     ref_spec = recipe.tier(recipe.gate.reference)
     method = get_method(ref_spec.method)
     engine = method.load(ref_spec, ctx, None if not method.needs_artifact else _artifact(run_dir, ref_spec.name))
+    # a reference in bfloat16 computes as the tiers' quality stages do (quality.bf16_matmul), so
+    # the reference tier served in the same dtype still scores 0 by construction; a float32
+    # reference has no bfloat16 layer and is left as it is
+    _bf16_matmul(engine, recipe, ctx)
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     stop = stop_token_ids(tok, ctx.source_path)
     suites = load_suites(recipe)
