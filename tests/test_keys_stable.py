@@ -71,7 +71,13 @@ def test_reference_key_is_unchanged(pinned, monkeypatch):
     from qeval.measure.quality import reference_fields
     monkeypatch.chdir(REPO)  # the suite paths are relative to the repository
     r = parse_recipe(RECIPE)
+    from qeval.engines import bf16_matmul
+    # a bfloat16 reference computed natively (a CPU with a fast bfloat16 path, or CUDA) keeps its key
+    monkeypatch.setattr(bf16_matmul, "cpu_has_fast_bf16", lambda: True)
     assert artifact_key(reference_fields(r, _ctx())) == REFERENCE_KEY
+    # as float32 matmuls (quality.bf16_matmul auto on a CPU without one) it is another pass
+    monkeypatch.setattr(bf16_matmul, "cpu_has_fast_bf16", lambda: False)
+    assert artifact_key(reference_fields(r, _ctx())) != REFERENCE_KEY
     # a reference computed in float32 (quality.reference_dtype, CPU default) is another pass
     from qeval.measure.quality import reference_context
     assert artifact_key(reference_fields(r, reference_context(r, _ctx()))) != REFERENCE_KEY

@@ -40,7 +40,7 @@ def cpu_has_fast_bf16() -> bool:
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX512 or AMX), else the CPU flags
     ``avx512_bf16`` / ``amx_bf16`` in ``/proc/cpuinfo``. False when neither can be read."""
     try:
-        import torch
+        import torch  # start-up time: torch loads only in stage processes
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # noqa: BLE001 - an older or CPU-less torch build: read the flags
         pass
@@ -70,7 +70,7 @@ def resolve_bf16_matmul(setting: str, device: str, dtype: str) -> str:
 
 
 def _float32_forward(weight32: Any, bias32: Any):
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # start-up time: torch loads only in stage processes
 
     def forward(x):
         return F.linear(x.to(weight32.dtype), weight32, bias32).to(x.dtype)
@@ -87,7 +87,7 @@ def float32_matmuls(model: Any) -> int:
     Returns:
         the number of layers changed (0: nothing to do, e.g. a float32 or quantized model).
     """
-    import torch
+    import torch  # start-up time: torch loads only in stage processes
 
     n = 0
     for mod in model.modules():
