@@ -39,7 +39,7 @@ def one(run_dir: Path, tier: str, depth: int) -> dict:
     from qeval.worker import load_recipe_from_run, pin_threads, tier_context
     recipe, _ = load_recipe_from_run(run_dir)
     pin_threads(recipe.threads)
-    spec, ctx = recipe.tier(tier), None
+    spec = recipe.tier(tier)
     ctx = tier_context(recipe, run_dir, "cpu")
     method = get_method(spec.method)
     prep = read_stage(RunLayout(run_dir), tier, "prepare")
