@@ -731,17 +731,20 @@ def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
         spec.serve.parallel = max(recipe.load.concurrency) if recipe.load.enabled else 1
 
 
-#: Tier fields added after fingerprints and reference keys existed: left out of them while
-#: at their default, so a recipe that does not set them keeps its fingerprints and keys.
-LATER_TIER_FIELDS = ("engine", "endpoint", "serve")
+#: Tier fields added after fingerprints and reference keys existed, with their defaults:
+#: left out of them while at their default, so a recipe that does not set them keeps its
+#: fingerprints and keys.
+LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto"}
+LATER_TIER_FIELDS = tuple(LATER_TIER_DEFAULTS)
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:
     """A tier spec's dict (``model_dump(mode="json")``) as fingerprints and the reference
-    key hash it: :data:`LATER_TIER_FIELDS` dropped while None."""
+    key hash it: :data:`LATER_TIER_DEFAULTS` fields dropped while at their default."""
     if spec is None:
         return None
-    return {k: v for k, v in spec.items() if not (k in LATER_TIER_FIELDS and v is None)}
+    return {k: v for k, v in spec.items()
+            if not (k in LATER_TIER_DEFAULTS and v == LATER_TIER_DEFAULTS[k])}
 
 
 #: Suite fields only long_context suites use: left out of other suites' dicts in keys and

@@ -83,3 +83,44 @@ def test_apply_to_engine_reports_only_what_it_changed(monkeypatch, tiny_llama):
     m = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     got, n = bm.apply_to_engine(Eng(m), "auto", "cpu", "bfloat16")
     assert got == "float32" and n == sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+
+
+def test_float32_linear_calls_read_the_weight_at_each_call():
+    """Inside the context every CPU bfloat16 F.linear (through nn.Linear) is the float32
+    product rounded once, including after the weight was rewritten in place (what AWQ's
+    scale search does between forwards); float32 calls pass through; outside the context
+    F.linear is torch's again."""
+    orig = F.linear
+    lin = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with bm.float32_linear_calls():
+        y = lin(x)
+        assert torch.equal(y, orig(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))
+        with torch.no_grad():
+            lin.weight.mul_(3)
+        y3 = lin(x)
+        assert torch.equal(y3, orig(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))
+        assert not torch.equal(y3, y)
+        x32, w32 = torch.randn(2, 8), torch.randn(4, 8)
+        assert torch.equal(F.linear(x32, w32), orig(x32, w32))
+    assert F.linear is orig
+
+
+def test_awq_calibration_matmul_enters_the_artifact_key_only_when_float32(monkeypatch):
+    """AWQ's calibration_matmul resolves like quality.bf16_matmul; the artifact key gains
+    ``calibration_matmul`` only when it is float32 (a native key stays what it was)."""
+    from qeval.tiers import gptq
+    monkeypatch.setattr(bm, "cpu_has_fast_bf16", lambda: False)
+    m = gptq.METHODS["awq"]
+
+    class Spec:
+        calibration_matmul = "auto"
+    class Ctx:
+        device, dtype = "cpu", "bfloat16"
+    assert m._calibration_matmul(Spec(), Ctx()) == "float32"
+    Spec.calibration_matmul = "native"
+    assert m._calibration_matmul(Spec(), Ctx()) == "native"
+    Ctx.device = "cuda"
+    Spec.calibration_matmul = "auto"
+    assert m._calibration_matmul(Spec(), Ctx()) == "native"
+    assert gptq.METHODS["gptq"]._calibration_matmul(Spec(), Ctx()) == "native"

@@ -58,13 +58,20 @@ def _ctx() -> TierContext:
                        calibration_fields={"sha256": "b" * 64, "samples": 32, "seq_len": 256})
 
 
-def test_artifact_keys_are_unchanged(pinned):
+def test_artifact_keys_are_unchanged(pinned, monkeypatch):
+    from qeval.engines import bf16_matmul
+    # AWQ calibrated natively (a CPU with a fast bfloat16 path, or CUDA) keeps its key
+    monkeypatch.setattr(bf16_matmul, "cpu_has_fast_bf16", lambda: True)
     r = parse_recipe(RECIPE)
     got = {}
     for name in KEYS:
         spec = r.tier(name)
         got[name] = artifact_key(get_method(spec.method).key_fields(spec, _ctx()))
     assert got == KEYS
+    # with float32 calibration matmuls (calibration_matmul auto on a CPU without one) it is another artifact
+    monkeypatch.setattr(bf16_matmul, "cpu_has_fast_bf16", lambda: False)
+    spec = r.tier("awq")
+    assert artifact_key(get_method("awq").key_fields(spec, _ctx())) != KEYS["awq"]
 
 
 def test_reference_key_is_unchanged(pinned, monkeypatch):

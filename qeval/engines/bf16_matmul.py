@@ -117,3 +117,40 @@ def apply_to_engine(engine: Any, setting: str, device: str, dtype: str) -> tuple
         return "native", 0
     n = float32_matmuls(model)
     return ("float32", n) if n else ("native", 0)
+
+
+class float32_linear_calls:
+    """Context manager: while active, every ``torch.nn.functional.linear`` call on CPU whose
+    input and weight are both plain bfloat16 tensors computes as a float32 matmul (module
+    docstring), reading the weight as it is at that call. For code that rewrites weights in
+    place between forwards, where :func:`float32_matmuls`' float32 copies would go stale:
+    AWQ's scale search (gptqmodel ``AWQProcessor._compute_best_scale``) scales, fake-quantizes
+    and restores each layer's weight 20 times per layer and runs the block forward after each.
+    ``nn.Linear.forward`` and gptqmodel's ``HookedLinear`` both call
+    ``torch.nn.functional.linear`` by attribute, so both are covered. Not reentrant.
+
+    Checked first: torch offers no per-dtype matmul override (``torch.backends`` settings
+    cover float32 inputs only) and gptqmodel 7.6 has no calibration-dtype setting separate
+    from the model's dtype.
+    """
+
+    def __enter__(self) -> "float32_linear_calls":
+        import torch  # start-up time: torch loads only in stage processes
+        import torch.nn.functional as F  # start-up time: as above
+
+        self._F = F
+        self._orig = orig = F.linear
+        bf16 = torch.bfloat16
+
+        def linear(x, weight, bias=None):
+            if (x.dtype == bf16 and weight.dtype == bf16 and x.device.type == "cpu"
+                    and type(weight) in (torch.Tensor, torch.nn.Parameter)):
+                b = None if bias is None else bias.float()
+                return orig(x.float(), weight.float(), b).to(bf16)
+            return orig(x, weight, bias)
+
+        F.linear = linear
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._F.linear = self._orig

@@ -27,6 +27,7 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from ..engines import get_engine
+from ..engines.bf16_matmul import float32_linear_calls, resolve_bf16_matmul
 from ..engines.hf import HFEngine
 from ..errors import QevalInputError, TierUnavailable
 from ..paths import torch_extensions_dir
@@ -201,8 +203,15 @@ class GptqTier(W4Tier):
 
 
 class AwqTier(W4Tier):
-    """AWQ W4A16 through gptqmodel (Lin et al. 2023, arXiv:2306.00978)."""
+    """AWQ W4A16 through gptqmodel (Lin et al. 2023, arXiv:2306.00978).
+
+    ``calibration_matmul``: how the calibration forwards of AWQ's scale search compute
+    their bfloat16 linear layers (:class:`qeval.engines.bf16_matmul.float32_linear_calls`).
+    ``auto``: float32 matmuls on a CPU without a fast bfloat16 path (the search is 20 block
+    forwards per layer, which torch's CPU bfloat16 GEMM runs about 6 times slower), else
+    native. The algorithm (grid, duo scaling, clipping search) is gptqmodel's, unchanged."""
     method: Literal["awq"]
+    calibration_matmul: Literal["auto", "native", "float32"] = "auto"
 
 
 class _GptqModelMethod(TierMethod):
@@ -232,12 +241,20 @@ class _GptqModelMethod(TierMethod):
             return "awq_torch"
         return "auto"
 
+    def _calibration_matmul(self, spec: Any, ctx: TierContext) -> str:
+        """``native`` or ``float32`` (:class:`AwqTier`); GPTQ: always ``native`` (one forward
+        per layer, then float32 Hessian arithmetic: little to win)."""
+        if self.quant_method != "awq":
+            return "native"
+        return resolve_bf16_matmul(spec.calibration_matmul, ctx.device, ctx.dtype)
+
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
         return {"method": self.method, "source_sha256": ctx.source_sha256, "dtype": ctx.dtype,
                 "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
                 "desc_act": spec.desc_act if self.quant_method == "gptq" else None,
                 "format": self._format(), "quant_backend": self._quant_backend(ctx.device),
                 "calibration": dict(ctx.calibration_fields),
+                **({"calibration_matmul": "float32"} if self._calibration_matmul(spec, ctx) == "float32" else {}),
                 "library": {"gptqmodel": lib_version("gptqmodel"), "transformers": lib_version("transformers"),
                             "torch": lib_version("torch")}}
 
@@ -301,9 +318,11 @@ class _GptqModelMethod(TierMethod):
             gm = GPTQModel.load(ctx.source_path, qc, device=ctx.device, trust_remote_code=ctx.trust_remote_code,
                                 dtype=getattr(torch, ctx.dtype))
             torch.set_num_threads(ctx.threads)  # gptqmodel may re-pin threads while loading
+            matmul = self._calibration_matmul(spec, ctx)
             ctx.log(f"{self.method}: quantizing with {len(calib)} calibration rows ({n_tok} tokens), "
-                    f"bits {spec.bits}, group {group}")
-            gm.quantize(calib, batch_size=1, backend=BACKEND(self._quant_backend(ctx.device)))
+                    f"bits {spec.bits}, group {group}, calibration matmuls {matmul}")
+            with (float32_linear_calls() if matmul == "float32" else contextlib.nullcontext()):
+                gm.quantize(calib, batch_size=1, backend=BACKEND(self._quant_backend(ctx.device)))
             quant_s = time.time() - t0
             gm.save(str(out_dir))
         finally:
@@ -311,7 +330,7 @@ class _GptqModelMethod(TierMethod):
         check_no_pickle(out_dir)
         return {"quant_seconds": quant_s, "group_size": group, "bits": spec.bits,
                 "backend": f"gptqmodel:{self._quant_backend(ctx.device)}",
-                "calibration_rows": len(calib), "calibration_tokens": n_tok,
+                "calibration_rows": len(calib), "calibration_tokens": n_tok, "calibration_matmul": matmul,
                 "library": {"gptqmodel": gptqmodel.__version__}}
 
     # -- runtime -------------------------------------------------------------------------
