@@ -29,7 +29,9 @@ STAMP := $(VENV)/.qeval-installed$(if $(CUDA),-cuda,)
 # core), so two workers, whole files each (a file's shared run stays in one worker), halve
 # CI's wall time on 2 cores. No test is timed. PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
-PYTEST_ARGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) --durations=25
+# Files go out longest first (tests/conftest.py, FILE_ORDER): xdist's default reorder by test
+# count sent the end-to-end file last.
+PYTEST_ARGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
 # Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
 LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
 

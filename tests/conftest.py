@@ -17,6 +17,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# Order of test files for `make test`'s two xdist workers (`--dist loadfile
+# --no-loadscope-reorder`, see the Makefile). xdist hands each worker one file, then one
+# more to any worker with two tests or fewer pending, and later files as workers run dry;
+# by default it sorts files by how many tests they hold, which put the end-to-end file
+# (2 tests, the longest by far) last, alone on one worker while the other idled. So: the
+# end-to-end file first (worker A), then the wheel test (worker B), then a short file (A's
+# second unit, taken at once), then the other long files longest first (their costs on 2
+# cores, from `--durations`), then the rest in collection order. Checked first: xdist's
+# options offer only that count-based reorder or none; no plugin is needed for a fixed order.
+FILE_ORDER = ("test_e2e_smollm2.py", "test_package_data.py", "test_imports.py", "test_run.py",
+              "test_ray.py", "test_engine_openai.py", "test_long_context.py", "test_measure_truth.py",
+              "test_bench_against_llama_cpp.py", "test_storage.py", "test_tiers_quant.py", "test_llamacpp.py",
+              "test_failures.py", "test_hostile.py", "test_load.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Reorder items by :data:`FILE_ORDER` (a stable sort: tests keep their order within a
+    file, unlisted files keep theirs, after the listed ones)."""
+    rank = {name: i for i, name in enumerate(FILE_ORDER)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).name, len(FILE_ORDER)))
+
+
 def build_tiny_llama(folder: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, intermediate: int = 128, max_pos: int = 2048) -> Path:
     """Save a tiny random llama + tokenizer (vocab from a BPE trained on datasets/depth_text.txt)."""
