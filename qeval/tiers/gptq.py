@@ -246,7 +246,8 @@ class _GptqModelMethod(TierMethod):
         per layer, then float32 Hessian arithmetic: little to win)."""
         if self.quant_method != "awq":
             return "native"
-        return resolve_bf16_matmul(spec.calibration_matmul, ctx.device, ctx.dtype)
+        # a spec built outside the recipe (tests, plugins) may lack the field: AwqTier's default
+        return resolve_bf16_matmul(getattr(spec, "calibration_matmul", "auto"), ctx.device, ctx.dtype)
 
     def key_fields(self, spec: Any, ctx: TierContext) -> dict:
         return {"method": self.method, "source_sha256": ctx.source_sha256, "dtype": ctx.dtype,
