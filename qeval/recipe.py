@@ -735,7 +735,6 @@ def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
 #: left out of them while at their default, so a recipe that does not set them keeps its
 #: fingerprints and keys.
 LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto"}
-LATER_TIER_FIELDS = tuple(LATER_TIER_DEFAULTS)
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:
