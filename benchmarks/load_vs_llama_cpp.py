@@ -10,22 +10,32 @@ flash-attention setting, KV cache type, prompt depth and new tokens.
 
 What is compared. ``llama-batched-bench -npp D -ntg T -npl N`` prefills N prompts of D
 tokens, then times T decode steps of N tokens each: ``S_TG = N x T / T_TG`` (tokens/s).
-qeval serves N streams of one request each (a fresh D-token prompt, T new tokens), so
-after the prefill every step is a pure decode step of N tokens; its
+qeval serves N streams of one request each (a fresh D-token prompt, T new tokens) on
+batched-bench's schedule: ``prefill_chunk`` is N x D here, so all N prompts are prefilled
+in the first step and every later step is a decode step of all N sequences. (With the
+load stage's smaller chunk the first stream starts decoding while the last ones still
+prefill, and the steps that hold no prompt tokens are mostly narrower than N: at 64 new
+tokens and N = 8 that lowered qeval's figure by about 7 % here.) qeval's
 ``decode_step_tokens_per_s`` (new tokens of steps holding no prompt tokens / their
-seconds, :func:`qeval.measure.load.point_stats`) is the same quantity, and the ratio
-qeval / llama-batched-bench is printed per N. Target: >= 0.9. Also printed: qeval's
-aggregate decode tokens/s over the whole point (all new tokens / first request to last
-token, prefill included: the load table's figure), which is lower by definition.
+seconds, :func:`qeval.measure.load.point_stats`) is then the same quantity as S_TG, and
+the ratio qeval / llama-batched-bench is printed per N. Target: >= 0.9. Also printed:
+qeval's aggregate decode tokens/s over the whole point (all new tokens / first request to
+last token, prefill included: the load table's figure), which is lower by definition.
 
-Rounds alternate qeval and llama-batched-bench so noise on a shared machine hits both;
-medians over the rounds. The KV cache is llama.cpp's default non-unified one on both
+New tokens default to at least 64: the load stage's 16 give 15 timed steps (under half a
+second at N = 1), too short a window for a stable figure on a shared 2-core machine.
+
+Pairs, not blocks: each round runs, for every N, qeval's point and then
+llama-batched-bench at that N alone, and the printed ratio is the median over rounds of
+each pair's ratio. The 2-core machine's speed drifts by +-20 % within minutes (2026-12-02:
+batched-bench's own S_TG at N = 1 read 35.1 to 55.5 over five rounds), so only figures taken
+seconds apart are compared; the per-round figures are printed too. The KV cache is llama.cpp's default non-unified one on both
 sides (each sequence owns n_ctx / n_seq_max cells). Never part of ``make test``.
 
     python benchmarks/load_vs_llama_cpp.py RUN_DIR [--tier gguf-q4_k_m] [--streams 1,2,4,8]
                                            [--depth D] [--output-tokens T] [--rounds 3]
 
-Depth and new tokens default to the recipe's ``load.depth`` and ``load.output_tokens``;
+Depth defaults to the recipe's ``load.depth``, new tokens to max(``load.output_tokens``, 64),
 threads to the tier's (``threads`` of the recipe).
 """
 from __future__ import annotations
@@ -41,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TARGET = 0.9
+MIN_OUTPUT_TOKENS = 64  # default floor on new tokens: a window long enough to time (docstring)
 _CTX_ROUND = 256  # llama.cpp pads a sequence's cells to 256 (as qeval.engines.llamacpp_load)
 
 
@@ -70,9 +81,9 @@ def batched_bench(tool: Path, gguf: Path, *, threads: int, flash_attn: bool, kv:
     return out
 
 
-def qeval_points(engine, prompt_for, *, streams: list[int], depth: int, output_tokens: int,
-                 prefill_chunk: int) -> dict[int, dict]:
-    """qeval's load-stage serve function at every N (one request per stream): per N the
+def qeval_points(engine, prompt_for, *, streams: list[int], depth: int, output_tokens: int) -> dict[int, dict]:
+    """qeval's load-stage serve function at every N (one request per stream, all N prompts
+    prefilled in one step as batched-bench does: ``prefill_chunk = N x depth``): per N the
     pure-decode-step tokens/s and the point's aggregate decode tokens/s."""
     from qeval.measure.load import point_stats
     from qeval.measure.serving import serve_function
@@ -82,7 +93,7 @@ def qeval_points(engine, prompt_for, *, streams: list[int], depth: int, output_t
     out = {}
     for n in streams:
         run = serve(engine, prompt_for, concurrency=n, output_tokens=output_tokens, requests_per_stream=1,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=n * depth)
         p = point_stats(run)
         out[n] = {"decode": p["decode_step_tokens_per_s"], "aggregate": p["decode_tokens_per_s"]}
     return out
@@ -127,11 +138,10 @@ def main() -> None:
     gguf = files[0]
     streams = sorted({int(x) for x in a.streams.split(",")})
     depth = a.depth or recipe.load_depth
-    ntg = a.output_tokens or recipe.load.output_tokens
+    ntg = a.output_tokens or max(recipe.load.output_tokens, MIN_OUTPUT_TOKENS)
     threads = int(t.threads or recipe.threads)
     fa = bool(t.flash_attn)
     kv = t.kv_cache_dtype or ("q8_0" if t.kv_cache == "int8" else "f16")
-    chunk = max(recipe.load.prefill_chunk, 1)
 
     src = read_stage(RunLayout(a.run_dir), RUN_SCOPE, "source").path
     tok = AutoTokenizer.from_pretrained(src)
@@ -146,35 +156,42 @@ def main() -> None:
                                                                    kv_cache=t.kv_cache or "model", flash_attn=fa))
     q = {n: {"decode": [], "aggregate": []} for n in streams}
     b = {n: {"decode": [], "prefill": []} for n in streams}
+    pair = {n: [] for n in streams}  # qeval / batched-bench, one per round, taken seconds apart
     try:
         for r in range(a.rounds):
-            print(f"  round {r + 1}/{a.rounds}: qeval, then llama-batched-bench", flush=True)
-            for n, v in qeval_points(engine, prompt_for, streams=streams, depth=depth, output_tokens=ntg,
-                                     prefill_chunk=chunk).items():
+            print(f"  round {r + 1}/{a.rounds}: per N, qeval then llama-batched-bench", flush=True)
+            for n in streams:
+                v = qeval_points(engine, prompt_for, streams=[n], depth=depth, output_tokens=ntg)[n]
+                w = batched_bench(tool, gguf, threads=threads, flash_attn=fa, kv=kv, depth=depth,
+                                  output_tokens=ntg, streams=[n], env=env)[n]
                 for k in q[n]:
                     if v[k]:
                         q[n][k].append(v[k])
-            for n, v in batched_bench(tool, gguf, threads=threads, flash_attn=fa, kv=kv, depth=depth,
-                                      output_tokens=ntg, streams=streams, env=env).items():
                 for k in b[n]:
-                    b[n][k].append(v[k])
+                    b[n][k].append(w[k])
+                if v["decode"] and w["decode"]:
+                    pair[n].append(v["decode"] / w["decode"])
     finally:
         engine.close()
 
     def med(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
 
-    print(f"\n  {'streams':>7} {'qeval decode':>13} {'batched-bench S_TG':>19} {'ratio':>7}  "
+    print(f"\n  {'streams':>7} {'qeval decode':>13} {'batched-bench S_TG':>19} {'pair ratio':>10}  "
           f"{'qeval aggregate':>15} {'gain vs 1':>9}")
     one = med(q[streams[0]]["decode"])
     for n in streams:
-        mq, mb, agg = med(q[n]["decode"]), med(b[n]["decode"]), med(q[n]["aggregate"])
-        ratio = mq / mb if mq and mb else None
+        mq, mb, agg, ratio = med(q[n]["decode"]), med(b[n]["decode"]), med(q[n]["aggregate"]), med(pair[n])
         gain = mq / one if mq and one else None
         verdict = "n/a" if ratio is None else ("ok" if ratio >= TARGET else "BELOW TARGET")
-        print(f"  {n:>7} {mq or float('nan'):13.2f} {mb or float('nan'):19.2f} {ratio or float('nan'):7.3f}  "
+        print(f"  {n:>7} {mq or float('nan'):13.2f} {mb or float('nan'):19.2f} {ratio or float('nan'):10.3f}  "
               f"{agg or float('nan'):15.2f} {gain or float('nan'):8.2f}x  {verdict}", flush=True)
-    print(f"  (tokens/s; ratio target >= {TARGET}; load average now {os.getloadavg()[0]:.2f})")
+    print(f"  (tokens/s, medians of {a.rounds} rounds; pair ratio: median of the rounds' qeval / batched-bench; "
+          f"target >= {TARGET}; load average now {os.getloadavg()[0]:.2f})")
+    for n in streams:
+        print(f"  N = {n}: qeval {', '.join(f'{x:.1f}' for x in q[n]['decode'])}; "
+              f"batched-bench {', '.join(f'{x:.1f}' for x in b[n]['decode'])}; "
+              f"ratios {', '.join(f'{x:.2f}' for x in pair[n])}")
 
 
 if __name__ == "__main__":
