@@ -81,8 +81,9 @@ def _parse_tiers(recipe, tiers: Optional[str]) -> list[str] | None:
     return names
 
 
-def describe_plan(recipe) -> str:
-    """Human-readable resolved plan of a recipe (what ``qeval validate`` prints)."""
+def describe_plan(recipe, only: list[str] | None = None) -> str:
+    """Human-readable resolved plan of a recipe (what ``qeval validate`` prints); ``only``:
+    the ``--tiers`` subset, the other tiers marked as not run."""
     m = recipe.model
     local = model_source_path(m.source, recipe.base_dir) if m.source else None
     lines = [f"recipe   {recipe.name}" + (f"  ({recipe.path})" if recipe.path else ""),
@@ -97,11 +98,13 @@ def describe_plan(recipe) -> str:
     lines.append(f"load     concurrency {ld.concurrency}  depth {recipe.load_depth}  output_tokens {ld.output_tokens}"
                  f"  requests_per_stream {ld.requests_per_stream}  prefill_chunk {ld.prefill_chunk}  SLO TTFT p95 <= "
                  f"{ld.slo.ttft_p95_s:g} s, ITL p95 <= {ld.slo.itl_p95_s:g} s" if ld.enabled else "load     off")
-    lines.append("tiers")
+    lines.append("tiers" + (f"    {len(only)} of {len(recipe.tiers)} (--tiers)" if only is not None else ""))
+    width = max([16] + [len(t.name) for t in recipe.tiers])
     for t in recipe.tiers:
         extra = {k: v for k, v in t.model_dump().items() if k not in ("name", "method") and v is not None}
         built = "" if get_method(t.method) else "   [not built yet]"
-        lines.append(f"  - {t.name:<16} {t.method:<5} {extra}{built}")
+        skipped = "   [not run: not in --tiers]" if only is not None and t.name not in only else ""
+        lines.append(f"  - {t.name:<{width}} {t.method:<5} {extra}{built}{skipped}")
     if recipe.suites:
         lines.append("suites")
         for s in recipe.suites:
@@ -136,6 +139,8 @@ def floor_roots(recipe) -> list[Path]:
 
 @app.command()
 def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
+             tiers: Optional[str] = typer.Option(None, "--tiers", help="comma-separated subset, as `qeval run "
+                                                 "--tiers` takes it: the plan shows only these tiers"),
              floor_from: Optional[Path] = typer.Option(
                  None, "--floor-from", help="a run folder whose measured noise floor the gate's KLD rule is "
                                             "checked against (default: the newest earlier run of this recipe "
@@ -147,12 +152,13 @@ def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
     """
     try:
         r = load_recipe(recipe)
+        subset = _parse_tiers(r, tiers)
         static_checks(r)
         floor = floor_from_run(floor_from) if floor_from is not None else previous_floor(r, floor_roots(r))
         check_rules_against_floor(r, floor)
     except QevalInputError as e:
         _fail(e)
-    out.print(describe_plan(r), highlight=False)
+    out.print(describe_plan(r, subset), highlight=False)
     if floor is not None:
         out.print(f"floor    {floor.kld_mean:.3g} nats KLD ({floor.what}; from {floor.source})", highlight=False)
 
@@ -181,8 +187,8 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             raise QevalInputError("give a run folder (got an empty string)", field="--resume")
         resume = expand_user(resume_arg, field="--resume") if resume_arg else None
         r = load_recipe(recipe)
+        subset = _parse_tiers(r, tiers)  # before the static checks, which read the model (seconds)
         static_checks(r)
-        subset = _parse_tiers(r, tiers)
         chosen = make_executor(executor or r.executor, ray_address)
         junit_path = check_output_file(junit, field="--junit") if junit is not None else None
         remote = storage_for(r)

@@ -19,6 +19,7 @@ before ``qeval run``) checks each exists and is readable.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -572,12 +573,72 @@ def validation_error(e: ValidationError, data: Any, *, file: str | Path | None =
                      lines: dict[tuple, int] | None = None, prefix: tuple = ()) -> QevalInputError:
     """A :class:`QevalInputError` for the first error of a pydantic validation of ``data``
     (a recipe, or one of its sections under ``prefix``): file, line, dotted field, message."""
-    err = e.errors()[0]
+    errors = e.errors()
+    typo = _misspelled(errors)
+    if typo is not None:  # 'tierz:' reads better as a typo of 'tiers' than as 'tiers' missing
+        extra, missing = typo
+        full = tuple(prefix) + _clean_loc(tuple(extra["loc"]), data)
+        return QevalInputError(f"unknown field (did you mean {missing!r}? it is required and missing)", file=file,
+                               line=_line_for(lines or {}, full), field=_fmt_loc(full))
+    err = errors[0]
     loc = _clean_loc(tuple(err["loc"]), data)
     if err.get("type") == "union_tag_invalid":
         loc = loc + ("method",)
     full = tuple(prefix) + loc
-    return QevalInputError(_message(err), file=file, line=_line_for(lines or {}, full), field=_fmt_loc(full))
+    msg = _message(err)
+    if err.get("type") == "extra_forbidden" and full and isinstance(full[-1], str) and not prefix:
+        near = difflib.get_close_matches(full[-1], sorted(_fields_at(Recipe, full[:-1])), n=1, cutoff=0.75)
+        if near:
+            msg += f" (did you mean {near[0]!r}?)"
+    return QevalInputError(msg, file=file, line=_line_for(lines or {}, full), field=_fmt_loc(full))
+
+
+def _fields_at(model: Any, loc: tuple) -> set[str]:
+    """Field names (and aliases) the pydantic model tree allows at ``loc`` (string parts
+    descend into fields, integers into list items), for a did-you-mean hint; empty where
+    the path cannot be followed (a union of tier methods, a free-form mapping)."""
+    import typing
+    models = [model]
+    for part in loc:
+        nxt: list[Any] = []
+        for m in models:
+            if isinstance(part, int):
+                nxt.append(m)  # list items: the element models were collected below
+                continue
+            f = m.model_fields.get(part) if isinstance(m, type) and issubclass(m, BaseModel) else None
+            if f is None:
+                continue
+            stack = [f.annotation]
+            while stack:
+                t = stack.pop()
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    nxt.append(t)
+                else:
+                    stack.extend(typing.get_args(t))
+        models = nxt
+    out: set[str] = set()
+    for m in models:
+        if isinstance(m, type) and issubclass(m, BaseModel):
+            for n, f in m.model_fields.items():
+                out.add(f.alias or n)
+    return out
+
+
+def _misspelled(errors: list[dict]) -> tuple[dict, str] | None:
+    """``(unknown-field error, missing field name)`` when a required field is missing and an
+    unknown key beside it (same parent) is close to its name (``difflib`` ratio >= 0.75),
+    else None. Pydantic reports the two separately and the missing one first."""
+    extras = [x for x in errors if x.get("type") == "extra_forbidden" and x.get("loc")]
+    for m in errors:
+        if m.get("type") != "missing" or not m.get("loc"):
+            continue
+        name, parent = m["loc"][-1], tuple(m["loc"][:-1])
+        for x in extras:
+            key = x["loc"][-1]
+            if (tuple(x["loc"][:-1]) == parent and isinstance(key, str) and isinstance(name, str)
+                    and difflib.SequenceMatcher(None, key, name).ratio() >= 0.75):
+                return x, name
+    return None
 
 
 def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:

@@ -379,3 +379,32 @@ def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny):
             eng.generate_scored(ids, 0, 10, 2)
     finally:
         eng.close()
+
+
+def test_gguf_context_length_scans_to_the_key_and_refuses_non_gguf(tmp_path):
+    """The header scan reads past a large string array and other types to the key, agrees
+    with gguf's GGUFReader, and a file that is not GGUF gives None (no exception)."""
+    import gguf
+
+    from qeval.source import _gguf_scan_uint, gguf_context_length
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", "tiny")
+    w.add_token_list([f"tok{i}" for i in range(5000)])
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_array("llama.some_ints", [1, 2, 3])
+    w.add_bool("llama.flag", True)
+    w.add_context_length(12345)
+    w.add_tensor("t", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert _gguf_scan_uint(path, ".context_length") == 12345 == gguf_context_length(path)
+    r = gguf.GGUFReader(str(path))
+    f = r.fields["llama.context_length"]
+    assert int(f.parts[f.data[0]][0]) == 12345
+    assert _gguf_scan_uint(path, ".no_such_key") is None
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert gguf_context_length(bad) is None

