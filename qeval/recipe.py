@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -603,7 +604,6 @@ def _fields_at(model: Any, loc: tuple) -> set[str]:
     """Field names (and aliases) the pydantic model tree allows at ``loc`` (string parts
     descend into fields, integers into list items), for a did-you-mean hint; empty where
     the path cannot be followed (a union of tier methods, a free-form mapping)."""
-    import typing
     models = [model]
     for part in loc:
         nxt: list[Any] = []
