@@ -140,7 +140,7 @@ def floor_roots(recipe) -> list[Path]:
 @app.command()
 def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
              tiers: Optional[str] = typer.Option(None, "--tiers", help="comma-separated subset, as `qeval run "
-                                                 "--tiers` takes it: the plan shows only these tiers"),
+                                                 "--tiers` takes it: the plan marks the others as not run"),
              floor_from: Optional[Path] = typer.Option(
                  None, "--floor-from", help="a run folder whose measured noise floor the gate's KLD rule is "
                                             "checked against (default: the newest earlier run of this recipe "
