@@ -169,7 +169,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         out_arg: Optional[str] = typer.Option(None, "--out", help="results folder (default: results/)"),
         resume_arg: Optional[str] = typer.Option(None, "--resume", help="an unfinished run folder (or its URL "
                                                  "under a storage URL) to complete"),
-        executor: Optional[str] = typer.Option(None, "--executor", help="local or ray"),
+        executor: Optional[str] = typer.Option(None, "--executor", help="a registered executor: local or ray"),
         ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address"),
         junit: Optional[str] = typer.Option(None, "--junit", help="write gate results as JUnit XML"),
         fresh: bool = typer.Option(False, "--fresh", help="recompute the reference pass and quality results "
@@ -189,7 +189,8 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         r = load_recipe(recipe)
         subset = _parse_tiers(r, tiers)  # before the static checks, which read the model (seconds)
         static_checks(r)
-        chosen = make_executor(executor or r.executor, ray_address)
+        chosen = make_executor(executor, ray_address) if executor else \
+            make_executor(r.executor, ray_address, recipe=r)
         junit_path = check_output_file(junit, field="--junit") if junit is not None else None
         remote = storage_for(r)
         if remote is not None:  # a URL: work in a local staging folder, copy through the store

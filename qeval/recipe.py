@@ -34,6 +34,7 @@ from . import data as builtin_data
 from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, checked_name, parse_yaml,
                       pydantic_message, read_bytes, show_value)
 from .engines import engine_names
+from .engines.servers import get_server
 from .errors import QevalInputError
 from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
@@ -348,7 +349,8 @@ class Recipe(_Strict):
     gate: GateSpec = Field(default_factory=GateSpec)
     pareto: ParetoSpec = Field(default_factory=ParetoSpec)
     report: ReportSpec = Field(default_factory=ReportSpec)
-    executor: Literal["local", "ray"] = "local"
+    executor: str = Field("local", min_length=1, max_length=64, description="where the tiers run: a "
+                          "registered executor (qeval.executors: local, ray)")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     storage: str | None = Field(None, min_length=1, description="results and artifact cache: a path every node "
                                 "mounts (relative: to the recipe's folder), or an fsspec URL (s3://bucket/prefix, "
@@ -783,17 +785,15 @@ def _check_engine(recipe: Recipe, i: int, spec: Any) -> None:
 
 
 def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
-    """A served tier: llama-server serves GGUF files, vLLM needs CUDA; ``parallel`` defaults
-    to the largest ``load.concurrency`` (1 without a load stage), so the server batches
-    every stream of the load sweep."""
+    """A served tier: its server serves the method's artifact format on the recipe's device
+    (:meth:`qeval.engines.servers.ServerKind.check`); ``parallel`` defaults to the largest
+    ``load.concurrency`` (1 without a load stage), so the server batches every stream of
+    the load sweep."""
     method = get_method(spec.method)
     fmt = method.artifact_format if method is not None else None
-    if spec.serve.server == "llama-server" and fmt != "gguf":
-        raise recipe.error(("tiers", i, "serve"), f"llama-server serves GGUF files; method {spec.method} writes "
-                                                  f"{fmt} artifacts (serve them with vllm)")
-    if spec.serve.server == "vllm" and recipe.device == "cpu":
-        raise recipe.error(("tiers", i, "serve"), "vLLM serves on CUDA only and the recipe's device is cpu "
-                                                  "(use llama-server for a GGUF tier, or device: cuda)")
+    why = get_server(spec.serve.kind).check(fmt, recipe.device)
+    if why:
+        raise recipe.error(("tiers", i, "serve"), f"{why} (method {spec.method} writes {fmt} artifacts)")
     if spec.serve.parallel is None:
         spec.serve.parallel = max(recipe.load.concurrency) if recipe.load.enabled else 1
 

@@ -76,14 +76,17 @@ not measured::
                  "runtime_libraries": [str], "after_load_bytes": int, "baseline_bytes": int | None,
                  "reserved_unallocated_bytes": {"<depth>": int} | None,   # CUDA: reserved - allocated peak
                  "kind": "cpu_vmhwm" | "cuda_max_allocated" | "cuda_nvml_process" | "cuda_nvml_device"
-                         | "server_rss_sampled"        # a served tier: its server's RSS with children
+                         | "server_rss_sampled"        # a served tier: its server's process tree RSS,
+                                                       # sampled from before the server started
                          | "remote_endpoint_not_measured",
                  "nvml_peak_bytes": {"<depth>": int}, "nvml_after_load_bytes": int,
                  "nvml_kind": str,                # CUDA transformers tiers: NVML beside torch's counter,
                  "nvml": str},                    # or why it is absent
       "speed": {"<depth>": {"ttft_s": float, "prefill_tokens_per_s": float,
                             "decode_tokens_per_s": float, "roofline_tokens_per_s": float,
-                            "roofline_share": float, "ttft_s_all": [..], "decode_tokens_per_s_all": [..]}},
+                            "roofline_share": float, "ttft_s_all": [..], "decode_tokens_per_s_all": [..],
+                            "kv_pool": {"phase": str, "cleared_by": str,   # a served tier (KvPoolPhase)
+                                        "before": {...}, "after": {...}, "empty_at_start": true} | None}},
       "quality": {"engine": "real" | "dequantized", "backend": str,
                   "fidelity": {"kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max",
                                "same_top_rate", "ppl_ratio", "ppl_ratio_se", "delta_p_mean",
@@ -443,9 +446,24 @@ class Memory(_Closed):
     nvml: str | None = None
 
 
+class KvPoolPhase(_Closed):
+    """How a served tier's timed phase (a speed depth, a load point) started on an empty KV
+    pool (:meth:`qeval.engines.openai.OpenAIEngine.kv_pool_phase`): what emptied it
+    (``erase_slots``, ``reset_prefix_cache``, ``flush_cache``, ``restart``) and the server's
+    own counters at the start and the end (names as the server gives them: llama-server
+    ``/slots`` and ``/metrics``, vLLM and SGLang ``/metrics``). A phase whose pool was not
+    empty at its start fails instead, so ``empty_at_start`` is always true in a stored row."""
+    phase: str
+    cleared_by: str
+    before: dict[str, float] = Field(default_factory=dict)
+    after: dict[str, float] | None = None
+    empty_at_start: bool = True
+
+
 class SpeedPoint(_Closed):
     """Speed at one depth: TTFT (s), prefill and decode tokens/s (medians), roofline bound
-    (tokens/s) and achieved share, and the raw repeats."""
+    (tokens/s) and achieved share, the raw repeats, and for a served tier how its KV pool
+    was emptied first (``kv_pool``)."""
     ttft_s: float | None = None
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
@@ -454,6 +472,7 @@ class SpeedPoint(_Closed):
     decode_from_cache: int | None = None  # repeats that decoded from the cache cut back to the depth (no prefill)
     roofline_tokens_per_s: float | None = None
     roofline_share: float | None = None
+    kv_pool: KvPoolPhase | None = None
 
 
 class MeasureStage(_StageBase):

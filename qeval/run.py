@@ -100,7 +100,8 @@ class Runner(TierRunner):
         super().__init__(recipe, run_dir, on_event, fresh=fresh)
         self.tiers = tiers or [t.name for t in recipe.tiers]
         if executor is None or isinstance(executor, str):
-            executor = make_executor(executor or recipe.executor, ray_address)
+            executor = make_executor(executor, ray_address) if executor else \
+                make_executor(recipe.executor, ray_address, recipe=recipe)
         self.executor = executor
 
     # -- the run ----------------------------------------------------------------------
@@ -199,7 +200,7 @@ class Runner(TierRunner):
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,
                              "device": env.device, "gpu": env.gpu, "gpu_memory_bytes": env.gpu_memory_bytes})
         lanes = default_lanes(self.recipe, env.device)
-        if self.executor.name == "local" and lanes > 1:
+        if getattr(self.executor, "in_process", False) and lanes > 1:
             results = self.run_pipelined(lanes)
         else:
             reference_failed = self.reference_stage() if self.recipe.suites else None

@@ -263,12 +263,15 @@ def test_vllm_is_refused_off_cuda_in_one_line(tiny_llama):
 
 
 def test_server_commands():
-    from qeval.engines.servers import llama_server_command, round_ctx, vllm_command
+    from qeval.engines.servers import round_ctx
+    from qeval.engines.servers.llama_server import llama_server_command
+    from qeval.engines.servers.vllm import vllm_command
     cmd = llama_server_command("/b/llama-server", "/m.gguf", port=5, threads=2, parallel=4, ctx_size=2048,
-                               kv_cache="int8", flash_attn=True)
+                               kv_cache="int8", flash_attn=True, slot_dir="/tmp/slots")
     s = " ".join(cmd)
     assert "--host 127.0.0.1 --port 5" in s and "-np 4 -c 2048 --kv-unified" in s and "-fa on" in s
     assert "-ctk q8_0 -ctv q8_0" in s and "-ngl 0" in s and "-t 2 -tb 2" in s
+    assert "--metrics" in cmd and "--slots" in cmd and "--slot-save-path /tmp/slots" in s  # slot erase needs it
     v = " ".join(vllm_command("vllm", "/ckpt", "gptqmodel", port=7, parallel=8, max_model_len=4096,
                               gpu_memory_utilization=0.85, tokenizer="/src"))
     assert v.startswith("vllm serve /ckpt --host 127.0.0.1 --port 7") and "--max-num-seqs 8" in v
@@ -297,11 +300,68 @@ def served(tmp_path_factory):
         mp.undo()
 
 
-def _serve(tiny, log, parallel=2):
+def _serve(tiny, log, parallel=2, tier="t1"):
     from qeval.engines.openai import OpenAIEngine
     return OpenAIEngine.open("gguf", tiny["f16"], _options(
-        serve={"server": "llama-server", "parallel": parallel, "ctx_size": 1024}, log=str(log),
+        serve={"server": "llama-server", "parallel": parallel, "ctx_size": 1024}, log=str(log), tier=tier,
         tokenizer=str(tiny["src"]), check_texts=[tiny["tok"].decode(tiny["ids"][:40])]))
+
+
+def _slot_tokens(eng) -> list[int]:
+    """Tokens each llama-server slot holds, from the server's own ``GET /slots``."""
+    import httpx
+    return [int(s.get("n_prompt_tokens") or 0) for s in httpx.get(eng.server.url + "/slots").json()]
+
+
+@pytest.mark.slow
+def test_each_timed_phase_starts_on_an_empty_kv_pool_after_a_long_request(served, tmp_path):
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.serving import load_sweep
+    from qeval.measure.load import distinct_prompts
+    from qeval.measure.speed import speed_sweep
+    ids = served["ids"]
+    long = (ids * 4)[:500]
+    eng = _serve(served, tmp_path / "server.log")
+    try:
+        assert sum(_slot_tokens(eng)) == 0  # the tokenizer check's prompt did not stay in the pool
+        eng.generate(long, 8, ignore_stop=True)
+        assert sum(_slot_tokens(eng)) >= 500  # a finished request's sequence stays in the unified pool
+        with eng.kv_pool_phase("speed at depth 16") as rec:
+            assert _slot_tokens(eng) == [0, 0]  # what the server itself says at the phase's start
+            eng.generate(ids[:16], 4, ignore_stop=True)
+        assert rec["cleared_by"] == "erase_slots" and rec["before"]["slots_tokens"] == 0
+        assert rec["after"]["slots_tokens"] > 0
+        assert rec["after"]["llamacpp:prompt_tokens_total"] > rec["before"]["llamacpp:prompt_tokens_total"]
+        eng.generate(long, 8, ignore_stop=True)
+        speed, *_ = speed_sweep(eng, {16: ids[:16], 48: ids[:48]}, decode_tokens=4, repeats=1, warmup=0,
+                                peak=PeakMemory("cpu"))
+        assert all(speed[d]["kv_pool"]["before"]["slots_tokens"] == 0 for d in ("16", "48"))
+        eng.generate(long, 8, ignore_stop=True)
+        out = load_sweep(eng, distinct_prompts(ids, 32), concurrency=[2], depth=32, output_tokens=4,
+                         requests_per_stream=1, prefill_chunk=16, slo=None)
+        pool = out["points"][0]["details"]["kv_pool"]
+        assert pool["phase"] == "load at concurrency 2" and pool["before"]["slots_tokens"] == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_a_kv_pool_that_cannot_be_cleared_fails_the_phase_in_one_line(served, tmp_path, monkeypatch):
+    from qeval.engines.servers import PoolNotCleared
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.speed import speed_sweep
+    ids = served["ids"]
+    eng = _serve(served, tmp_path / "server.log", tier="gguf-q8-server")
+    try:
+        monkeypatch.setenv("QEVAL_TEST_POOL_NOT_CLEARED", "gguf-q8-server")  # the clear does nothing
+        eng.generate(ids[:100], 4, ignore_stop=True)
+        with pytest.raises(PoolNotCleared) as e:
+            speed_sweep(eng, {16: ids[:16]}, decode_tokens=4, repeats=1, warmup=0, peak=PeakMemory("cpu"))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("tier gguf-q8-server: the KV pool of llama-server")
+        assert "speed at depth 16" in msg and "holds" in msg
+    finally:
+        eng.close()
 
 
 @pytest.mark.slow
@@ -372,7 +432,8 @@ def _kill_when_measuring(log: Path, found: dict, stop: threading.Event) -> None:
 def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_alone(served, tmp_path):
     import psutil
     from qeval.engines.llama_tools import tool_path
-    from qeval.engines.servers import ManagedServer, free_port, llama_server_command
+    from qeval.engines.servers import ManagedServer, free_port
+    from qeval.engines.servers.llama_server import llama_server_command
     port = free_port()
     remote = ManagedServer(llama_server_command(tool_path("llama-server"), served["f16"], port=port, threads=1,
                                                 parallel=2, ctx_size=4096, args=["--api-key", SECRET]),

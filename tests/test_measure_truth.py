@@ -293,14 +293,14 @@ def test_every_peak_counter_has_the_whole_counter_api():
     RSS sampler, NVML and the remote endpoint's must have it too (a served tier's measure
     stage once failed on it)."""
     from qeval.engines.openai import NotMeasured
-    from qeval.engines.servers import ServerRss
+    from qeval.engines.servers import TreeRss
     from qeval.measure.memory import PeakMemory
     from qeval.measure.nvml import NvmlMemory, PairedPeak
-    for cls in (PeakMemory, ServerRss, NvmlMemory, PairedPeak, NotMeasured):
+    for cls in (PeakMemory, TreeRss, NvmlMemory, PairedPeak, NotMeasured):
         for name in ("reset", "read", "reserved_unallocated", "close"):
             assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name}"
     import os
-    rss = ServerRss(os.getpid())
+    rss = TreeRss(os.getpid)
     try:
         rss.reset()
         assert rss.read() >= 0 and rss.reserved_unallocated() is None

@@ -93,7 +93,7 @@ def test_source_fetched_by_hash_and_checked(s3, tiny_llama, tmp_path):
 
 def test_tier_task_staging_uses_the_stores_source(s3, tiny_llama, tmp_path, monkeypatch):
     """A node that cannot see the driver's source path gets the checkpoint from the store."""
-    from qeval.executors import stage_from_store
+    from qeval.executors.ray import stage_from_store
     from qeval.hashing import checkpoint_sha256
     from qeval.storage import publish_source
     st = _store(s3, "staging")

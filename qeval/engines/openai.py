@@ -1,35 +1,44 @@
 """Engine over an OpenAI-compatible HTTP endpoint (``engine: openai``): a server that
 already runs (``endpoint: {url, api_key_env}``) or one qeval starts on the tier's artifact
-(``serve: llama-server | vllm``, :mod:`qeval.engines.servers`).
+(``serve: llama-server | vllm | sglang``: a registered managed server,
+:mod:`qeval.engines.servers`).
 
 What goes over the wire (httpx; the OpenAI client library was checked: it hides the
 stream's chunk arrival times behind its own iterator and retries, and knows none of the
 servers' token-id extensions):
 
 * ``POST /v1/completions`` with the prompt as token ids from the source model's Hugging
-  Face tokenizer (llama-server and vLLM both take a list of ints), ``stream: true`` and
+  Face tokenizer (every known server takes a list of ints), ``stream: true`` and
   ``stream_options.include_usage``: TTFT and every inter-token time are chunk arrival
   times (``time.perf_counter`` when the chunk's line is read). Greedy: ``temperature 0``,
-  ``top_k 1``, no penalties; prompt caching off (llama-server ``cache_prompt: false``,
-  vLLM started with ``--no-enable-prefix-caching``), so a repeated speed prompt is
+  and the server dialect's own fields (``top_k 1``, no penalties, prompt caching off);
+  a managed server is started with its prefix cache off, so a repeated speed prompt is
   prefilled again. A stop token ends the answer as in the in-process engines; the speed
   sweep asks for ``ignore_eos`` (a fixed length, as vLLM ``bench serve --ignore-eos``).
-* token ids of the answer: llama-server returns them in ``logprobs.content[].id`` and
-  vLLM as ``token_id:N`` with ``return_tokens_as_token_ids``. A token the server holds
-  back (llama-server sends nothing for a token that ends in an incomplete UTF-8
-  character) arrives with the next chunk; the count comes from ``usage`` and such tokens'
-  ids from llama-server's own ``tokens`` field of a non-streamed answer when needed.
+* token ids of the answer: where the server's dialect
+  (:class:`~qeval.engines.servers.Dialect`, picked by the managed server's kind or an
+  endpoint's ``owned_by``) says they are. A token the server holds back (llama-server
+  sends nothing for a token that ends in an incomplete UTF-8 character) arrives with the
+  next chunk; the count comes from ``usage`` and such tokens' ids from a non-streamed
+  answer when needed.
 * the tokenizer check: each depth prompt's text is sent as text with ``max_tokens 1``;
   ``usage.prompt_tokens`` must equal the source tokenizer's count, else
   :class:`TokenizerMismatch` names both counts (a server with another tokenizer would be
-  measured on other tokens than every other tier).
-* scoring (fidelity) from the server's top-k log-probabilities (llama-server ``n_probs``,
-  vLLM ``logprobs``): one request per position with the prefix as prompt and
-  ``max_tokens 1`` (llama-server reuses its cached prefix, ``cache_prompt: true``).
-  :meth:`OpenAIEngine.iter_logprobs` yields full-vocabulary rows with the top ``k``
-  exact and the remaining mass spread evenly over the other tokens; the fidelity stage
-  also reports the top-``k`` estimate proper (:func:`qeval.measure.fidelity.topk_kld_rows`:
-  the remaining mass in one bucket), labelled with ``k``.
+  measured on other tokens than every other tier). A managed server's KV pool is cleared
+  after it: the check's long prompts do not stay in the pool.
+* a clean KV pool per timed phase (:meth:`OpenAIEngine.kv_pool_phase`): before each speed
+  depth and each load point a managed server's pool is cleared through its own API
+  (llama-server's slot erase, vLLM's prefix-cache reset, SGLang's cache flush; a server
+  without one is restarted), its own counters are read before and after, and a pool that
+  is not empty at the start fails the phase in one line naming the tier and the server.
+* scoring (fidelity) from the server's top-k log-probabilities by token id (dialects with
+  ``logprobs``: llama-server ``n_probs``, vLLM ``logprobs``): one request per position with
+  the prefix as prompt and ``max_tokens 1`` (llama-server reuses its cached prefix,
+  ``cache_prompt: true``). :meth:`OpenAIEngine.iter_logprobs` yields full-vocabulary rows
+  with the top ``k`` exact and the remaining mass spread evenly over the other tokens;
+  the fidelity stage also reports the top-``k`` estimate proper
+  (:func:`qeval.measure.fidelity.topk_kld_rows`: the remaining mass in one bucket),
+  labelled with ``k``.
 
 The API key is read from the environment variable the recipe names, sent only in the
 ``Authorization`` header, and never written to a file or a message.
@@ -38,8 +47,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -47,10 +59,8 @@ import numpy as np
 
 from ..errors import QevalInputError, TierUnavailable
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo
-from .llama_tools import tool_path
-from .llamacpp import default_flash_attn, gguf_file
-from .servers import (EndpointSpec, ManagedServer, ServeSpec, ServerFailed, free_port, llama_server_command,
-                      round_ctx, server_peak_counter, vllm_binary, vllm_command)
+from .servers import (OPENAI, Dialect, EndpointSpec, Launch, ManagedServer, PoolNotCleared, ServeOptions,
+                      ServerFailed, dialect_for_owner, dialects, free_port, get_server, parse_serve)
 
 DEFAULT_TOPK = 20
 
@@ -95,7 +105,12 @@ class Client:
         self.http = httpx.Client(base_url=base_url, headers=headers,
                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.model: str | None = None
-        self.dialect = "openai"  # "llama.cpp", "vllm" or "openai" (unknown server)
+        self.wire: Dialect = OPENAI  # the server's dialect (a managed server's, or sniffed from owned_by)
+
+    @property
+    def dialect(self) -> str:
+        """The dialect's name (``llama.cpp``, ``vllm``, ``sglang``, ``openai``)."""
+        return self.wire.name
 
     def models(self) -> dict:
         """``GET /v1/models``.
@@ -119,8 +134,9 @@ class Client:
         except ValueError:
             raise EndpointError(f"{self.base_url}/v1/models did not answer JSON", field="endpoint.url") from None
 
-    def connect(self, model: str | None = None) -> None:
-        """Pick the model (``model``, else the first listed) and the server's dialect.
+    def connect(self, model: str | None = None, wire: Dialect | None = None) -> None:
+        """Pick the model (``model``, else the first listed) and the server's dialect
+        (``wire``, else the one its ``owned_by`` names: :func:`~qeval.engines.servers.dialect_for_owner`).
 
         Raises:
             EndpointError: as :meth:`models`, or no model served / ``model`` not among them.
@@ -133,8 +149,8 @@ class Client:
             raise EndpointError(f"{self.base_url} does not serve {model!r} (it serves {', '.join(map(str, names))})",
                                 field="endpoint.model")
         self.model = model or names[0]
-        owner = str(next((m.get("owned_by") for m in data if m.get("id") == self.model), "") or "").lower()
-        self.dialect = "llama.cpp" if "llama" in owner else ("vllm" if "vllm" in owner else "openai")
+        owner = str(next((m.get("owned_by") for m in data if m.get("id") == self.model), "") or "")
+        self.wire = wire if wire is not None else dialect_for_owner(owner)
 
     def body(self, prompt: Any, max_tokens: int, *, stream: bool, logprobs: int = 1, ignore_eos: bool = False,
              cache_prompt: bool = False) -> dict:
@@ -145,11 +161,12 @@ class Client:
             b["stream_options"] = {"include_usage": True}
         if ignore_eos:
             b["ignore_eos"] = True
-        if self.dialect == "llama.cpp":
-            b.update({"top_k": 1, "repeat_penalty": 1.0, "cache_prompt": cache_prompt, "n_probs": int(logprobs)})
-        elif self.dialect == "vllm":
-            b.update({"top_k": 1, "repetition_penalty": 1.0, "return_tokens_as_token_ids": True})
+        b.update(self.wire.extras(logprobs=int(logprobs), cache_prompt=cache_prompt))
         return b
+
+    def token_ids(self, chunk: dict) -> list[int]:
+        """Token ids of a chunk in this server's dialect."""
+        return self.wire.token_ids(chunk)
 
     def post(self, path: str, body: dict) -> dict:
         """A non-streamed POST; the JSON answer.
@@ -188,51 +205,38 @@ class Client:
         self.http.close()
 
 
-def chunk_token_ids(chunk: dict) -> list[int]:
-    """Token ids a completion chunk carries: llama-server's ``tokens`` or
-    ``logprobs.content[].id``, vLLM's ``logprobs.tokens`` as ``token_id:N``."""
-    if isinstance(chunk.get("tokens"), list):
-        return [int(t) for t in chunk["tokens"]]
-    out: list[int] = []
-    for ch in chunk.get("choices") or []:
-        lp = ch.get("logprobs") or {}
-        if isinstance(lp.get("content"), list):
-            out += [int(e["id"]) for e in lp["content"] if "id" in e]
-        elif isinstance(lp.get("tokens"), list):
-            out += [int(str(t).split(":", 1)[1]) for t in lp["tokens"] if str(t).startswith("token_id:")]
-    return out
+def chunk_token_ids(chunk: dict, wire: Dialect | None = None) -> list[int]:
+    """Token ids a completion chunk carries, in dialect ``wire``; without one, in the first
+    registered dialect that finds any (:func:`~qeval.engines.servers.dialects`)."""
+    if wire is not None:
+        return wire.token_ids(chunk)
+    return next((ids for d in dialects() if (ids := d.token_ids(chunk))), [])
 
 
-def chunk_topk(chunk: dict) -> list[list[tuple[int, float]]]:
-    """Per generated token of a chunk, its top-k ``(token id, logprob)``: llama-server's
-    ``logprobs.content[].top_logprobs[]`` (``id``, ``logprob``), vLLM's
-    ``logprobs.top_logprobs[]`` (``{"token_id:N": logprob}``)."""
-    out = []
-    for ch in chunk.get("choices") or []:
-        lp = ch.get("logprobs") or {}
-        if isinstance(lp.get("content"), list):
-            for e in lp["content"]:
-                out.append([(int(t["id"]), float(t["logprob"])) for t in e.get("top_logprobs") or []])
-        elif isinstance(lp.get("top_logprobs"), list):
-            for d in lp["top_logprobs"]:
-                out.append([(int(str(k).split(":", 1)[1]), float(v)) for k, v in (d or {}).items()
-                            if str(k).startswith("token_id:")])
-    return out
+def chunk_topk(chunk: dict, wire: Dialect | None = None) -> list[list[tuple[int, float]]]:
+    """Per generated token of a chunk, its top-k ``(token id, logprob)`` in dialect ``wire``
+    (without one: the first registered dialect that finds any)."""
+    if wire is not None:
+        return wire.topk(chunk)
+    return next((rows for d in dialects() if (rows := d.topk(chunk))), [])
 
 
 class OpenAIEngine:
     """A tier served over HTTP (see the module notes).
 
     Open it through :meth:`open`: ``options.server`` holds the tier's ``endpoint`` or
-    ``serve`` settings, the server log's path, the source tokenizer's folder and the
-    depth-prompt texts the tokenizer check sends.
+    ``serve`` settings, the server log's path, the tier's name, the source tokenizer's
+    folder and the depth-prompt texts the tokenizer check sends.
 
     Attributes (beyond :class:`qeval.engines.base.Engine`'s):
         client: the :class:`Client`.
         server: the :class:`~qeval.engines.servers.ManagedServer` qeval started (None for
             an endpoint).
+        kind: the managed server's :class:`~qeval.engines.servers.ServerKind` (None for
+            an endpoint).
         topk: the log-probabilities per position the server returns when scoring (k).
         tokenizer_check: ``[{"text_tokens", "server_tokens"}]`` of the check that passed.
+        restarts: times the managed server was restarted to empty its KV pool.
     """
 
     name = "openai"
@@ -257,7 +261,8 @@ class OpenAIEngine:
 
         Raises:
             ValueError: another format, or neither ``endpoint`` nor ``serve`` set.
-            TierUnavailable: vLLM off CUDA, or not installed (one line, what to do).
+            TierUnavailable: a server that cannot run on this device, or is not installed
+                (one line, what to do).
             ServerFailed: the server did not start (its log tail attached).
             EndpointError, TokenizerMismatch: the endpoint or its tokenizer (one line).
         """
@@ -265,19 +270,26 @@ class OpenAIEngine:
             raise ValueError(f"the {cls.name} engine serves {', '.join(cls.formats)} artifacts, not {fmt!r}")
         s = dict(options.server or {})
         endpoint = EndpointSpec.model_validate(s["endpoint"]) if s.get("endpoint") else None
-        serve = ServeSpec.model_validate(s["serve"]) if s.get("serve") else None
+        serve = parse_serve(s["serve"]) if s.get("serve") else None
         if (endpoint is None) == (serve is None):
             raise ValueError("the openai engine needs exactly one of endpoint: and serve:")
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
                    tokenizer=s.get("tokenizer"), check_texts=s.get("check_texts") or (),
-                   tokens=s.get("tokens") or {})
+                   tokens=s.get("tokens") or {}, tier=s.get("tier"))
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
-                 serve: ServeSpec | None, log_path: str | None, tokenizer: str | None,
-                 check_texts: Sequence[str] = (), tokens: dict | None = None) -> None:
+                 serve: ServeOptions | None, log_path: str | None, tokenizer: str | None,
+                 check_texts: Sequence[str] = (), tokens: dict | None = None, tier: str | None = None) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         self.server: ManagedServer | None = None
+        self.kind: Any = None
+        self.serve = serve
+        self.launch: Launch | None = None
+        self.tier = tier or "?"
+        self.restarts = 0
+        self._scratch: str | None = None
         self.flash_attn: bool | None = None
+        self._attention: dict = {"flash_attn": None, "kv_cache_dtype": None}
         self.sampling = {"decode": "argmax (temperature 0, top_k 1)", "ignored_file_defaults": {}}
         self.topk = DEFAULT_TOPK
         self.score_topk = self.topk  # the fidelity stage's KLD is the top-k estimate
@@ -286,17 +298,20 @@ class OpenAIEngine:
         self.device = options.device
         self.tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
         if serve is not None:
-            url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {})
+            url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {}, tokenizer)
             key, timeout = None, 600.0
         else:
             url, key, timeout = endpoint.url, api_key(endpoint), endpoint.timeout_s
         self.client = Client(url, key, timeout)
         try:
-            self.client.connect(endpoint.model if endpoint else None)
+            self.client.connect(endpoint.model if endpoint else None,
+                                self.kind.dialect if self.kind is not None else None)
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
             self.vocab_size = len(self.tok) if self.tok is not None else 0
             try:
                 self.tokenizer_check = check_tokenizer(self.client, self.tok, check_texts) if self.tok else []
+                if self.server is not None and check_texts:  # the check's long prompts leave the pool
+                    self.clear_kv_pool("the tokenizer check")
             except Exception as e:  # noqa: BLE001 - a server dying here is the reason
                 self._alive(e)
         except BaseException:
@@ -304,46 +319,43 @@ class OpenAIEngine:
             raise
 
     # -- the server ----------------------------------------------------------------------
-    def _start(self, fmt: str, path: Path | None, options: EngineOptions, serve: ServeSpec, log: Path,
-               tokens: dict) -> str:
-        """Start the managed server; ``tokens``: ``sequence`` (the longest sequence),
-        ``load_sequence`` (one load request) and ``model`` (the model's context)."""
-        port = free_port()
-        parallel = serve.parallel or 1
-        seq = int(tokens.get("sequence") or 2048)
-        pool = max(seq, parallel * int(tokens.get("load_sequence") or 0))
-        if serve.server == "llama-server":
-            if fmt != "gguf":
-                raise ValueError(f"llama-server serves GGUF artifacts, not {fmt!r}")
-            self.flash_attn = default_flash_attn(options.device, options.kv_cache) if options.flash_attn is None \
-                else bool(options.flash_attn)
-            binary = tool_path("llama-server", log=lambda m: print(f"[qeval] {m}", flush=True))
-            cmd = llama_server_command(binary, gguf_file(path), port=port, threads=options.threads, parallel=parallel,
-                                       ctx_size=serve.ctx_size or round_ctx(pool), kv_cache=options.kv_cache, flash_attn=self.flash_attn,
-                                       device=options.device, args=serve.args)
-            name = "llama-server"
-        else:
-            if options.device != "cuda":
-                raise TierUnavailable(f"vLLM serves on CUDA only and this stage runs on {options.device}; "
-                                      "serve this tier with llama-server (GGUF) or run it on a CUDA machine")
-            binary = vllm_binary()
-            if binary is None:
-                raise TierUnavailable("vllm is not installed: pip install vllm (best in its own environment; "
-                                      "set QEVAL_VLLM to its executable)")
-            cmd = vllm_command(binary, path, fmt, port=port, parallel=parallel,
-                               max_model_len=serve.ctx_size or round_ctx(seq, tokens.get("model")),
-                               gpu_memory_utilization=serve.gpu_memory_utilization,
-                               kv_cache=options.kv_cache, args=serve.args)
-            name = "vllm"
-        self.server = ManagedServer(cmd, port=port, log_path=log, name=name)
-        print(f"[qeval] starting {name} on 127.0.0.1:{port} (log {log})", flush=True)
+    def _start(self, fmt: str, path: Path | None, options: EngineOptions, serve: ServeOptions, log: Path,
+               tokens: dict, tokenizer: str | None) -> str:
+        """Start the managed server ``serve.kind``; ``tokens``: ``sequence`` (the longest
+        sequence), ``load_sequence`` (one load request) and ``model`` (the model's context).
+
+        Raises:
+            TierUnavailable: the server cannot serve ``fmt`` on this device, or is not installed.
+        """
+        kind = get_server(serve.kind)
+        why = kind.check(fmt, options.device)
+        if why:
+            raise TierUnavailable(why)
+        self.kind = kind
+        self._scratch = tempfile.mkdtemp(prefix="qeval-server-")
+        self.launch = Launch(artifact=Path(path) if path is not None else Path("."), fmt=fmt, port=free_port(),
+                             threads=options.threads, parallel=serve.parallel or 1, tokens=dict(tokens),
+                             kv_cache=options.kv_cache, flash_attn=options.flash_attn, device=options.device,
+                             tokenizer=tokenizer, scratch=Path(self._scratch))
+        self._attention = kind.attention(serve, self.launch)
+        self.flash_attn = self._attention.get("flash_attn")
+        binary = kind.binary()
+        env = dict(os.environ, **kind.env(serve)) if kind.env(serve) else None
+        self.server = ManagedServer(kind.command(binary, serve, self.launch), port=self.launch.port, log_path=log,
+                                    name=kind.kind, health_path=kind.health_path, env=env, device=options.device)
+        self._launch_server(serve.startup_timeout_s)
+        return self.server.url
+
+    def _launch_server(self, timeout_s: float) -> None:
+        """Start (or start again) the managed server and wait until it is ready."""
+        print(f"[qeval] starting {self.server.name} on 127.0.0.1:{self.server.port} (log {self.server.log_path})",
+              flush=True)
         try:
-            self.server.start(serve.startup_timeout_s)
+            self.server.start(timeout_s)
         except ServerFailed as e:
             _print_tail(e)
             raise
-        print(f"[qeval] {name} ready (pid {self.server.pid})", flush=True)
-        return self.server.url
+        print(f"[qeval] {self.server.name} ready (pid {self.server.pid})", flush=True)
 
     def _alive(self, err: BaseException | None = None) -> None:
         """Raise :class:`ServerFailed` (its log tail printed to this stage's log) when the
@@ -359,6 +371,72 @@ class OpenAIEngine:
             raise died from None
         if err is not None:
             raise err
+
+    # -- the KV pool ---------------------------------------------------------------------
+    def _pool_fail(self, phase: str, why: str) -> PoolNotCleared:
+        return PoolNotCleared(f"tier {self.tier}: the KV pool of {self.server.name} (pid {self.server.pid}) "
+                              f"was not empty at the start of {phase}: {why}")
+
+    def clear_kv_pool(self, phase: str) -> dict:
+        """Empty the managed server's KV pool before ``phase`` and check it is empty: the
+        server's own API (:meth:`~qeval.engines.servers.ServerKind.clear_pool`), or a
+        restart where the server has none.
+
+        Returns:
+            ``{"phase", "cleared_by", "before", "after", "empty_at_start"}``: what was done
+            (``erase_slots``, ``reset_prefix_cache``, ``flush_cache``, ``restart``) and the
+            server's counters at the start (``after`` is filled by :meth:`kv_pool_phase`).
+
+        Raises:
+            PoolNotCleared: the clear failed or the pool still holds something (one line
+                naming the tier, the server and the phase).
+            ServerFailed: the server died.
+        """
+        if os.environ.get("QEVAL_TEST_POOL_NOT_CLEARED") == self.tier:  # test-only: a clear that does nothing
+            action = "none (test fault)"
+        else:
+            try:
+                action = self.kind.clear_pool(self.client.http, self.launch.parallel)
+            except NotImplementedError:
+                self.server.stop(keep_counter=True)
+                self._launch_server(self.serve.startup_timeout_s)
+                self.restarts += 1
+                action = "restart"
+            except Exception as e:  # noqa: BLE001 - the server's refusal or a dead server
+                self._alive()
+                raise self._pool_fail(phase, f"it could not be cleared ({str(e).splitlines()[0][:200]})") from None
+        try:
+            state = self.kind.pool_state(self.client.http)
+        except Exception as e:  # noqa: BLE001 - a dead server is the reason
+            self._alive()
+            raise self._pool_fail(phase, f"its counters could not be read ({str(e).splitlines()[0][:200]})") from None
+        if not state.empty:
+            raise self._pool_fail(phase, f"after {action}, {state.why}")
+        return {"phase": phase, "cleared_by": action, "before": dict(state.counters), "after": None,
+                "empty_at_start": True}
+
+    @contextmanager
+    def kv_pool_phase(self, phase: str) -> Iterator[dict | None]:
+        """A timed phase (a speed depth, a load point) on an empty KV pool: cleared and
+        checked on entry (:meth:`clear_kv_pool`), the server's counters read again on exit
+        into the record's ``after``. Yields the record (None for an endpoint: not qeval's
+        server to clear).
+
+        Raises:
+            PoolNotCleared: the pool was not empty at the start (one line).
+        """
+        if self.server is None:
+            yield None
+            return
+        rec = self.clear_kv_pool(phase)
+        try:
+            yield rec
+        finally:
+            if self.server.alive():
+                try:
+                    rec["after"] = dict(self.kind.pool_state(self.client.http).counters)
+                except Exception:  # noqa: BLE001 - the phase's own error, if any, is the one to see
+                    pass
 
     # -- Engine API ----------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
@@ -382,7 +460,7 @@ class OpenAIEngine:
             for t, chunk in self.client.stream(body):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                ids = chunk_token_ids(chunk)
+                ids = self.client.token_ids(chunk)
                 for i in ids:
                     toks.append(i)
                     times.append(t - t0)
@@ -405,36 +483,42 @@ class OpenAIEngine:
         return Generation(toks, times[0] if times else 0.0, times, finished)
 
     def _answer_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, ignore_stop: bool) -> list[int]:
-        """Every answer token id, non-streamed (llama-server's native ``/completion`` with
-        ``return_tokens``; other servers: the ids of ``logprobs``).
+        """Every answer token id, non-streamed (the dialect's own route where it has one,
+        e.g. llama-server's native ``/completion`` with ``return_tokens``; else the ids of
+        a ``/v1/completions`` answer).
 
         Raises:
             ServerFailed: the managed server died during the request (CI saw this re-run cut
                 by a SIGKILL: httpx's RemoteProtocolError is not the reason, the death is).
         """
         try:
-            if self.client.dialect == "llama.cpp":
-                d = self.client.post("/completion", {"prompt": [int(t) for t in prompt_ids],
-                                                     "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                                                     "repeat_penalty": 1.0, "cache_prompt": False,
-                                                     "return_tokens": True, "ignore_eos": ignore_stop})
-                return [int(t) for t in d.get("tokens") or []]
+            own = self.client.wire.answer_ids(self.client.post, prompt_ids, max_new_tokens, ignore_stop)
+            if own is not None:
+                return own
             d = self.client.post("/v1/completions", self.client.body([int(t) for t in prompt_ids], max_new_tokens,
                                                                      stream=False, ignore_eos=ignore_stop))
-            return chunk_token_ids(d)
+            return self.client.token_ids(d)
         except Exception as e:  # noqa: BLE001 - a dead server is the reason, whatever httpx saw
             self._alive(e)
             raise
 
     def topk_at(self, prefix: Sequence[int]) -> list[tuple[int, float]]:
-        """The server's top-``k`` ``(token id, logprob)`` of the token after ``prefix``."""
+        """The server's top-``k`` ``(token id, logprob)`` of the token after ``prefix``.
+
+        Raises:
+            RuntimeError: the server's dialect gives no log-probabilities by token id
+                (SGLang, a plain OpenAI server), or the answer held none.
+        """
+        if not self.client.wire.logprobs:
+            raise RuntimeError(f"the {self.client.dialect} dialect gives no top-k log-probabilities by token id: "
+                               "this tier cannot be scored over HTTP")
         body = self.client.body([int(t) for t in prefix], 1, stream=False, logprobs=self.topk, cache_prompt=True)
         try:
             d = self.client.post("/v1/completions", body)
         except Exception as e:  # noqa: BLE001 - a dead server is the reason
             self._alive(e)
             raise
-        rows = chunk_topk(d)
+        rows = self.client.wire.topk(d)
         if not rows or not rows[0]:
             raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities")
         return rows[0]
@@ -458,15 +542,13 @@ class OpenAIEngine:
             yield start, out
 
     def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:
-        """The attention path as set when qeval starts the server (llama-server: flash
-        attention on or off, K and V ``f16`` or ``q8_0``); an endpoint's or vLLM's are not
-        visible over HTTP (None)."""
-        kv = None
-        if self.server is not None and self.flash_attn is not None:
-            kv = "q8_0" if self.kv_cache == "int8" else "f16"
-        impl = "flash" if self.flash_attn else ("standard" if self.flash_attn is False else "not visible over HTTP")
+        """The attention path as the managed server's command sets it (llama-server: flash
+        attention on or off, K and V ``f16`` or ``q8_0``); what the command leaves to the
+        server, and an endpoint's, are not visible over HTTP (None)."""
+        fa = self._attention.get("flash_attn")
+        impl = "flash" if fa else ("standard" if fa is False else "not visible over HTTP")
         return {"engine": self.server.name if self.server is not None else "endpoint", "implementation": impl,
-                "flash_attn": self.flash_attn, "kv_cache_dtype": kv}
+                "flash_attn": fa, "kv_cache_dtype": self._attention.get("kv_cache_dtype")}
 
     def kv_bytes_per_token(self, depth: int = 64) -> float:
         """Not measured through HTTP (the server owns its cache).
@@ -482,19 +564,24 @@ class OpenAIEngine:
 
     def peak_counter(self) -> Any:
         """The peak-memory counter of this tier (:meth:`reset`/:meth:`read`/``kind``): the
-        managed server's RSS with its children on the CPU, NVML for its pid on CUDA; an
-        endpoint's memory cannot be seen from here (:class:`NotMeasured`)."""
-        if self.server is None:
+        managed server's, started before the server (its baseline) and summed over the
+        server's process tree (RSS on the CPU, NVML per pid on CUDA:
+        :func:`~qeval.engines.servers.tree_memory_counter`); an endpoint's memory cannot
+        be seen from here (:class:`NotMeasured`)."""
+        if self.server is None or self.server.memory is None:
             return NotMeasured()
-        return server_peak_counter(self.server.pid, self.device)
+        return self.server.memory
 
     def close(self) -> None:
-        """Close the HTTP client; stop and reap a managed server."""
+        """Close the HTTP client; stop and reap a managed server; remove its scratch folder."""
         c = getattr(self, "client", None)
         if c is not None:
             c.close()
         if self.server is not None:
             self.server.stop()
+        if self._scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from ..errors import TierUnavailable
 
@@ -91,6 +91,10 @@ class NvmlMemory:
     Args:
         ordinal: the CUDA device ordinal the engine uses (0 unless the engine picks another).
         pid: the process to count (default: this one).
+        pids: ``() -> pids`` to count instead, summed, asked at every sample (a managed
+            server's process tree: :func:`qeval.engines.servers.base.tree_pids`); a tree
+            that does not exist yet counts 0 bytes, so a counter created before the server
+            starts has the device's use before it as its baseline.
         interval_s: seconds between samples of the background thread.
         nvml: a ``pynvml``-like module (tests pass a fake); default :func:`import_pynvml`.
 
@@ -111,7 +115,7 @@ class NvmlMemory:
     """
 
     def __init__(self, ordinal: int = 0, *, pid: int | None = None, interval_s: float = 0.01,
-                 nvml: Any = None) -> None:
+                 nvml: Any = None, pids: Callable[[], Iterable[int]] | None = None) -> None:
         self._nv = nvml if nvml is not None else import_pynvml()
         self.device = visible_device(ordinal)
         try:
@@ -122,6 +126,7 @@ class NvmlMemory:
         except Exception as e:
             raise TierUnavailable(f"NVML cannot open GPU {self.device!r}: {e}") from None
         self.pid = os.getpid() if pid is None else int(pid)
+        self._pids = pids
         self.interval_s = float(interval_s)
         self._lock = threading.Lock()
         self._seen_process = False
@@ -136,12 +141,13 @@ class NvmlMemory:
 
     # -- sampling -----------------------------------------------------------------------
     def _sample(self) -> tuple[int, int | None]:
-        """(device bytes in use, this process's bytes or None when NVML does not list it)."""
+        """(device bytes in use, the counted processes' bytes or None when NVML lists none of them)."""
         used = int(self._nv.nvmlDeviceGetMemoryInfo(self._h).used)
         mine = None
+        wanted = {int(p) for p in self._pids()} if self._pids is not None else {self.pid}
         try:
             for p in self._nv.nvmlDeviceGetComputeRunningProcesses(self._h):
-                if int(p.pid) == self.pid and p.usedGpuMemory is not None:
+                if int(p.pid) in wanted and p.usedGpuMemory is not None:
                     mine = (mine or 0) + int(p.usedGpuMemory)
         except Exception:  # NVML_ERROR_NOT_SUPPORTED on some drivers / vGPUs
             mine = None

@@ -6,10 +6,16 @@ Engines that can batch declare their serve function (``capabilities.serve``): ll
 (:func:`qeval.engines.llamacpp_load.serve_closed_loop`, continuous batching) and
 transformers (:func:`qeval.engines.hf_load.serve_closed_loop`, continuous or static
 batches). Any other engine has no load section.
+
+Each admitted point is one timed phase: an engine that serves through another process's
+KV pool (``kv_pool_phase``, :meth:`qeval.engines.openai.OpenAIEngine.kv_pool_phase`)
+starts it on an empty pool, checked by the server's own counters; the record is kept in
+the point's ``details["kv_pool"]``.
 """
 from __future__ import annotations
 
 import importlib
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from .load import NotAdmitted, PromptFor, Slo, admission, not_admitted_point, point_stats, summarize
@@ -72,20 +78,24 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
             continue
         progress(f"load: concurrency {c} ({requests_per_stream} requests per stream, depth {depth}, "
                  f"{output_tokens} new tokens each)")
-        if peak is not None:
-            peak.reset()
-        try:
-            run = serve(engine, prompt_for, concurrency=c, output_tokens=output_tokens,
-                        requests_per_stream=requests_per_stream, prefill_chunk=prefill_chunk,
-                        kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
-                        max_context=max_context)
-        except NotAdmitted as e:
-            progress(f"load: concurrency {c} not admitted: {e}")
-            points.append(not_admitted_point(c, requests_per_stream, str(e)))
-            continue
-        except _oom_types() as e:
-            progress(f"load: concurrency {c} ran out of memory")
-            points.append(not_admitted_point(c, requests_per_stream, f"out of memory: {e.__class__.__name__}: {e}"[:300]))
+        pool_phase = getattr(engine, "kv_pool_phase", None)  # a served engine: each point on an empty KV pool
+        with (pool_phase(f"load at concurrency {c}") if pool_phase is not None else nullcontext()) as pool:
+            if peak is not None:
+                peak.reset()
+            try:
+                run = serve(engine, prompt_for, concurrency=c, output_tokens=output_tokens,
+                            requests_per_stream=requests_per_stream, prefill_chunk=prefill_chunk,
+                            kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                            max_context=max_context)
+            except NotAdmitted as e:
+                run, why = None, str(e)
+            except _oom_types() as e:
+                run, why = None, f"out of memory: {e.__class__.__name__}: {e}"[:300]
+            if run is not None and pool is not None:
+                run.details["kv_pool"] = pool  # its "after" counters are filled as the phase ends
+        if run is None:
+            progress(f"load: concurrency {c} not admitted: {why}")
+            points.append(not_admitted_point(c, requests_per_stream, why))
             continue
         p = point_stats(run, slo)
         p["peak_bytes"] = peak.read() if peak is not None else None

@@ -5,10 +5,16 @@ Decode tokens/s = (n - 1) / (t_last - t_first) over n new tokens after depth d.
 Warm-up runs first (``warmup`` runs at the shallowest depth, as llama-bench warms up once
 before its tests), then the median of ``repeats`` at each depth; thread count pinned by
 the worker. Each depth's peak memory is taken over its repeats.
+
+Each depth is one timed phase: an engine that serves through another process's KV pool
+(``kv_pool_phase``, :meth:`qeval.engines.openai.OpenAIEngine.kv_pool_phase`) starts it on
+an empty pool, checked by the server's own counters, and the depth's row keeps that record
+(``kv_pool``).
 """
 from __future__ import annotations
 
 import statistics
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -54,7 +60,8 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
     Returns:
         ``(speed, peak_bytes, kv_bytes, extra)``: per depth (str) a dict with ``ttft_s``,
         ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (medians) and the raw lists
-        (:func:`add_roofline` adds the roofline bound and share); the peak memory (bytes)
+        (:func:`add_roofline` adds the roofline bound and share), and for a served engine
+        ``kv_pool`` (how its KV pool was emptied, the server's counters before and after); the peak memory (bytes)
         during that depth's runs; the KV cache bytes held for its tokens after it (from the
         cache object, when the engine's ``capabilities.kv_bytes``; else 0); and
         ``{"kv_allocated_bytes", "reserved_unallocated_bytes"}``: the KV bytes allocated
@@ -71,28 +78,30 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
         progress(f"warm-up at depth {shallowest}")
         engine.generate(list(prompts[shallowest]), decode_tokens, ignore_stop=True)
     ready = getattr(engine, "prepare_decode", None)
+    pool_phase = getattr(engine, "kv_pool_phase", None)  # a served engine: each depth on an empty KV pool
     for depth in sorted(prompts):
         ids = list(prompts[depth])
         if ready is not None:  # e.g. a static cache allocated and its decode step compiled: untimed
             ready(len(ids) + decode_tokens)
-        peak.reset()
-        ttfts: list[float] = []
-        decs: list[float] = []
-        again = getattr(engine, "decode_again", None)
-        full = repeats if prefill_repeats is None else max(1, min(prefill_repeats, repeats))
-        from_cache = 0
-        for r in range(repeats):
-            g = None
-            if r >= full and again is not None:
-                progress(f"depth {depth}: repeat {r + 1}/{repeats} (decode from the cache cut back to the depth)")
-                g = again(ids, decode_tokens)
-                from_cache += g is not None
-            if g is None:
-                progress(f"depth {depth}: repeat {r + 1}/{repeats}")
-                g = engine.generate(ids, decode_tokens, ignore_stop=True)
-                ttfts.append(g.prefill_s)
-            if g.decode_tokens_per_s:
-                decs.append(g.decode_tokens_per_s)
+        with (pool_phase(f"speed at depth {depth}") if pool_phase is not None else nullcontext()) as pool:
+            peak.reset()
+            ttfts: list[float] = []
+            decs: list[float] = []
+            again = getattr(engine, "decode_again", None)
+            full = repeats if prefill_repeats is None else max(1, min(prefill_repeats, repeats))
+            from_cache = 0
+            for r in range(repeats):
+                g = None
+                if r >= full and again is not None:
+                    progress(f"depth {depth}: repeat {r + 1}/{repeats} (decode from the cache cut back to the depth)")
+                    g = again(ids, decode_tokens)
+                    from_cache += g is not None
+                if g is None:
+                    progress(f"depth {depth}: repeat {r + 1}/{repeats}")
+                    g = engine.generate(ids, decode_tokens, ignore_stop=True)
+                    ttfts.append(g.prefill_s)
+                if g.decode_tokens_per_s:
+                    decs.append(g.decode_tokens_per_s)
         peaks[str(depth)] = peak.read()
         kv[str(depth)] = int(engine.last_cache_bytes or 0) if engine.capabilities.kv_bytes else 0
         allocated = engine.last_cache_allocated_bytes if engine.capabilities.kv_bytes else None
@@ -108,6 +117,8 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
             "decode_tokens_per_s_all": decs,
             "decode_from_cache": from_cache,
         }
+        if pool is not None:
+            speed[str(depth)]["kv_pool"] = pool
     return speed, peaks, kv, extra
 
 

@@ -30,7 +30,8 @@ class TierSpec(BaseModel):
         endpoint: with ``engine: openai``, a server that already runs
             (:class:`~qeval.engines.servers.EndpointSpec`: ``url``, ``api_key_env``).
         serve: with ``engine: openai``, the server qeval starts on the tier's artifact
-            (:class:`~qeval.engines.servers.ServeSpec`: ``llama-server`` or ``vllm``).
+            (:data:`~qeval.engines.servers.ServeSpec`: a registered managed server's
+            options, ``kind: llama-server | vllm | sglang``).
     """
     # strict, as the recipe's sections (qeval.recipe._Strict): "4" is not an int, 1 is not a
     # boolean, no NaN or infinity
@@ -46,7 +47,7 @@ class TierSpec(BaseModel):
                                "llamacpp: llama.cpp, openai: an OpenAI-compatible server); default: the method's own")
     endpoint: EndpointSpec | None = Field(None, description="engine openai: a running server {url, api_key_env}")
     serve: ServeSpec | None = Field(None, description="engine openai: the server qeval starts on the artifact "
-                                    "(llama-server | vllm)")
+                                    "({kind: llama-server | vllm | sglang, ...}, or the kind alone)")
 
     @field_validator("name")
     @classmethod
@@ -60,7 +61,8 @@ class TierSpec(BaseModel):
         if (self.endpoint is not None or self.serve is not None) and self.engine != "openai":
             raise ValueError("endpoint: and serve: need engine: openai")
         if self.engine == "openai" and self.endpoint is None and self.serve is None:
-            raise ValueError("engine openai needs endpoint: {url: ..., api_key_env: ...} or serve: llama-server | vllm")
+            raise ValueError("engine openai needs endpoint: {url: ..., api_key_env: ...} or serve: "
+                             "llama-server | vllm | sglang")
         return self
 
 
@@ -288,7 +290,7 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
         texts = depth_texts(AutoTokenizer.from_pretrained(ctx.source_path), ctx.depth_text, ctx.depths)
     log = str(RunLayout(ctx.run_dir).log(spec.name, "server")) if ctx.run_dir else None
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
-            "serve": spec.serve.model_dump() if spec.serve else None,
+            "serve": spec.serve.model_dump() if spec.serve else None, "tier": spec.name,
             "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "tokens": dict(ctx.served_tokens)}
 
 

@@ -1,11 +1,8 @@
-"""Executors: where each tier's stages run. The :class:`~qeval.run.Runner` is given one.
-
-``local`` (default): tier after tier on this machine, each stage in a child process
-(:meth:`qeval.stages.TierRunner.run_tier`). ``ray``: each tier's stages run as one Ray
-task asking for the recipe's ``resources`` (num_cpus, num_gpus, memory), so tiers run side
-by side on a cluster; inside the task the stages are the same child processes as locally,
-run by the same :class:`~qeval.stages.TierRunner`. The run folder and the artifact cache
-are on storage every node reaches, the recipe's ``storage``:
+"""The ``ray`` executor: each tier's stages run as one Ray task asking for the recipe's
+``resources`` (num_cpus, num_gpus, memory), so tiers run side by side on a cluster; inside
+the task the stages are the same child processes as locally, run by the same
+:class:`~qeval.stages.TierRunner`. The run folder and the artifact cache are on storage
+every node reaches, the recipe's ``storage``:
 
 - a mounted path (NFS, a bucket through s3fs/gcsfuse): tasks use the run folder and the
   artifact cache there directly;
@@ -17,49 +14,25 @@ are on storage every node reaches, the recipe's ``storage``:
 
 A failed or lost task (worker or node died, retries spent) marks only its tier failed;
 a retried task resumes from the stages its earlier attempt stored. Ray is the optional
-extra ``qeval[ray]``. Adding an executor is a class with ``name`` and ``run_tiers``, and
-its name in :func:`make_executor`.
+extra ``qeval[ray]`` (imported only when a task is submitted).
 """
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from .errors import QevalInputError
-from .failures import failure_text
-from .paths import cache_root, node_dir
-from .recipe import Recipe
-from .results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
-from .stages import FRESH_ENV, TierRunner
-from .storage import localize_source, storage_for
+from ..errors import QevalInputError
+from ..failures import failure_text
+from ..paths import cache_root, node_dir
+from ..recipe import Recipe
+from ..results import STATUS_FAILED, RunLayout, TierResult, write_tier_result
+from ..stages import FRESH_ENV, TierRunner
+from ..storage import localize_source, storage_for
 
 _ENV_PREFIXES = ("QEVAL_", "HF_", "GPTQMODEL_")
 _WORKER_ENV: dict[str, str] | None = None  # this Ray worker's own environment, before any task
-
-
-class Executor(Protocol):
-    """Runs tiers of a run folder and returns their results.
-
-    Attributes:
-        name: ``local`` or ``ray`` (the recipe's ``executor``).
-    """
-    name: str
-
-    def run_tiers(self, runner: TierRunner, tiers: list[str], reference_failed: str | None) -> dict[str, TierResult]:
-        """Run every tier in ``tiers`` (their unfinished stages) and return ``{tier: result}``
-        in that order; ``reference_failed`` (why the reference pass failed, or None) fails
-        each tier's quality stage. A tier's failure is its result, never an exception."""
-        ...
-
-
-class LocalExecutor:
-    """Tier after tier on this machine."""
-    name = "local"
-
-    def run_tiers(self, runner: TierRunner, tiers: list[str], reference_failed: str | None) -> dict[str, TierResult]:
-        return {tier: runner.run_tier(tier, reference_failed) for tier in tiers}
 
 
 def _tier_task(recipe_dict: dict, recipe_path: str | None, run_dir: str, tier: str,
@@ -145,6 +118,7 @@ class RayExecutor:
             process or a new local one.
     """
     name = "ray"
+    in_process = False
 
     def __init__(self, address: str | None = None) -> None:
         self.address = address
@@ -197,14 +171,4 @@ class RayExecutor:
         return results
 
 
-def make_executor(name: str, ray_address: str | None = None) -> Executor:
-    """The executor called ``name`` (``local`` or ``ray``).
-
-    Raises:
-        QevalInputError: another name (field ``--executor``).
-    """
-    if name == "local":
-        return LocalExecutor()
-    if name == "ray":
-        return RayExecutor(ray_address)
-    raise QevalInputError(f"unknown executor {name!r} (local or ray)", field="--executor")
+EXECUTOR = RayExecutor
