@@ -34,7 +34,7 @@ from . import data as builtin_data
 from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, checked_name, parse_yaml,
                       pydantic_message, read_bytes, show_value)
 from .engines import engine_names
-from .engines.servers import get_server
+from .engines.servers import get_server, server_kinds
 from .errors import QevalInputError
 from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
@@ -95,6 +95,7 @@ class ModelSpec(_Strict):
 # Each tier method defines its own schema (qeval/tiers/<method>.py, a TierSpec subclass
 # with ``method: Literal[...]``); the union of them, told apart by ``method``, is a tier.
 TIER_METHODS = method_names()
+SERVER_KINDS = server_kinds()
 Tier = Annotated[Union[tier_specs()], Field(discriminator="method")]
 
 
@@ -531,12 +532,14 @@ def _fmt_loc(loc: tuple) -> str:
 
 
 def _clean_loc(loc: tuple, data: Any) -> tuple:
-    """Drop pydantic's tags from an error location: the tier discriminator
-    (``tiers.0.gptq.bits`` -> ``tiers.0.bits``) and union members (``group_size.int``)."""
+    """Drop pydantic's tags from an error location: the tier and served-server
+    discriminators (``tiers.0.gptq.bits`` -> ``tiers.0.bits``, ``serve.vllm.args`` ->
+    ``serve.args``) and union members (``group_size.int``)."""
     out: list = []
     cur = data
     for part in loc:
-        if isinstance(cur, dict) and isinstance(part, str) and part not in cur and part in TIER_METHODS:
+        if isinstance(cur, dict) and isinstance(part, str) and part not in cur and \
+                (part in TIER_METHODS or (out and out[-1] == "serve" and part in SERVER_KINDS)):
             continue
         if out and not isinstance(cur, (dict, list)) and isinstance(part, str):
             break  # past a scalar: the rest names union members, not fields
@@ -564,11 +567,14 @@ def _message(err: dict) -> str:
     """One line for one pydantic error of a recipe: :func:`qeval.bounded.pydantic_message`,
     with the tier union's own errors said in recipe words."""
     typ = err.get("type", "")
+    serve = tuple(err.get("loc") or ())[-1:] == ("serve",)  # the served-server union, not the tier union
     if typ == "union_tag_invalid":
         tag = (err.get("ctx") or {}).get("tag")
+        if serve:
+            return f"unknown server {show_value(tag)} (expected one of: {', '.join(SERVER_KINDS)})"
         return f"unknown method {show_value(tag)} (expected one of: {', '.join(TIER_METHODS)})"
     if typ == "union_tag_not_found":
-        return "required field 'method' is missing"
+        return "required field 'kind' is missing" if serve else "required field 'method' is missing"
     return pydantic_message(err)
 
 
@@ -586,7 +592,7 @@ def validation_error(e: ValidationError, data: Any, *, file: str | Path | None =
     err = errors[0]
     loc = _clean_loc(tuple(err["loc"]), data)
     if err.get("type") == "union_tag_invalid":
-        loc = loc + ("method",)
+        loc = loc + ("kind",) if loc[-1:] == ("serve",) else loc + ("method",)
     full = tuple(prefix) + loc
     msg = _message(err)
     if err.get("type") == "extra_forbidden" and full and isinstance(full[-1], str) and not prefix:
@@ -680,7 +686,7 @@ def parse_recipe(text: str, path: str | Path = "<recipe>") -> Recipe:
     except ValidationError as e:
         err = e.errors()[0]
         loc = _clean_loc(tuple(err["loc"]), data)
-        if err.get("type") == "union_tag_not_found":  # no 'method': a misspelled key is the likelier cause
+        if err.get("type") == "union_tag_not_found" and loc[-1:] != ("serve",):  # no 'method': a typo is likelier
             tier = _get(data, loc)
             known = {f for spec in tier_specs() for f in spec.model_fields}
             unknown = [k for k in tier if k not in known] if isinstance(tier, dict) else []

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .errors import QevalInputError
+from .executors import executor_names
 from .measure.lmeval import check_task
 from .measure.long_context import check_depths_fit, load_long_context
 from .measure.suites import load_suite
@@ -20,7 +21,7 @@ from .tiers.base import TierContext
 
 
 def static_checks(recipe) -> None:
-    """Checks that need no model load: the model source exists (local folder with
+    """Checks that need no model load: the executor is a registered one; the model source exists (local folder with
     config.json, relative to the recipe's folder, or an installed GGUF package); every data
     file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
     every suite row (long_context items and their filler too) and lm-eval task file parses;
@@ -31,6 +32,9 @@ def static_checks(recipe) -> None:
     Raises:
         QevalInputError: naming the recipe file, line and field.
     """
+    if recipe.executor not in executor_names():  # a registered executor (qeval.executors)
+        raise recipe.error(("executor",), f"unknown executor {recipe.executor!r} "
+                                          f"(known: {', '.join(executor_names())})")
     m = recipe.model
     maxctx = None
     if m.gguf_package:

@@ -243,8 +243,7 @@ class ServerKind:
         """Why this server cannot serve an artifact of ``fmt`` on ``device`` (one line), or
         None; an unknown format or device (``auto``) is not held against it."""
         if fmt is not None and fmt not in cls.formats:
-            return (f"{cls.label} serves {', '.join(cls.formats)} artifacts, not {fmt} (serve them with "
-                    f"another server)")
+            return f"{cls.label} serves {', '.join(cls.formats)} artifacts, not {fmt}"
         if device is not None and device != "auto" and device not in cls.devices:
             return (f"{cls.label} serves on {' or '.join(d.upper() for d in cls.devices)} only and this stage "
                     f"runs on {device}")
