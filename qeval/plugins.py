@@ -1,6 +1,8 @@
 """Finding the modules of a package that register something: engines (``ENGINE``), tier
-methods (``METHODS``) and check kinds (``KINDS``) are each one module of their package,
-found by the attribute it defines (the way ``pkgutil`` lists a package's modules)."""
+methods (``METHODS``), check kinds (``KINDS``), managed servers (``SERVER``,
+:mod:`qeval.engines.servers`) and executors (``EXECUTOR``, :mod:`qeval.executors`) are each
+one module of their package, found by the attribute it defines (the way ``pkgutil`` lists a
+package's modules)."""
 from __future__ import annotations
 
 import importlib

@@ -298,7 +298,11 @@ class OpenAIEngine:
         self.device = options.device
         self.tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
         if serve is not None:
-            url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {}, tokenizer)
+            try:
+                url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {}, tokenizer)
+            except BaseException:
+                self.close()  # its scratch folder and counter too
+                raise
             key, timeout = None, 600.0
         else:
             url, key, timeout = endpoint.url, api_key(endpoint), endpoint.timeout_s
