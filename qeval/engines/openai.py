@@ -376,6 +376,16 @@ class OpenAIEngine:
         if err is not None:
             raise err
 
+    def _died_or(self, err: BaseException) -> None:
+        """Raise :class:`ServerFailed` when the managed server died (``err`` is then only
+        what the client saw of it); return otherwise."""
+        try:
+            self._alive(err)
+        except ServerFailed:
+            raise
+        except Exception:  # noqa: BLE001 - the server lives: err is its answer, the caller words it
+            pass
+
     # -- the KV pool ---------------------------------------------------------------------
     def _pool_fail(self, phase: str, why: str) -> PoolNotCleared:
         return PoolNotCleared(f"tier {self.tier}: the KV pool of {self.server.name} (pid {self.server.pid}) "
@@ -407,13 +417,13 @@ class OpenAIEngine:
                 self.restarts += 1
                 action = "restart"
             except Exception as e:  # noqa: BLE001 - the server's refusal or a dead server
-                self._alive()
-                raise self._pool_fail(phase, f"it could not be cleared ({str(e).splitlines()[0][:200]})") from None
+                self._died_or(e)
+                raise self._pool_fail(phase, f"it could not be cleared ({_first_line(e)})") from None
         try:
             state = self.kind.pool_state(self.client.http)
         except Exception as e:  # noqa: BLE001 - a dead server is the reason
-            self._alive()
-            raise self._pool_fail(phase, f"its counters could not be read ({str(e).splitlines()[0][:200]})") from None
+            self._died_or(e)
+            raise self._pool_fail(phase, f"its counters could not be read ({_first_line(e)})") from None
         if not state.empty:
             raise self._pool_fail(phase, f"after {action}, {state.why}")
         return {"phase": phase, "cleared_by": action, "before": dict(state.counters), "after": None,
@@ -630,6 +640,12 @@ def _spread(times: list[float], n: int) -> list[float]:
     if len(times) >= n:
         return times[:n]
     return times + [times[-1]] * (n - len(times))
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's class and first line, cut to 200 characters."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{e.__class__.__name__}: {text}"[:200] if not isinstance(e, RuntimeError) else text[:200]
 
 
 def _print_tail(e: ServerFailed) -> None:
