@@ -243,7 +243,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     t0 = time.time()
     engine = method.load(spec, ctx, artifact)
     load_s = time.time() - t0
-    if counter == "server":  # the model lives in the server process: its counter starts with it
+    if counter == "server":  # the model lives in the server: its counter, started before the server, over its tree
         peak = engine.peak_counter()
     if engine.device != device:  # never measure one device and label it another
         raise TierUnavailable(f"tier {tier} asked for {device} but its engine ({engine.backend}) runs on "
