@@ -141,7 +141,7 @@ Load figures: seconds, tokens/s, bytes; definitions in :mod:`qeval.measure.load`
 
 Depth keys are strings in JSON (``"1024"``). The models forbid unknown fields where qeval
 owns every key (a typo in a writer, or a reader expecting a key nothing writes, fails in
-the tests); ``quant``, ``load`` and the reference stage keep extra keys, because they carry
+the tests); ``quant`` and the reference stage keep extra keys, because they carry
 method- or engine-specific figures and come from cached artifact manifests. A file that
 does not fit its model is bad input: :class:`~qeval.errors.QevalInputError` naming the
 file and field.
@@ -149,7 +149,7 @@ file and field.
 Reading a run folder never trusts it: every file is read with the bounded JSON loader
 (:mod:`qeval.bounded`: a regular file, size and depth bounded, UTF-8), ``run.json``'s
 recorded tiers must have plain names (:func:`qeval.bounded.name_problem`), the load section
-of a tier result is shape-checked (:func:`check_load_section`), and every path
+of a tier result is typed (:mod:`qeval.results_load`), and every path
 :class:`RunLayout` builds from a name goes through :func:`qeval.bounded.safe_join`, so
 nothing outside the run folder is read or written. Errors are one line naming the file and
 field.
@@ -166,6 +166,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
+from .results_load import ArrivalsSection, Knee, LoadPoint, LoadSection, LoadSlo, Percentiles, RatePoint
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -605,7 +606,7 @@ class QualityStage(_StageBase):
 class LoadStage(_StageBase):
     """``stages/<tier>.load.json``: the load sweep's section (:func:`qeval.measure.serving.load_sweep`;
     None with ``skipped`` when the engine cannot batch) and the recipe ``load`` section it ran with."""
-    load: dict[str, Any] | None = None
+    load: LoadSection | None = None
     skipped: str | None = None
     load_fingerprint: str | None = None
 
@@ -731,13 +732,8 @@ class TierResult(_Closed):
     memory: Memory | None = None
     speed: dict[str, SpeedPoint] | None = None
     quality: Quality | None = None
-    load: dict[str, Any] | None = Field(None, description="the load stage's figures (users_at_slo, depth, slo, "
-                                        "points; qeval.measure.serving), {error, points: []} when it failed")
-
-    @field_validator("load")
-    @classmethod
-    def _load_shape(cls, v: Any) -> Any:
-        return check_load_section(v)
+    load: LoadSection | None = Field(None, description="the load stage's figures (closed-loop points, open-loop "
+                                     "arrivals; qeval.results_load), error and no points when it failed")
 
     @property
     def ok(self) -> bool:
@@ -913,62 +909,6 @@ class FieldProblem(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-#: Integer fields of the load section and of each load point (each may be null).
-_LOAD_INTS = ("depth", "output_tokens", "requests_per_stream", "prefill_chunk", "users_at_slo",
-              "max_decode_at_concurrency", "requests_not_admitted")
-_LOAD_DICTS = ("slo", "batching_gain")
-
-
-def _count(v: Any) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 40)
-
-
-def check_load_section(load: Any) -> Any:
-    """Check a tier result's ``load`` section (kept open in :class:`TierResult`: engines
-    add their own figures) has the shapes every reader relies on: an object, whole-number
-    counts, ``scheduling`` a list of strings, ``error`` a string, ``points`` a list of
-    objects each with a whole positive ``concurrency`` (at most 2**20 streams) and object
-    percentile sections. Returns it.
-
-    Raises:
-        FieldProblem: naming the field (:func:`parse_model` turns it into the file's one line).
-    """
-    if load is None:
-        return None
-    if not isinstance(load, dict):
-        raise FieldProblem("load", "must be an object or null")
-    for k in _LOAD_INTS:
-        if not _count(load.get(k)):
-            raise FieldProblem(f"load.{k}", "must be a whole number or null")
-    for k in _LOAD_DICTS:
-        if load.get(k) is not None and not isinstance(load[k], dict):
-            raise FieldProblem(f"load.{k}", "must be an object or null")
-    if load.get("error") is not None and not isinstance(load["error"], str):
-        raise FieldProblem("load.error", "must be a string or null")
-    sch = load.get("scheduling")
-    if sch is not None and not isinstance(sch, list):
-        raise FieldProblem("load.scheduling", "must be a list of strings")
-    for i, x in enumerate(sch or []):
-        if not isinstance(x, str):
-            raise FieldProblem(f"load.scheduling[{i}]", "must be a string")
-    pts = load.get("points")
-    if pts is not None and not isinstance(pts, list):
-        raise FieldProblem("load.points", "must be a list")
-    for i, pt in enumerate(pts or []):
-        where = f"load.points[{i}]"
-        if not isinstance(pt, dict):
-            raise FieldProblem(where, "must be an object")
-        c = pt.get("concurrency")
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= 1 << 20:
-            raise FieldProblem(f"{where}.concurrency", "must be a positive whole number of streams")
-        for k in ("ttft_s", "itl_s", "e2e_s", "details"):
-            if pt.get(k) is not None and not isinstance(pt[k], dict):
-                raise FieldProblem(f"{where}.{k}", "must be an object or null")
-        if not _count(pt.get("requests_not_admitted")):
-            raise FieldProblem(f"{where}.requests_not_admitted", "must be a whole number or null")
-    return load
 
 
 def check_recorded_tiers(recipe: Any) -> Any:
