@@ -20,6 +20,7 @@ are refusals (the server's queue full or overloaded), any other status a failure
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from typing import Any, Sequence
@@ -146,6 +147,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
     if len(arrivals) == 0 or output_tokens < 1 or not timeout_s > 0:
         raise ValueError("an open-loop point needs arrivals, output_tokens >= 1 and timeout_s > 0")
     client = engine.client
+    limit = float(timeout_s) if math.isfinite(timeout_s) else None  # a sweep's ends wait without limit
     reqs = [Request(i, float(t)) for i, t in enumerate(arrivals)]  # the client never refuses: the server does
     prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(reqs))]
     records: list[RequestRecord] = []
@@ -165,8 +167,8 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
         status: str | None = None
         try:
             body = client.body(prompts[i], output_tokens, stream=True, ignore_eos=True)
-            with client.http.stream("POST", "/v1/completions", json=body,
-                                    timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))) as resp:
+            wait = httpx.Timeout(limit, connect=10.0 if limit is None else min(limit, 10.0))
+            with client.http.stream("POST", "/v1/completions", json=body, timeout=wait) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     status = str(resp.status_code)
@@ -179,7 +181,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
                         if data == "[DONE]":
                             break
                         got = chunk_token_ids(json.loads(data))
-                        if got and not toks and t - sent > timeout_s:
+                        if got and not toks and limit is not None and t - sent > limit:
                             raise _TimedOut()
                         toks += got
                         times += [t] * len(got)
@@ -223,4 +225,4 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
     return OpenLoopRun(requests=reqs, completed=sorted(records, key=lambda x: x.stream), scheduling="server",
                        failed_by_status=by_status,
                        details={"dialect": client.dialect, "server": engine.backend, "slots": slots,
-                                "client_timeout_s": timeout_s, "max_in_flight": max_in_flight})
+                                "client_timeout_s": limit, "max_in_flight": max_in_flight})

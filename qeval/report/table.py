@@ -20,7 +20,8 @@ from ..analysis import RunAnalysis
 from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
-from ..results import STATUS_OK, Behaviour, Fidelity, LoadPoint, LoadSection, LoadSlo, RatePoint, TierResult, get_path, short_error
+from ..results import (STATUS_OK, Behaviour, Fidelity, LoadPoint, LoadSection, LoadSlo, RatePoint, TierResult, get_path,
+                       short_error)
 
 Section = Literal["build", "memory", "speed", "quality", "long_context"]
 SECTIONS: tuple[Section, ...] = ("build", "memory", "speed", "quality", "long_context")
