@@ -110,23 +110,11 @@ not measured::
                       "fidelity_tokens": {"<suite>": int}, "seconds": float} | None,
                   "reference_dtype": "float32",   # what the reference pass computed in
                   "noise_floor": bool},           # True on the reference tier when its fidelity is the floor
-      "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
-               "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static" | "server"],
-               "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
-               "max_decode_at_concurrency": int, "requests_not_admitted": int,
-               "kv_bytes_per_token": float, "kv_budget_bytes": float, "kv_budget_source": str,
-               "engine": str, "backend": str, "device": str, "threads": int, "held_bytes": int,
-               "points": [{"concurrency": int, "admitted": bool, "reason": str | None,
-                           "scheduling": str, "requests": int, "requests_not_admitted": int,
-                           "output_tokens": int, "duration_s": float, "decode_tokens_per_s": float,
-                           "requests_per_s": float, "ttft_s": {"p50", "p95", "p99"},
-                           "itl_s": {"p50", "p95", "p99"}, "e2e_s": {"p50", "p95"},
-                           "tpot_mean_s": float, "decode_step_tokens_per_s": float,
-                           "goodput_tokens_per_s": float, "slo_attainment": float, "meets_slo": bool,
-                           "peak_bytes": int, "kv_bytes_peak": int, "kv_pool_bytes": int | None,
-                           "steps": int, "details": {...engine extras...}}]}
-              | {"error": str, "points": []}   # the load stage failed (the tier's other results stand)
-              | None,                          # no sweep (load.enabled false, or an engine that cannot batch)
+      "load": {...} | None,      # LoadSection (qeval/results_load.py, every field documented there):
+                                 # the closed loop's points per concurrency (users at SLO, batching
+                                 # gain), the open loop's "arrivals" (rate points, knee, where a sweep
+                                 # stopped), or {"error": str, "points": []} when the load stage failed;
+                                 # None: no sweep (load.enabled false, or an engine that cannot batch)
       "timings": {"prepare_s": float, "measure_s": float, "load_s": float, "quality_s": float}
     }
 
@@ -166,7 +154,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
-from .results_load import ArrivalsSection, Knee, LoadPoint, LoadSection, LoadSlo, Percentiles, RatePoint
+from .results_load import (ArrivalsSection, Knee, LoadPoint, LoadSection, LoadSlo,  # noqa: F401 - the run
+                           Percentiles, RatePoint)  # format's load models, re-exported with the rest
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"

@@ -380,3 +380,31 @@ def test_served_open_loop_counts_http_errors_by_status_and_drops_after_the_timeo
     p = rate_point_stats(run, rate_rps=None, kind="throughput", slo=None, max_error_rate=None, saturation_share=0.25)
     assert (p["completed"], p["refused"], p["timed_out"], p["failed"]) == (2, 1, 1, 1)
     assert p["queue_wait_s"] is None  # the server's queue: not seen by the client
+
+
+def test_report_and_analysis_read_the_load_section_by_attribute_not_by_key():
+    """No ``get_path(x, "load", ...)``, ``x["points"]`` or ``x.get("users_at_slo")`` style read of
+    the load section's keys in the report and analysis modules (they read the typed models)."""
+    import ast
+    from pathlib import Path
+    from qeval.results_load import LoadPoint, LoadSection, RatePoint
+    keys = (set(LoadSection.model_fields) | set(LoadPoint.model_fields) | set(RatePoint.model_fields)) - {
+        "error", "engine", "backend", "device", "threads", "kind", "details", "reason", "requests", "steps", "depth",
+        "slo", "scheduling", "output_tokens", "peak_bytes"}  # names other run files share (gate.json, speed)
+    root = Path(__file__).resolve().parent.parent / "qeval"
+    found = []
+    for path in sorted((root / "report").rglob("*.py")) + sorted((root / "analysis").rglob("*.py")):
+        if path.name == "outputs.py":  # reads gate.json's ladder (its own file, not the load section)
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            args = []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "get_path":
+                args = node.args[1:2]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "get":
+                args = node.args[:1]
+            elif isinstance(node, ast.Subscript):
+                args = [node.slice]
+            for a in args:
+                if isinstance(a, ast.Constant) and (a.value == "load" or a.value in keys):
+                    found.append(f"{path.name}:{node.lineno}: {a.value}")
+    assert not found, found

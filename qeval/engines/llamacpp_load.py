@@ -22,6 +22,11 @@ stream sends its next request (a fresh prompt) at once: a closed loop. Greedy on
 end-of-sequence tokens are ignored (fixed output length, like vLLM bench's
 ``--ignore-eos``).
 
+The open loop (:func:`serve_open_loop`) runs the same steps on a context of ``slots``
+sequences; requests arrive on a schedule and wait in the bounded queue of
+:mod:`qeval.measure.arrivals` (admission at every step boundary, as ``update_slots`` takes new
+tasks once per loop); a request given a free sequence joins the batch at the next step.
+
 llama-cpp-python's high-level ``Llama`` class was checked: it serves one sequence per
 context and hides per-token times, so the loop is written here over ``llama_batch_init``
 / ``llama_decode`` / ``llama_memory_seq_rm``.
