@@ -27,9 +27,11 @@ rounds, scaled by qeval's median): the note says which, or that it is outside bo
 GuideLLM lives in its own virtual environment under the qeval cache
 (``<cache>/guidellm-venv``), installed with pip on first use (``--guidellm-spec``, default
 ``guidellm``); where it cannot be installed the benchmark prints one line and exits 0.
-GuideLLM's command-line flags changed between releases: the ones this script passes are
-picked from ``guidellm benchmark --help`` (``--profile`` or ``--rate-type``,
-``--output-dir``/``--outputs`` or ``--output-path``, ``--request-type`` when offered).
+GuideLLM's command line changed between releases: 0.6 and later take ``guidellm run`` with
+``kind=...`` specs (``--backend kind=openai_http,request_format=/v1/completions``,
+``--profile kind=concurrent,streams=N`` or ``kind=poisson,rate=R``, ``--constraint
+kind=max_requests``, ``--data kind=synthetic_text``, ``--seed kind=static``); older ones
+``guidellm benchmark`` with flags picked from its ``--help``.
 Never part of ``make test``.
 
     python benchmarks/load_vs_guidellm.py [--rounds 3] [--concurrency 1,2,4] [--rates 0.5,1.0]
@@ -86,21 +88,33 @@ def guidellm_binary(spec: str) -> Path | None:
 
 
 def guidellm_flags(exe: Path) -> dict[str, bool]:
-    """Which spelling of each flag this GuideLLM release takes (from ``benchmark --help``)."""
-    h0 = subprocess.run([str(exe), "benchmark", "--help"], capture_output=True, text=True, timeout=120).stdout
-    run_sub = "--target" not in h0  # newer releases: ``guidellm benchmark run``
-    h = subprocess.run([str(exe), "benchmark", "run", "--help"], capture_output=True, text=True,
-                       timeout=120).stdout if run_sub else h0
-    return {"profile": "--profile" in h, "output_dir": "--output-dir" in h, "request_type": "--request-type" in h,
-            "random_seed": "--random-seed" in h, "run_subcommand": run_sub}
+    """Which command line this GuideLLM release takes: ``new`` (0.6 and later: ``guidellm run``
+    with ``--profile kind=...,rate=...`` style specs) or the older ``guidellm benchmark`` flags,
+    and for the latter which spelling of each flag (from its ``--help``)."""
+    top = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120).stdout
+    commands = [ln.split()[0] for ln in top.split("Commands:")[-1].splitlines() if ln.startswith("  ") and ln.split()]
+    if "benchmark" not in commands:
+        return {"new": True}
+    h = subprocess.run([str(exe), "benchmark", "--help"], capture_output=True, text=True, timeout=120).stdout
+    run_sub = "--target" not in h
+    if run_sub:
+        h = subprocess.run([str(exe), "benchmark", "run", "--help"], capture_output=True, text=True, timeout=120).stdout
+    return {"new": False, "profile": "--profile" in h, "output_dir": "--output-dir" in h,
+            "request_type": "--request-type" in h, "random_seed": "--random-seed" in h, "run_subcommand": run_sub}
 
 
-def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str, value: float, requests: int,
-                 prompt_tokens: int, output_tokens: int, work: Path) -> dict[str, float]:
-    """One GuideLLM benchmark (``concurrent`` at ``value`` streams or ``poisson`` at ``value``
-    req/s, ``requests`` requests): its TTFT p50 (s), ITL p50 (s) and output tokens/s."""
-    out = work / f"guidellm-{kind}-{value:g}-{time.monotonic_ns()}"
-    out.mkdir(parents=True)
+def guidellm_command(exe: Path, flags: dict, url: str, processor: Path, *, kind: str, value: float, requests: int,
+                     prompt_tokens: int, output_tokens: int, out: Path) -> list[str]:
+    """The command line of one GuideLLM benchmark (text completions, synthetic prompts of
+    ``prompt_tokens`` by the model's tokenizer, ``output_tokens`` new tokens, ``requests``
+    requests, JSON written under ``out``)."""
+    if flags["new"]:
+        profile = f"kind=concurrent,streams={int(value)}" if kind == "concurrent" else f"kind=poisson,rate={value:g}"
+        return [str(exe), "run", "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
+                "--profile", profile, "--constraint", f"kind=max_requests,count={requests}",
+                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+                "--tokenizer", f"kind=hf_auto,model={processor}", "--seed", f"kind=static,value={SEED}",
+                "--output", f"kind=json,path={out / 'benchmarks.json'}", "--disable-console"]
     cmd = [str(exe), "benchmark"] + (["run"] if flags["run_subcommand"] else [])
     cmd += ["--target", url, "--processor", str(processor),
             "--profile" if flags["profile"] else "--rate-type", kind, "--rate", f"{value:g}",
@@ -110,9 +124,20 @@ def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str
         cmd += ["--request-type", "text_completions"]
     if flags["random_seed"]:
         cmd += ["--random-seed", str(SEED)]
-    cmd += (["--output-dir", str(out), "--outputs", "json"] if flags["output_dir"]
-            else ["--output-path", str(out / "benchmarks.json")])
-    env = dict(os.environ, GUIDELLM__ENV="prod", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return cmd + (["--output-dir", str(out), "--outputs", "json"] if flags["output_dir"]
+                  else ["--output-path", str(out / "benchmarks.json")])
+
+
+def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str, value: float, requests: int,
+                 prompt_tokens: int, output_tokens: int, work: Path) -> dict[str, float]:
+    """One GuideLLM benchmark (``concurrent`` at ``value`` streams or ``poisson`` at ``value``
+    req/s, ``requests`` requests): its TTFT p50 (s), ITL p50 (s) and output tokens/s (the
+    mean of its ``output_tokens_per_second``)."""
+    out = work / f"guidellm-{kind}-{value:g}-{time.monotonic_ns()}"
+    out.mkdir(parents=True)
+    cmd = guidellm_command(exe, flags, url, processor, kind=kind, value=value, requests=requests,
+                           prompt_tokens=prompt_tokens, output_tokens=output_tokens, out=out)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env, cwd=out)
     files = sorted(out.rglob("*.json"))
     if p.returncode != 0 or not files:
