@@ -184,6 +184,19 @@ def _rate_series(tiers: dict[str, TierResult], key: tuple[str, ...]) -> tuple[di
     return series, knees, color_of
 
 
+def _rate_axis(ax: Any, xs: list[float]) -> None:
+    """The offered-rate axis: log2 when the rates span 8x or more (a default recipe's 0.25 and
+    4 req/s), else linear from 0; ticks at the measured rates."""
+    if xs and xs[0] > 0 and xs[-1] / xs[0] >= 8:
+        ax.set_xscale("log", base=2)
+    else:
+        ax.set_xlim(left=0)
+    if xs:
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{x:g}" for x in xs])
+    ax.set_xlabel("offered rate (req/s)")
+
+
 def rate_png(tiers: dict[str, TierResult], slo: LoadSlo | None) -> bytes | None:
     """Three panels against the offered rate (req/s): achieved rate (the dotted diagonal:
     achieved = offered), TTFT p95 and ITL p95 (s; dashed: the SLO); one line per tier with
@@ -206,13 +219,13 @@ def rate_png(tiers: dict[str, TierResult], slo: LoadSlo | None) -> bytes | None:
         for name, k in knees.items():
             ax.axvline(k, linestyle=":", color=color_of[name], linewidth=1.2)
         if key is None and xs:
-            ax.plot([0, xs[-1]], [0, xs[-1]], linestyle=":", color="#777777", linewidth=1, label="achieved = offered")
+            ax.plot([xs[0], xs[-1]], [xs[0], xs[-1]], linestyle=":", color="#777777", linewidth=1,
+                    label="achieved = offered")
         limit = _attr(slo, (key,)) if key else None
         if isinstance(limit, (int, float)):
             ax.axhline(limit, linestyle="--", color="#9b1c1c", linewidth=1.2, label=f"SLO {limit:g} s")
-        ax.set_xlabel("offered rate (req/s)")
+        _rate_axis(ax, xs)
         ax.set_ylabel(what)
-        ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.set_title(f"{what.split(' (')[0]} vs offered rate", fontsize=10)
@@ -236,9 +249,8 @@ def error_rate_png(tiers: dict[str, TierResult], max_error_rate: float | None) -
     if isinstance(max_error_rate, (int, float)):
         ax.axhline(100 * max_error_rate, linestyle="--", color="#9b1c1c", linewidth=1.2,
                    label=f"limit {100 * max_error_rate:g}%")
-    ax.set_xlabel("offered rate (req/s)")
+    _rate_axis(ax, sorted({x for pts in series.values() for x, _ in pts}))
     ax.set_ylabel("error rate (% of requests)")
-    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.set_title("Refused, timed out and failed vs offered rate", fontsize=10)
