@@ -98,6 +98,12 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
     lines.append(f"load     concurrency {ld.concurrency}  depth {recipe.load_depth}  output_tokens {ld.output_tokens}"
                  f"  requests_per_stream {ld.requests_per_stream}  prefill_chunk {ld.prefill_chunk}  SLO TTFT p95 <= "
                  f"{ld.slo.ttft_p95_s:g} s, ITL p95 <= {ld.slo.itl_p95_s:g} s" if ld.enabled else "load     off")
+    if ld.enabled and ld.arrivals is not None:
+        ar = ld.arrivals
+        what = f"rates {ar.rates} req/s" if ar.rates else f"sweep of {ar.sweep.points} rates"  # type: ignore[union-attr]
+        per = f"{ar.requests} requests" if ar.requests else f"{ar.duration_s:g} s"
+        lines.append(f"arrivals {what}  {ar.process} (seed {ar.seed})  {per} per rate  queue {ld.queue.max_waiting} "
+                     f"waiting, timeout {ld.queue.timeout_s:g} s  max error rate {ld.slo.max_error_rate:g}")
     lines.append("tiers" + (f"    {len(only)} of {len(recipe.tiers)} (--tiers)" if only is not None else ""))
     width = max([16] + [len(t.name) for t in recipe.tiers])
     for t in recipe.tiers:

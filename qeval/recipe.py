@@ -171,6 +171,62 @@ class SloSpec(_Strict):
     token at least every 0.2 s (5 tokens/s, about reading speed) for 95 % of them."""
     ttft_p95_s: float = Field(2.0, gt=0, le=MAX_SECONDS, description="TTFT 95th percentile limit, s")
     itl_p95_s: float = Field(0.2, gt=0, le=MAX_SECONDS, description="inter-token latency 95th percentile limit, s")
+    max_error_rate: float = Field(0.05, ge=0, le=1, description="open loop: most share of requests refused, "
+                                  "timed out or failed at a rate that meets the SLO (and where a sweep stops)")
+
+
+class ArrivalSweepSpec(_Strict):
+    """GuideLLM's sweep: measure the synchronous rate (one request at a time) and the
+    saturated throughput (every request at once), then ``points`` rates evenly between."""
+    points: int = Field(4, ge=1, le=64, description="rates between the synchronous rate and the throughput")
+
+
+class ArrivalsSpec(_Strict):
+    """Open-loop load (definitions in qeval.measure.openloop): requests arrive at each of
+    ``rates`` (requests/s), or at the rates of a ``sweep``, on a ``poisson`` or ``constant``
+    schedule seeded by ``seed``; each point is ``requests`` arrivals or ``duration_s``
+    seconds of them; every request a fresh prompt of the load depth. The engine serves at
+    most the largest ``load.concurrency`` requests at once; the rest wait in ``load.queue``."""
+    rates: list[Annotated[float, Field(gt=0, le=1e6)]] | None = Field(
+        None, max_length=64, description="offered rates, requests/s (ascending; or sweep)")
+    sweep: ArrivalSweepSpec | None = Field(None, description="GuideLLM-style sweep instead of rates")
+    process: Literal["poisson", "constant"] = Field("poisson", description="inter-arrival times")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="numpy Generator seed of the schedules")
+    requests: int | None = Field(None, gt=0, le=MAX_COUNT, description="arrivals per point (default 16)")
+    duration_s: float | None = Field(None, gt=0, le=MAX_SECONDS, description="seconds of arrivals per point "
+                                     "(instead of requests)")
+    saturation_share: float = Field(0.25, gt=0, lt=1, description="a point is saturated (and a sweep stops) when "
+                                    "the achieved rate is below the offered by more than this share")
+
+    @field_validator("rates")
+    @classmethod
+    def _rates(cls, v: list[float] | None) -> list[float] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("rates must list at least one rate (requests/s)")
+        if len(set(v)) != len(v):
+            raise ValueError("rates must be distinct")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _one(self) -> "ArrivalsSpec":
+        if (self.rates is None) == (self.sweep is None):
+            raise ValueError("set exactly one of 'rates' (requests/s) and 'sweep'")
+        if self.requests is not None and self.duration_s is not None:
+            raise ValueError("set at most one of 'requests' and 'duration_s' per point")
+        if self.requests is None and self.duration_s is None:
+            self.requests = 16
+        return self
+
+
+class QueueSpec(_Strict):
+    """The open loop's admission, as a server with a queue limit and a wait timeout: a
+    request that finds ``max_waiting`` requests waiting is refused at once; one that waits
+    longer than ``timeout_s`` for a place is dropped (served tiers: for its first token).
+    Neither is an error of the tier; both count in the error rate."""
+    max_waiting: int = Field(16, ge=0, le=MAX_COUNT, description="requests that may wait for a place")
+    timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS, description="longest wait for a place, s")
 
 
 class LoadSpec(_Strict):
@@ -196,6 +252,8 @@ class LoadSpec(_Strict):
                                             "load, GiB; "
                                             "default: the GPU's memory, or the machine's on CPU")
     timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS)
+    arrivals: ArrivalsSpec | None = Field(None, description="open-loop rates (beside the closed-loop concurrency)")
+    queue: QueueSpec = Field(default_factory=QueueSpec)
 
     @field_validator("concurrency")
     @classmethod

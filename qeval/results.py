@@ -113,23 +113,11 @@ not measured::
                       "fidelity_tokens": {"<suite>": int}, "seconds": float} | None,
                   "reference_dtype": "float32",   # what the reference pass computed in
                   "noise_floor": bool},           # True on the reference tier when its fidelity is the floor
-      "load": {"depth": int, "output_tokens": int, "requests_per_stream": int, "prefill_chunk": int,
-               "slo": {"ttft_p95_s": float, "itl_p95_s": float}, "scheduling": ["continuous" | "static" | "server"],
-               "users_at_slo": int, "batching_gain": {"<N>": float}, "max_decode_tokens_per_s": float,
-               "max_decode_at_concurrency": int, "requests_not_admitted": int,
-               "kv_bytes_per_token": float, "kv_budget_bytes": float, "kv_budget_source": str,
-               "engine": str, "backend": str, "device": str, "threads": int, "held_bytes": int,
-               "points": [{"concurrency": int, "admitted": bool, "reason": str | None,
-                           "scheduling": str, "requests": int, "requests_not_admitted": int,
-                           "output_tokens": int, "duration_s": float, "decode_tokens_per_s": float,
-                           "requests_per_s": float, "ttft_s": {"p50", "p95", "p99"},
-                           "itl_s": {"p50", "p95", "p99"}, "e2e_s": {"p50", "p95"},
-                           "tpot_mean_s": float, "decode_step_tokens_per_s": float,
-                           "goodput_tokens_per_s": float, "slo_attainment": float, "meets_slo": bool,
-                           "peak_bytes": int, "kv_bytes_peak": int, "kv_pool_bytes": int | None,
-                           "steps": int, "details": {...engine extras...}}]}
-              | {"error": str, "points": []}   # the load stage failed (the tier's other results stand)
-              | None,                          # no sweep (load.enabled false, or an engine that cannot batch)
+      "load": {...} | None,      # LoadSection (qeval/results_load.py, every field documented there):
+                                 # the closed loop's points per concurrency (users at SLO, batching
+                                 # gain), the open loop's "arrivals" (rate points, knee, where a sweep
+                                 # stopped), or {"error": str, "points": []} when the load stage failed;
+                                 # None: no sweep (load.enabled false, or an engine that cannot batch)
       "timings": {"prepare_s": float, "measure_s": float, "load_s": float, "quality_s": float}
     }
 
@@ -144,7 +132,7 @@ Load figures: seconds, tokens/s, bytes; definitions in :mod:`qeval.measure.load`
 
 Depth keys are strings in JSON (``"1024"``). The models forbid unknown fields where qeval
 owns every key (a typo in a writer, or a reader expecting a key nothing writes, fails in
-the tests); ``quant``, ``load`` and the reference stage keep extra keys, because they carry
+the tests); ``quant`` and the reference stage keep extra keys, because they carry
 method- or engine-specific figures and come from cached artifact manifests. A file that
 does not fit its model is bad input: :class:`~qeval.errors.QevalInputError` naming the
 file and field.
@@ -152,7 +140,7 @@ file and field.
 Reading a run folder never trusts it: every file is read with the bounded JSON loader
 (:mod:`qeval.bounded`: a regular file, size and depth bounded, UTF-8), ``run.json``'s
 recorded tiers must have plain names (:func:`qeval.bounded.name_problem`), the load section
-of a tier result is shape-checked (:func:`check_load_section`), and every path
+of a tier result is typed (:mod:`qeval.results_load`), and every path
 :class:`RunLayout` builds from a name goes through :func:`qeval.bounded.safe_join`, so
 nothing outside the run folder is read or written. Errors are one line naming the file and
 field.
@@ -169,6 +157,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
+from .results_load import (ArrivalsSection, Knee, LoadPoint, LoadSection, LoadSlo,  # noqa: F401 - the run
+                           Percentiles, RatePoint)  # format's load models, re-exported with the rest
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -624,7 +614,7 @@ class QualityStage(_StageBase):
 class LoadStage(_StageBase):
     """``stages/<tier>.load.json``: the load sweep's section (:func:`qeval.measure.serving.load_sweep`;
     None with ``skipped`` when the engine cannot batch) and the recipe ``load`` section it ran with."""
-    load: dict[str, Any] | None = None
+    load: LoadSection | None = None
     skipped: str | None = None
     load_fingerprint: str | None = None
 
@@ -750,13 +740,8 @@ class TierResult(_Closed):
     memory: Memory | None = None
     speed: dict[str, SpeedPoint] | None = None
     quality: Quality | None = None
-    load: dict[str, Any] | None = Field(None, description="the load stage's figures (users_at_slo, depth, slo, "
-                                        "points; qeval.measure.serving), {error, points: []} when it failed")
-
-    @field_validator("load")
-    @classmethod
-    def _load_shape(cls, v: Any) -> Any:
-        return check_load_section(v)
+    load: LoadSection | None = Field(None, description="the load stage's figures (closed-loop points, open-loop "
+                                     "arrivals; qeval.results_load), error and no points when it failed")
 
     @property
     def ok(self) -> bool:
@@ -932,62 +917,6 @@ class FieldProblem(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-#: Integer fields of the load section and of each load point (each may be null).
-_LOAD_INTS = ("depth", "output_tokens", "requests_per_stream", "prefill_chunk", "users_at_slo",
-              "max_decode_at_concurrency", "requests_not_admitted")
-_LOAD_DICTS = ("slo", "batching_gain")
-
-
-def _count(v: Any) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 40)
-
-
-def check_load_section(load: Any) -> Any:
-    """Check a tier result's ``load`` section (kept open in :class:`TierResult`: engines
-    add their own figures) has the shapes every reader relies on: an object, whole-number
-    counts, ``scheduling`` a list of strings, ``error`` a string, ``points`` a list of
-    objects each with a whole positive ``concurrency`` (at most 2**20 streams) and object
-    percentile sections. Returns it.
-
-    Raises:
-        FieldProblem: naming the field (:func:`parse_model` turns it into the file's one line).
-    """
-    if load is None:
-        return None
-    if not isinstance(load, dict):
-        raise FieldProblem("load", "must be an object or null")
-    for k in _LOAD_INTS:
-        if not _count(load.get(k)):
-            raise FieldProblem(f"load.{k}", "must be a whole number or null")
-    for k in _LOAD_DICTS:
-        if load.get(k) is not None and not isinstance(load[k], dict):
-            raise FieldProblem(f"load.{k}", "must be an object or null")
-    if load.get("error") is not None and not isinstance(load["error"], str):
-        raise FieldProblem("load.error", "must be a string or null")
-    sch = load.get("scheduling")
-    if sch is not None and not isinstance(sch, list):
-        raise FieldProblem("load.scheduling", "must be a list of strings")
-    for i, x in enumerate(sch or []):
-        if not isinstance(x, str):
-            raise FieldProblem(f"load.scheduling[{i}]", "must be a string")
-    pts = load.get("points")
-    if pts is not None and not isinstance(pts, list):
-        raise FieldProblem("load.points", "must be a list")
-    for i, pt in enumerate(pts or []):
-        where = f"load.points[{i}]"
-        if not isinstance(pt, dict):
-            raise FieldProblem(where, "must be an object")
-        c = pt.get("concurrency")
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= 1 << 20:
-            raise FieldProblem(f"{where}.concurrency", "must be a positive whole number of streams")
-        for k in ("ttft_s", "itl_s", "e2e_s", "details"):
-            if pt.get(k) is not None and not isinstance(pt[k], dict):
-                raise FieldProblem(f"{where}.{k}", "must be an object or null")
-        if not _count(pt.get("requests_not_admitted")):
-            raise FieldProblem(f"{where}.requests_not_admitted", "must be a whole number or null")
-    return load
 
 
 def check_recorded_tiers(recipe: Any) -> Any:

@@ -27,8 +27,8 @@ from .engines import get_engine
 from .failures import failure_text, reason_from_log
 from .paths import torch_extensions_dir
 from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite_dict, stable_tier_dict
-from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, QuantInfo,
-                      RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
+from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
+                      QuantInfo, RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
 from .source import model_source_path
 from .storage import OPTIONS_ENV, run_rel, storage_for
 from .tiers import get_method
@@ -380,7 +380,7 @@ class TierRunner:
         if res.load is None and self.recipe.load.enabled:
             err = read_stage_error(self.layout, tier, "load")
             if err is not None:  # the sweep failed; the tier's other results stand
-                res.load = {"error": err.error or "load stage failed", "points": []}
+                res.load = LoadSection(error=err.error or "load stage failed")
         write_tier_result(self.layout, res)
         self.push(RunLayout.tier_files(tier))
         return res

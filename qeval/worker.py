@@ -35,10 +35,10 @@ from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
 from .measure.quality import noise_floor_pass, reference_context, reference_pass, tier_quality
-from .measure.serving import load_sweep, serve_function
+from .measure.serving import load_sweep, rate_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
 from .recipe import Recipe, validation_error
-from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
+from .results import RUN_SCOPE, RunLayout, StageError, json_text, read_run_info, read_stage, write_stage, write_stage_error
 from .source import model_max_context, resolve_source
 from .stages import FRESH_ENV, load_fingerprint
 from .storage import OPTIONS_ENV, publish_source, storage_for
@@ -355,9 +355,22 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
                      prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
                      kv_bytes_per_token=meas.memory.kv_bytes_per_token,
                      kv_budget_bytes=budget, max_context=src.max_context, progress=_progress)
+    if ld.arrivals is not None:  # the open loop: the same prompts' source, fresh prompts per point
+        ar, q = ld.arrivals, ld.queue
+        out["arrivals"] = rate_sweep(
+            engine, distinct_prompts(base, depth), rates=ar.rates, sweep_points=ar.sweep.points if ar.sweep else None,
+            process=ar.process, seed=ar.seed, requests=ar.requests, duration_s=ar.duration_s,
+            slots=max(ld.concurrency), max_waiting=q.max_waiting, timeout_s=q.timeout_s,
+            output_tokens=ld.output_tokens, prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s),
+            max_error_rate=ld.slo.max_error_rate, saturation_share=ar.saturation_share, peak=peak,
+            kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget, max_context=src.max_context,
+            progress=_progress)
+    out["slo"] = {"ttft_p95_s": ld.slo.ttft_p95_s, "itl_p95_s": ld.slo.itl_p95_s,
+                  "max_error_rate": ld.slo.max_error_rate}
     out.update({"engine": engine.name, "backend": engine.backend, "device": engine_device, "threads": recipe.threads,
                 "memory_kind": peak.kind, "held_bytes": held, "kv_budget_source": budget_src})
     engine.close()
+    out = json.loads(json_text(out))  # numpy scalars as the file will hold them (the section's models are strict)
     return {"load": out, "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
 
 

@@ -92,9 +92,14 @@ def test_default_recipe_reduced(e2e_run):
         assert set(pts) == {1, 2} and all(p["admitted"] for p in pts.values()), (n, t.get("load"))
         assert pts[2]["requests"] == 2 and pts[2]["decode_tokens_per_s"] > 0
         assert isinstance(t["load"]["users_at_slo"], int)
+        ar = t["load"]["arrivals"]  # the open loop of the recipe: its first rate served, counts that add up
+        first = ar["points"][0]
+        assert first["rate_rps"] == 0.25 and first["completed"] >= 1, (n, ar)
+        assert all(p["completed"] + p["refused"] + p["timed_out"] + p["failed"] == p["requests"] for p in ar["points"])
     assert rows["gguf-q4_k_m"]["load"]["scheduling"] == ["continuous"]
     assert rows["bf16-kv8"]["load"]["scheduling"] == ["static"]
     assert "## Load: users at SLO" in (run_dir / "table.md").read_text()
+    assert "## Load: request rates (open loop)" in (run_dir / "table.md").read_text()
     assert (run_dir / "report.html").stat().st_size > 10_000
     assert "gate:" in p.stdout
 

@@ -16,7 +16,7 @@ from qeval.analysis.gpus import find_gpu, known_gpus
 from qeval.analysis.plan import build_plan, plan_markdown
 from qeval.errors import QevalInputError
 from qeval.model_config import model_shape
-from qeval.results import RunLayout, load_run, read_tier_result, write_tier_result
+from qeval.results import LoadSection, RunLayout, load_run, read_tier_result, write_tier_result
 from qeval.weight_formats import (Dense, FlatBits, GgufMix, GroupWise, gguf_tensor_types, kv_format)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -247,7 +247,7 @@ def test_run_figures_replace_estimates_row_by_row(tmp_path, monkeypatch, capsys)
     shutil.copytree(FIXTURE_RUN, d)  # a recorded run of the tiny model (tests/make_run_fixture.py)
     layout = RunLayout(d)
     q4 = read_tier_result(layout, "q4_k_m")
-    q4.load = {"users_at_slo": 6, "depth": 48}  # what the load stage will record
+    q4.load = LoadSection(users_at_slo=6, depth=48)  # what the load stage will record
     write_tier_result(layout, q4)
     run, tiers = load_run(d)
     plan = _plan(monkeypatch, capsys, str(d), "--model", str(QWEN25_14B), "--gpu", "rtx4090", "--context", "1024",

@@ -391,3 +391,79 @@ def test_long_context_table_by_depth(tmp_path):
     html = out.report_html.read_text()
     assert "Long context: recall and fidelity by depth" in html and 'alt="Long context by depth"' in html
     assert "over the last 64 document tokens" in html
+
+
+# ---- open loop: the rate table, its plots, the rate ladder and the plan's knees ---------------
+
+def _rates(capacity_rps: float) -> dict:
+    """A tier's ``load.arrivals`` from a scripted engine through the real sweep: one server
+    of ``capacity_rps`` (service time 1 / capacity), constant arrivals at 0.5, 1, 2, 4 req/s,
+    a queue of 2 and a 3 s timeout; the sweep stops at the first saturated rate."""
+    from qeval.measure.arrivals import WaitingQueue
+    from qeval.measure.load import RequestRecord, Slo
+    from qeval.measure.openloop import OpenLoopRun
+    from qeval.measure.serving import rate_sweep
+    service = 1.0 / capacity_rps
+
+    def serve(engine, prompt_for, *, arrivals, slots, max_waiting, timeout_s, output_tokens, stream, **_):
+        q = WaitingQueue(arrivals, max_waiting, timeout_s)
+        now, recs = 0.0, []
+        while not q.done():
+            took = q.admit(now, 1)
+            if not took:
+                now = max(now, q.next_arrival() if q.next_arrival() is not None else now)
+                if q.next_arrival() is None:
+                    q.admit(now + 10 * timeout_s, 0)  # what still waits has waited too long
+                    break
+                continue
+            r = took[0]
+            times = [now + service * (i + 1) / 4 for i in range(4)]
+            now += service
+            r.outcome, r.ended_s = "completed", now
+            recs.append(RequestRecord(r.index, 16, r.arrival_s, times, [1, 2, 3, 4]))
+        return OpenLoopRun(q.requests, recs, "continuous", kv_bytes_peak=4096)
+
+    return rate_sweep(None, lambda s, k: [1], rates=[0.5, 1.0, 2.0, 4.0], sweep_points=None, process="constant",
+                      seed=0, requests=8, duration_s=None, slots=1, max_waiting=2, timeout_s=3.0, output_tokens=4,
+                      prefill_chunk=16, slo=Slo(1.0, 0.5), max_error_rate=0.05, saturation_share=0.25, serve=serve)
+
+
+@pytest.fixture(scope="module")
+def rated(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run") / "run_rates"
+    shutil.copytree(FIXTURE, d)
+    run = json.loads((d / "run.json").read_text())
+    del run["recipe"]["gate"]["rules"]["min_pass_rate_rel"]  # as `loaded`: judged on the other rules
+    (d / "run.json").write_text(json.dumps(run))
+    for name, cap in (("bf16", 1.2), ("int8", 2.5), ("q4_k_m", 5.0)):
+        p = d / "tiers" / f"{name}.json"
+        t = json.loads(p.read_text())
+        t["load"] = {"depth": 16, "output_tokens": 4, "slo": {"ttft_p95_s": 1.0, "itl_p95_s": 0.5,
+                                                              "max_error_rate": 0.05},
+                     "points": [], "arrivals": _rates(cap)}
+        p.write_text(json.dumps(t))
+    return d, rebuild_outputs(d)
+
+
+def test_rate_table_plots_ladder_and_plan_knees(rated):
+    d, out = rated
+    _, tiers = load_run(d)
+    knees = {n: tiers[n].load.arrivals.knee.rate_rps for n in ("bf16", "int8", "q4_k_m")}
+    assert knees == {"bf16": 1.0, "int8": 2.0, "q4_k_m": 4.0}
+    assert tiers["bf16"].load.arrivals.stopped.startswith("saturated at 2 req/s")  # 1.2 req/s of service
+    md = out.table_md.read_text()
+    assert "## Load: request rates (open loop)" in md and "Open loop: constant arrivals (seed 0), 8 requests" in md
+    assert re.search(r"\| bf16 \| 2 req/s \| 2 \| [0-9.]+ \|.*\| 8/0/0/0 \|.*misses, saturated \|", md), md
+    assert "| bf16 | knee | 1 |" in md and "not extrapolated" in md
+    assert "Rate ladder: serve bf16 up to 1 req/s; above 1 req/s step down to int8" in md
+    assert "which holds to 4 req/s; above 4 req/s refuse (rate-limit here)." in md
+    rows = {r["tier"]: r for r in csv.DictReader(out.table_csv.open())}
+    assert rows["int8"]["load_knee_rps"] == "2.0" and rows["bf16"]["load_achieved_rps_r4"] == ""  # not run
+    assert rows["gptq"]["load_knee_rps"] == ""
+    html = out.report_html.read_text()
+    assert "Load: request rates (open loop)" in html and "Rate ladder:" in html
+    assert plots.rate_png(tiers, tiers["bf16"].load.slo) is not None
+    assert plots.error_rate_png(tiers, 0.05) is not None and plots.rate_png(load_run(FIXTURE)[1], None) is None
+    from qeval.report.outputs import plan_text
+    text = plan_text(d, None, "24GiB", 4096, 8, "1GiB")
+    assert "measured knees" in text and re.search(r"\| int8 \| 2 \| 1 \| 4 \| 0.5, 1, 2, 4 \|", text), text

@@ -249,22 +249,21 @@ def load_vs_formula(tiers: dict[str, TierResult], overhead_bytes: int = DEFAULT_
     """
     out: list[LoadCheck] = []
     for name, t in tiers.items():
-        load = (t.load if t is not None else None) or {}
+        load = t.load if t is not None else None
         w = finite(get_path(t, "memory", "weight_bytes"))
         kv = finite(get_path(t, "memory", "kv_bytes_per_token"))
-        if t is None or t.status != STATUS_OK or not load.get("points") or not w or not kv:
+        if t is None or t.status != STATUS_OK or load is None or not load.points or not w or not kv:
             continue
-        ctx = int(load.get("depth") or 0) + int(load.get("output_tokens") or 0)
-        users = load.get("users_at_slo")
-        for p in load["points"]:
-            if not p.get("admitted"):
+        ctx = int(load.depth or 0) + int(load.output_tokens or 0)
+        users = load.users_at_slo
+        for p in load.points:
+            if not p.admitted:
                 continue
-            n = int(p["concurrency"])
+            n = p.concurrency
             pred = w + overhead_bytes + n * ctx * kv
-            meas = finite(p.get("peak_bytes"))
+            meas = finite(p.peak_bytes)
             bound = decode_bound(bandwidth_bytes_per_s, w, kv, ctx, n) if bandwidth_bytes_per_s else None
-            got = finite(p.get("decode_tokens_per_s"))
+            got = finite(p.decode_tokens_per_s)
             out.append(LoadCheck(name, n, ctx, pred, meas, 100.0 * (pred - meas) / meas if meas else None,
-                                 bound, got, got / bound if got and bound else None, p.get("meets_slo"),
-                                 int(users) if isinstance(users, (int, float)) else None))
+                                 bound, got, got / bound if got and bound else None, p.meets_slo, users))
     return out

@@ -20,12 +20,22 @@ single-stream peak at the gate depth (bytes); "saved" is positive when a rung ne
 "Quality lost" is signed so that a positive number is always worse: for ``kld_mean`` and
 ``ppl_ratio`` (lower is better) it is ``q_step - q_other``; for ``pass_rate`` (higher is
 better) it is ``q_other - q_step``.
+
+The **rate ladder** (``Ladder.rates``, :func:`rate_ladder`; whenever a member has an open
+loop, ``load.arrivals``) says at what offered rate to step down: "serve A up to R1 req/s;
+above R1 step down to B (quality given up vs A), which holds to R2; ...; above R_last
+refuse (rate-limit here)". Each rung's rate is its tier's measured knee (the highest
+measured rate meeting the SLO; qeval.measure.openloop), never extrapolated. The first rung
+is the member of best quality with a knee; each next rung is the best-quality remaining
+member whose knee is higher than the rung above's (a member that holds no higher rate than
+a better one is left out, with the reason). The closed loop's users-at-SLO order above
+stays as it is.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..results import STATUS_OK, TierResult, get_path
+from ..results import STATUS_OK, LoadSection, TierResult
 from .gate import GateReport
 from .pareto import finite, peak_bytes_at, quality_direction, quality_value, users_at_slo_of
 
@@ -73,6 +83,7 @@ class Ladder:
     unplaced: dict[str, str] = field(default_factory=dict)
     basis: str = "peak_memory"
     load_depth: int | None = None
+    rates: "RateLadder | None" = None
 
     @property
     def order(self) -> list[str]:
@@ -81,7 +92,129 @@ class Ladder:
     def to_dict(self) -> dict:
         return {"depth": self.depth, "quality_metric": self.quality_metric, "basis": self.basis,
                 "load_depth": self.load_depth, "steps": [asdict(s) for s in self.steps],
-                "unplaced": dict(self.unplaced)}
+                "unplaced": dict(self.unplaced), "rates": self.rates.to_dict() if self.rates else None}
+
+
+@dataclass
+class RateRung:
+    """One rung of the rate ladder.
+
+    Attributes:
+        tier: tier name.
+        knee_rps: the tier's knee: the highest measured offered rate meeting the SLO (req/s).
+        from_rps: the rate above which the service steps down to this rung (the rung above's
+            knee; None for the first rung).
+        above_rps: the first measured rate above the knee (missing the SLO), None when the
+            knee is the last measured rate.
+        kld_mean, pass_rate, flips_pass_to_fail: the tier's quality (KLD nats and flips
+            against the reference; pass rate a share).
+        kld_given_up / pass_rate_given_up / flips_given_up: versus the first rung (positive =
+            worse; None when either side lacks the figure).
+    """
+    tier: str
+    knee_rps: float
+    from_rps: float | None = None
+    above_rps: float | None = None
+    kld_mean: float | None = None
+    pass_rate: float | None = None
+    flips_pass_to_fail: int | None = None
+    kld_given_up: float | None = None
+    pass_rate_given_up: float | None = None
+    flips_given_up: int | None = None
+
+
+@dataclass
+class RateLadder:
+    """The ladder in rates: rungs in the order a service steps down them, the rate above
+    which it refuses (the last rung's knee), members left out with why, and the sentence."""
+    steps: list[RateRung] = field(default_factory=list)
+    refuse_above_rps: float | None = None
+    unplaced: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """"serve A up to R1 req/s; above R1 req/s step down to B (gives up vs A: ...), which
+        holds to R2 req/s; above R2 req/s refuse (rate-limit here)"; "" when empty."""
+        if not self.steps:
+            return ""
+        first = self.steps[0]
+        out = [f"serve {first.tier} up to {first.knee_rps:g} req/s"]
+        for r in self.steps[1:]:
+            lost = []
+            if r.kld_given_up is not None:
+                lost.append(f"KLD {r.kld_given_up:+.3g} nats")
+            if r.pass_rate_given_up is not None:
+                lost.append(f"pass rate {-100 * r.pass_rate_given_up:+.1f} pts")
+            if r.flips_given_up is not None:
+                lost.append(f"{r.flips_given_up:+d} pass->fail flips")
+            gives = f" (gives up vs {first.tier}: {', '.join(lost)})" if lost else ""
+            out.append(f"above {r.from_rps:g} req/s step down to {r.tier}{gives}, which holds to {r.knee_rps:g} req/s")
+        out.append(f"above {self.refuse_above_rps:g} req/s refuse (rate-limit here)")
+        return "; ".join(out)
+
+    def to_dict(self) -> dict:
+        return {"steps": [asdict(s) for s in self.steps], "refuse_above_rps": self.refuse_above_rps,
+                "unplaced": dict(self.unplaced), "text": self.text()}
+
+
+def _quality(t: TierResult | None, is_reference: bool) -> tuple[float | None, float | None, int | None]:
+    """(KLD mean, pass rate, pass->fail flips) of a tier, the reference's KLD 0 and flips 0."""
+    q = t.quality if t is not None else None
+    fid = q.fidelity if q is not None else None
+    beh = q.behaviour if q is not None else None
+    kld = finite(fid.kld_mean) if fid is not None else None
+    flips = beh.flips_pass_to_fail if beh is not None else None
+    if is_reference:
+        kld = 0.0 if kld is None else kld
+        flips = 0 if flips is None else flips
+    return kld, (finite(beh.pass_rate) if beh is not None else None), flips
+
+
+def rate_ladder(tiers: dict[str, TierResult], members: list[str], reference: str,
+                quality_metric: str = "kld_mean") -> RateLadder | None:
+    """The ladder in rates over ``members`` (gate-passing tiers and the reference; rules in
+    the module docstring); None when no member has an open loop."""
+    qdir = quality_direction(quality_metric)
+    with_loop = [n for n in members if tiers.get(n) is not None and tiers[n].load is not None
+                 and tiers[n].load.arrivals is not None]
+    if not with_loop:
+        return None
+    lad = RateLadder()
+    cands = []
+    for n in members:
+        ar = tiers[n].load.arrivals if n in with_loop else None
+        if ar is None:
+            lad.unplaced[n] = "no open loop (load.arrivals)"
+            continue
+        if ar.knee is None or ar.knee.rate_rps is None:
+            lad.unplaced[n] = "no measured rate meets the SLO" + (f" ({ar.stopped})" if ar.stopped else "")
+            continue
+        q = quality_value(tiers[n], quality_metric, is_reference=(n == reference))
+        qk = float("inf") if q is None else (q if qdir == "min" else -q)
+        cands.append((qk, n != reference, n, ar.knee))
+    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+    top = None
+    for _, _, n, k in cands:
+        if top is not None and k.rate_rps <= top:
+            better = lad.steps[-1].tier
+            lad.unplaced[n] = f"holds no higher rate ({k.rate_rps:g} req/s) than {better} of better quality"
+            continue
+        kld, pr, flips = _quality(tiers[n], n == reference)
+        lad.steps.append(RateRung(n, float(k.rate_rps), top, k.above_rps, kld, pr, flips))
+        top = float(k.rate_rps)
+    first = lad.steps[0] if lad.steps else None
+    for r in lad.steps[1:]:
+        r.kld_given_up = r.kld_mean - first.kld_mean if r.kld_mean is not None and first.kld_mean is not None else None
+        r.pass_rate_given_up = (first.pass_rate - r.pass_rate
+                                if r.pass_rate is not None and first.pass_rate is not None else None)
+        r.flips_given_up = (r.flips_pass_to_fail - first.flips_pass_to_fail
+                            if r.flips_pass_to_fail is not None and first.flips_pass_to_fail is not None else None)
+    lad.refuse_above_rps = top
+    return lad
+
+
+def _load(t: TierResult | None) -> LoadSection:
+    """The tier's load section, or an empty one."""
+    return (t.load if t is not None else None) or LoadSection()
 
 
 def _saved(a: float | None, b: float | None) -> tuple[float | None, float | None]:
@@ -116,8 +249,9 @@ def fallback_ladder(tiers: dict[str, TierResult], gate_report: GateReport,
 
     by_users = any(users_at_slo_of(tiers.get(n)) is not None for n in members)
     ladder = Ladder(depth=depth, quality_metric=quality_metric, basis="users_at_slo" if by_users else "peak_memory")
+    ladder.rates = rate_ladder(tiers, members, ref, quality_metric)
     if by_users:
-        depths = {get_path(tiers.get(n), "load", "depth") for n in members} - {None}
+        depths = {_load(tiers.get(n)).depth for n in members} - {None}
         ladder.load_depth = int(next(iter(depths))) if len(depths) == 1 else None
     placed: list[LadderStep] = []
     for n in members:
@@ -125,14 +259,14 @@ def fallback_ladder(tiers: dict[str, TierResult], gate_report: GateReport,
         mem = peak_bytes_at(t, depth)
         users = users_at_slo_of(t)
         if by_users and users is None:
-            err = get_path(t, "load", "error")
+            err = _load(t).error
             ladder.unplaced[n] = f"no load sweep ({err})" if err else "no load sweep (users at SLO)"
             continue
         if not by_users and mem is None:
             ladder.unplaced[n] = f"no peak memory at depth {depth}"
             continue
         placed.append(LadderStep(n, mem, quality_value(t, quality_metric, is_reference=(n == ref)), users,
-                                 finite(get_path(t, "load", "max_decode_tokens_per_s"))))
+                                 finite(_load(t).max_decode_tokens_per_s)))
 
     def qkey(s: LadderStep) -> float:
         if s.quality is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,7 @@ class Plan:
     rows: list[PlanRow]
     notes: list[str] = field(default_factory=list)
     load_checks: list[LoadCheck] = field(default_factory=list)
+    knees: list[MeasuredKnee] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "params": self.params, "run_dir": self.run_dir,
@@ -164,7 +165,8 @@ class Plan:
                 "bandwidth_source": self.bandwidth_source, "context": self.context, "users": self.users,
                 "efficiency_default": list(self.efficiency_default),
                 "rows": [r.to_dict() for r in self.rows], "notes": list(self.notes),
-                "load_checks": [c.to_dict() for c in self.load_checks]}
+                "load_checks": [c.to_dict() for c in self.load_checks],
+                "knees": [k.to_dict() for k in self.knees]}
 
 
 # ---- which tiers --------------------------------------------------------------------------------
@@ -210,12 +212,48 @@ def measured_users_at_slo(result: TierResult | None) -> tuple[Any, str] | None:
     """The load stage's users at SLO of a tier result, with what it was measured at:
     ``(users, formula)``, or None when the run has no load figures. This is where the
     measured load point replaces the plan's "not measured" cell."""
-    v = get_path(result, "load", "users_at_slo")
-    if v is None:
+    load = result.load if result is not None else None
+    if load is None or load.users_at_slo is None:
         return None
-    depth = get_path(result, "load", "depth")
-    slo = get_path(result, "load", "slo")
-    return v, f"load stage: largest concurrency meeting the SLO {slo or ''} at depth {depth or '?'}".replace("  ", " ")
+    slo = f"TTFT p95 <= {load.slo.ttft_p95_s} s, ITL p95 <= {load.slo.itl_p95_s} s" if load.slo else ""
+    return load.users_at_slo, (f"load stage: largest concurrency meeting the SLO {slo} at depth "
+                               f"{load.depth or '?'}").replace("  ", " ")
+
+
+@dataclass
+class MeasuredKnee:
+    """A tier's measured knee from the run's open loop (never estimated).
+
+    Attributes:
+        tier: tier name.
+        knee_rps: highest measured offered rate meeting the SLO (req/s), None when none did.
+        below_rps / above_rps: the measured rates bracketing it (None at an end).
+        note: what the bracket means, one line; stopped: why the sweep stopped early, or None.
+        rates_rps: every offered rate measured, ascending.
+    """
+    tier: str
+    knee_rps: float | None
+    below_rps: float | None
+    above_rps: float | None
+    note: str
+    stopped: str | None
+    rates_rps: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measured_knees(results: dict[str, TierResult]) -> list[MeasuredKnee]:
+    """One :class:`MeasuredKnee` per tier whose load stage ran the open loop, in tier order."""
+    out = []
+    for name, t in results.items():
+        ar = t.load.arrivals if t is not None and t.load is not None else None
+        if ar is None or ar.knee is None:
+            continue
+        k = ar.knee
+        out.append(MeasuredKnee(name, k.rate_rps, k.below_rps, k.above_rps, k.note, ar.stopped,
+                                [float(p.rate_rps) for p in ar.rate_points if p.rate_rps]))
+    return out
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -419,7 +457,8 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                 overhead_bytes=int(overhead_bytes), bandwidth_bytes_per_s=bw, bandwidth_source=bw_src,
                 context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes,
                 load_checks=load_vs_formula(results or {}, overhead_bytes,  # the run's machine, not the target
-                                            finite(run.bandwidth_bytes_per_s) if run else None))
+                                            finite(run.bandwidth_bytes_per_s) if run else None),
+                knees=measured_knees(results or {}))
 
 
 def _run_tier_specs(run: RunInfo | None, results: dict[str, TierResult]) -> list[Any]:
@@ -542,7 +581,25 @@ def plan_markdown(plan: Plan) -> str:
     out += ["| " + " | ".join(cells) + " |" for cells in rows]
     out += [""] + plan_legend(plan)
     out += load_check_lines(plan)
+    out += knee_lines(plan)
     return "\n".join(out)
+
+
+def knee_lines(plan: Plan) -> list[str]:
+    """The run's measured knees (open loop, on the run's machine), one row per tier: the
+    knee and the measured rates bracketing it; empty without an open loop."""
+    if not plan.knees:
+        return []
+    def r(x: float | None) -> str:
+        return "-" if x is None else f"{x:g}"
+    out = ["", "measured knees (the run's open loop, on the run's machine; the highest measured offered rate "
+           "meeting the SLO, never extrapolated):", "",
+           "| tier | knee req/s | measured below | measured above | rates measured | note |", "|---|---|---|---|---|---|"]
+    for k in plan.knees:
+        note = k.note + (f"; {k.stopped}" if k.stopped else "")
+        out.append(f"| {k.tier} | {r(k.knee_rps)} | {r(k.below_rps)} | {r(k.above_rps)} | "
+                   f"{', '.join(f'{x:g}' for x in k.rates_rps) or '-'} | {note.replace('|', '/')} |")
+    return out
 
 
 def load_check_lines(plan: Plan) -> list[str]:

@@ -19,6 +19,13 @@ Two schedules, and the result says which one ran (``LoadRun.scheduling``):
   requests form the next batch. Used for an int8 KV cache, and when continuous batching
   is unavailable or fails (the reason in ``details["continuous_error"]``).
 
+Open loop (:func:`serve_open_loop`): requests arrive on a schedule and wait in a bounded
+queue (:class:`qeval.measure.arrivals.WaitingQueue`); whenever the engine is free it takes
+up to ``slots`` waiting requests as one static batch (static batching: a request that
+arrives while a batch runs waits for its end). transformers' continuous batching manager
+was checked for this: it keeps its own unbounded queue and its own clock, so admission,
+refusals and drops could not be decided by qeval's queue.
+
 Greedy only; end-of-sequence ignored (fixed output length). Each batched sequence
 produces the tokens it produces alone (tests/test_load.py, float32).
 """
@@ -27,7 +34,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from ..measure.arrivals import WaitingQueue, WallClock
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.openloop import OpenLoopRun
 from .hf import cache_nbytes
 
 
@@ -278,3 +287,78 @@ def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefi
         toks.append(nxt.tolist())
         times.append(time.perf_counter() - t0)
     return times, toks, cache, (forwards,)
+
+
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int, max_waiting: int,
+                    timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
+                    kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
+                    max_context: int | None = None, clock: Any = None, stream: int = 0,
+                    pad_id: int = 0) -> OpenLoopRun:
+    """Serve requests arriving at ``arrivals`` (s) with a :class:`qeval.engines.hf.HFEngine`
+    in static batches of up to ``slots`` requests taken from the bounded waiting queue
+    (admission at each batch boundary; refusals and drops counted).
+
+    Args:
+        prompt_for: ``(stream, i) -> prompt token ids`` of the i-th arrival.
+        arrivals: arrival times, s since the point started (ascending).
+        slots: most requests per batch.
+        max_waiting, timeout_s: the queue's length limit and longest wait (s).
+        clock: a :class:`~qeval.measure.arrivals.WallClock` (token times come from
+            ``time.perf_counter`` on its origin).
+        stream: the ``stream`` argument of ``prompt_for`` (distinct per point).
+        kv_bytes_per_token, kv_budget_bytes, max_context, pad_id: as :func:`serve_closed_loop`.
+
+    Returns:
+        :class:`~qeval.measure.openloop.OpenLoopRun` (scheduling "static").
+
+    Raises:
+        NotAdmitted: a sequence beyond ``max_context``, or ``slots`` sequences beyond
+            ``kv_budget_bytes``.
+        ValueError: bad arguments.
+    """
+    import torch  # start-up time: torch loads only in stage processes
+    if len(arrivals) == 0:
+        raise ValueError("an open-loop point needs at least one arrival")
+    _check(slots, output_tokens, 1, prefill_chunk)
+    clock = clock or WallClock()
+    if not isinstance(clock, WallClock):
+        raise ValueError("the transformers open loop runs on the wall clock")
+    queue = WaitingQueue(arrivals, max_waiting, timeout_s)
+    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(queue.requests))]
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    per_seq = max(len(p) for p in prompts) + output_tokens
+    if max_context is not None and per_seq > max_context:
+        raise NotAdmitted(f"{per_seq} tokens per sequence is beyond the model's context of {max_context}")
+    kvpt = kv_bytes_per_token or engine.kv_bytes_per_token(64)
+    if kv_budget_bytes is not None and slots * per_seq * kvpt > kv_budget_bytes:
+        raise NotAdmitted(f"KV cache of {slots} x {per_seq} tokens = {slots * per_seq * kvpt / 2**30:.2f} "
+                          f"GiB exceeds the KV budget of {max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
+    records: list[RequestRecord] = []
+    kv_peak = batches = 0
+    with torch.inference_mode():
+        _static_batch(engine, [prompts[0][:16]], 2, min(prefill_chunk, 16), pad_id)  # warm-up
+        clock.start()
+        now = 0.0
+        while True:
+            take = queue.admit(now, slots)
+            if not take:
+                nxt = queue.next_arrival()
+                if nxt is None:
+                    break
+                now = clock.idle_until(nxt)
+                continue
+            batch = [prompts[r.index] for r in take]
+            times, toks, cache, _ = _static_batch(engine, batch, output_tokens, prefill_chunk, pad_id, clock.t0)
+            kv_peak = max(kv_peak, cache_nbytes(cache))
+            del cache
+            batches += 1
+            for j, r in enumerate(take):
+                r.outcome, r.ended_s = "completed", times[-1]
+                records.append(RequestRecord(r.index, len(batch[j]), r.arrival_s, list(times),
+                                             [row[j] for row in toks]))
+            now = clock.now()
+    return OpenLoopRun(requests=queue.requests, completed=records, scheduling="static",
+                       kv_bytes_peak=kv_peak or None, kv_pool_bytes=None,
+                       details={"engine": "qeval static batches (transformers cache)", "slots": slots,
+                                "batches": batches, "prefill_chunk": prefill_chunk, "kv_cache": engine.kv_cache})

@@ -22,6 +22,11 @@ stream sends its next request (a fresh prompt) at once: a closed loop. Greedy on
 end-of-sequence tokens are ignored (fixed output length, like vLLM bench's
 ``--ignore-eos``).
 
+The open loop (:func:`serve_open_loop`) runs the same steps on a context of ``slots``
+sequences; requests arrive on a schedule and wait in the bounded queue of
+:mod:`qeval.measure.arrivals` (admission at every step boundary, as ``update_slots`` takes new
+tasks once per loop); a request given a free sequence joins the batch at the next step.
+
 llama-cpp-python's high-level ``Llama`` class was checked: it serves one sequence per
 context and hides per-token times, so the loop is written here over ``llama_batch_init``
 / ``llama_decode`` / ``llama_memory_seq_rm``.
@@ -33,7 +38,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..measure.arrivals import Request, WaitingQueue, WallClock
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.openloop import OpenLoopRun
 
 _CTX_ROUND = 256  # llama.cpp pads the per-sequence context to 256 cells (GGML_PAD(n_ctx_seq, 256))
 
@@ -95,35 +102,13 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         if not p:
             raise ValueError("every prompt needs at least one token")
         engine._check_ids(p)
-    longest = max(len(p) for p in prompts.values()) + output_tokens
-    if longest > engine.n_ctx_train:
-        raise NotAdmitted(f"{longest} tokens per sequence is beyond the model's context of {engine.n_ctx_train}")
-    n_ctx_seq = -(-longest // _CTX_ROUND) * _CTX_ROUND
-    n_ctx = n_ctx_seq * concurrency
-    kv_per_token = engine.kv_bytes_per_token_analytic()
-    pool = int(round(kv_per_token * n_ctx))
-    if kv_budget_bytes is not None and pool > kv_budget_bytes:
-        raise NotAdmitted(f"llama.cpp's KV pool of {concurrency} x {n_ctx_seq} cells = {pool / 2**30:.2f} GiB "
-                          f"exceeds the KV budget of {max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
-    n_batch = concurrency + prefill_chunk
-    cp = L.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = cp.n_ubatch = n_batch
-    cp.n_seq_max = concurrency
-    cp.n_threads = cp.n_threads_batch = engine.threads
-    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if engine.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cp.type_k = cp.type_v = engine.type_kv
-    cp.kv_unified = False  # llama.cpp's default (common.h): each sequence owns n_ctx / n_seq_max cells
-    cp.embeddings = False
-    ctx = L.llama_init_from_model(engine._model, cp)
-    if not ctx:
-        raise NotAdmitted(f"llama.cpp refused a context of {n_ctx} tokens for {concurrency} sequences")
-    batch = L.llama_batch_init(n_batch, 0, 1)
+    ctx, batch, info = _open_context(engine, max(len(p) for p in prompts.values()) + output_tokens, concurrency,
+                                     prefill_chunk, kv_budget_bytes)
+    n_ctx, n_ctx_seq, n_batch, pool, kv_per_token = (info[k] for k in ("n_ctx", "n_ctx_seq", "n_batch", "pool",
+                                                                        "kv_per_token"))
     vocab = engine.vocab_size
     try:
         mem = L.llama_get_memory(ctx)
-        _warm_up(L, ctx, batch, vocab)
-        L.llama_memory_clear(mem, True)
         streams = [_Stream(i) for i in range(concurrency)]
         records: list[RequestRecord] = []
         kv_peak = steps = dec_tokens = 0
@@ -136,41 +121,10 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
             active = [s for s in streams if not s.done]
             if not active:
                 break
-            decoding = [s for s in active if s.fed == len(s.prompt)]
-            waiting = sorted((s for s in active if s.fed < len(s.prompt)), key=lambda s: (s.start, s.idx))
-            n = 0
-            outputs: list[_Stream] = []  # in batch order: who gets the row of each requested logit
-            for s in decoding:
-                _put(batch, n, s.toks[-1], s.pos, s.idx, True)
-                s.pos += 1
-                n += 1
-                outputs.append(s)
-            budget = prefill_chunk
-            for s in waiting:
-                if budget == 0:
-                    break
-                take = min(budget, len(s.prompt) - s.fed)
-                for j in range(take):
-                    last = s.fed + j == len(s.prompt) - 1
-                    _put(batch, n, s.prompt[s.fed + j], s.pos, s.idx, last)
-                    s.pos += 1
-                    n += 1
-                s.fed += take
-                budget -= take
-                if s.fed == len(s.prompt):
-                    outputs.append(s)
-            batch.n_tokens = n
-            rc = L.llama_decode(ctx, batch)
-            if rc == 1:
-                raise NotAdmitted(f"llama_decode found no KV slot for {n} tokens with {concurrency} sequences "
-                                  f"(n_ctx {n_ctx})")
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {concurrency} sequences, n_ctx {n_ctx})")
-            logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(outputs), vocab))
-            nxt = logits.argmax(axis=1).tolist()
+            outputs, nxt, prefilling = _decode_step(L, ctx, batch, active, prefill_chunk, vocab, n_ctx)
             now = time.perf_counter() - t0
             steps += 1
-            if not waiting:  # a pure decode step: batched-bench's S_TG counts these
+            if not prefilling:  # a pure decode step: batched-bench's S_TG counts these
                 dec_tokens += len(outputs)
                 dec_s += now - prev
             prev = now
@@ -196,6 +150,179 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         L.llama_batch_free(batch)
         L.llama_free(ctx)
 
+
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int, max_waiting: int,
+                    timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
+                    kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
+                    max_context: int | None = None, clock: Any = None, stream: int = 0) -> OpenLoopRun:
+    """Serve requests arriving at ``arrivals`` from one llama.cpp context of ``slots``
+    sequences, with a bounded waiting queue (:class:`~qeval.measure.arrivals.WaitingQueue`:
+    admission at every step boundary, refusals, drops after ``timeout_s``). A request that
+    gets a place joins the running batch at the next step (continuous batching, chunked
+    prefill as in :func:`serve_closed_loop`); when nothing runs and nothing waits, the loop
+    idles until the next arrival.
+
+    Args:
+        prompt_for: ``(stream, i) -> prompt token ids`` of the i-th arrival.
+        arrivals: arrival times, s since the point started (ascending).
+        slots: sequences served at once (``n_seq_max``).
+        max_waiting, timeout_s: the queue's length limit and longest wait (s).
+        output_tokens: new tokens per request (>= 1).
+        clock: :class:`~qeval.measure.arrivals.WallClock` (default) or a scripted
+            :class:`~qeval.measure.arrivals.StepClock` (tests: each step takes a set time).
+        stream: the ``stream`` argument of ``prompt_for`` (distinct per point: fresh prompts).
+        kv_bytes_per_token, max_context: the common serve signature; not used.
+
+    Returns:
+        :class:`~qeval.measure.openloop.OpenLoopRun` (scheduling "continuous").
+
+    Raises:
+        NotAdmitted: as :func:`serve_closed_loop` (context, KV budget, no KV slot).
+        ValueError: bad arguments (no arrival, slots / output_tokens / prefill_chunk < 1).
+    """
+    if len(arrivals) == 0 or slots < 1 or output_tokens < 1 or prefill_chunk < 1:
+        raise ValueError("an open-loop point needs arrivals, and slots, output_tokens, prefill_chunk >= 1")
+    L = engine._L
+    clock = clock or WallClock()
+    queue = WaitingQueue(arrivals, max_waiting, timeout_s)
+    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(queue.requests))]
+    for p in prompts:
+        if not p:
+            raise ValueError("every prompt needs at least one token")
+        engine._check_ids(p)
+    ctx, batch, info = _open_context(engine, max(len(p) for p in prompts) + output_tokens, slots, prefill_chunk,
+                                     kv_budget_bytes)
+    vocab = engine.vocab_size
+    try:
+        mem = L.llama_get_memory(ctx)
+        streams = [_Stream(i) for i in range(slots)]
+        owner: dict[int, Request] = {}  # stream index -> the request it serves
+        records: list[RequestRecord] = []
+        kv_peak = steps = 0
+        clock.start()
+        now = 0.0
+        while True:
+            free = [s for s in streams if s.idx not in owner]
+            for r in queue.admit(now, len(free)):
+                s = free.pop(0)
+                owner[s.idx] = r
+                s.begin(prompts[r.index], r.arrival_s)  # TTFT counts from the arrival (queue wait in it)
+            active = [s for s in streams if s.idx in owner]
+            if not active:
+                nxt_t = queue.next_arrival()
+                if nxt_t is None:
+                    break
+                now = clock.idle_until(nxt_t)
+                continue
+            outputs, nxt, _ = _decode_step(L, ctx, batch, active, prefill_chunk, vocab, info["n_ctx"])
+            now = clock.step()
+            steps += 1
+            kv_peak = max(kv_peak, sum(s.pos for s in active))
+            for s, tok in zip(outputs, nxt):
+                s.toks.append(int(tok))
+                s.times.append(now)
+                if len(s.toks) < output_tokens:
+                    continue
+                r = owner.pop(s.idx)
+                r.outcome, r.ended_s = "completed", now
+                records.append(RequestRecord(r.index, len(s.prompt), r.arrival_s, s.times, s.toks))
+                L.llama_memory_seq_rm(mem, s.idx, -1, -1)
+        return OpenLoopRun(requests=queue.requests, completed=records, scheduling="continuous",
+                           kv_bytes_peak=int(round(kv_peak * info["kv_per_token"])), kv_pool_bytes=info["pool"],
+                           details={"n_ctx": info["n_ctx"], "n_ctx_seq": info["n_ctx_seq"],
+                                    "n_batch": info["n_batch"], "slots": slots, "steps": steps,
+                                    "prefill_chunk": prefill_chunk})
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+
+
+def _decode_step(L: Any, ctx: Any, batch: Any, active: Sequence[_Stream], prefill_chunk: int, vocab: int,
+                 n_ctx: int) -> tuple[list[_Stream], list[int], bool]:
+    """One ``llama_decode`` of the active streams (batch order in the module docstring).
+    Returns (the streams that got a token, in row order; their greedy tokens; whether the
+    step held prompt tokens).
+
+    Raises:
+        NotAdmitted: no KV slot (``llama_decode`` returned 1).
+        RuntimeError: any other ``llama_decode`` failure.
+    """
+    decoding = [s for s in active if s.fed == len(s.prompt)]
+    waiting = sorted((s for s in active if s.fed < len(s.prompt)), key=lambda s: (s.start, s.idx))
+    n = 0
+    outputs: list[_Stream] = []  # in batch order: who gets the row of each requested logit
+    for s in decoding:
+        _put(batch, n, s.toks[-1], s.pos, s.idx, True)
+        s.pos += 1
+        n += 1
+        outputs.append(s)
+    budget = prefill_chunk
+    for s in waiting:
+        if budget == 0:
+            break
+        take = min(budget, len(s.prompt) - s.fed)
+        for j in range(take):
+            last = s.fed + j == len(s.prompt) - 1
+            _put(batch, n, s.prompt[s.fed + j], s.pos, s.idx, last)
+            s.pos += 1
+            n += 1
+        s.fed += take
+        budget -= take
+        if s.fed == len(s.prompt):
+            outputs.append(s)
+    batch.n_tokens = n
+    rc = L.llama_decode(ctx, batch)
+    if rc == 1:
+        raise NotAdmitted(f"llama_decode found no KV slot for {n} tokens with {len(active)} sequences "
+                          f"(n_ctx {n_ctx})")
+    if rc != 0:
+        raise RuntimeError(f"llama_decode returned {rc} ({n} tokens, {len(active)} sequences, n_ctx {n_ctx})")
+    logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(outputs), vocab))
+    return outputs, logits.argmax(axis=1).tolist(), bool(waiting)
+
+def _open_context(engine: Any, longest: int, n_seq: int, prefill_chunk: int,
+                  kv_budget_bytes: float | None) -> tuple[Any, Any, dict]:
+    """A llama.cpp context of ``n_seq`` sequences of ``longest`` tokens each (padded to 256
+    cells) and a batch of ``n_seq + prefill_chunk`` tokens, warmed up and cleared.
+    Returns ``(ctx, batch, info)``; the caller frees both.
+
+    Raises:
+        NotAdmitted: beyond the model's training context, a pool over ``kv_budget_bytes``,
+            or a context llama.cpp refuses.
+    """
+    L = engine._L
+    if longest > engine.n_ctx_train:
+        raise NotAdmitted(f"{longest} tokens per sequence is beyond the model's context of {engine.n_ctx_train}")
+    n_ctx_seq = -(-longest // _CTX_ROUND) * _CTX_ROUND
+    n_ctx = n_ctx_seq * n_seq
+    kv_per_token = engine.kv_bytes_per_token_analytic()
+    pool = int(round(kv_per_token * n_ctx))
+    if kv_budget_bytes is not None and pool > kv_budget_bytes:
+        raise NotAdmitted(f"llama.cpp's KV pool of {n_seq} x {n_ctx_seq} cells = {pool / 2**30:.2f} GiB "
+                          f"exceeds the KV budget of {max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
+    n_batch = n_seq + prefill_chunk
+    cp = L.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = cp.n_ubatch = n_batch
+    cp.n_seq_max = n_seq
+    cp.n_threads = cp.n_threads_batch = engine.threads
+    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if engine.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.type_k = cp.type_v = engine.type_kv
+    cp.kv_unified = False  # llama.cpp's default (common.h): each sequence owns n_ctx / n_seq_max cells
+    cp.embeddings = False
+    ctx = L.llama_init_from_model(engine._model, cp)
+    if not ctx:
+        raise NotAdmitted(f"llama.cpp refused a context of {n_ctx} tokens for {n_seq} sequences")
+    batch = L.llama_batch_init(n_batch, 0, 1)
+    try:
+        _warm_up(L, ctx, batch, engine.vocab_size)
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    except BaseException:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        raise
+    return ctx, batch, {"n_ctx": n_ctx, "n_ctx_seq": n_ctx_seq, "n_batch": n_batch, "pool": pool,
+                        "kv_per_token": kv_per_token}
 
 def _put(batch: Any, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
     batch.token[i] = tok

@@ -8,15 +8,30 @@ ids, ``output_tokens`` new tokens, ``ignore_eos``); every token's time is the ar
 of its chunk, in seconds since the run started. httpx's connection pool holds one
 connection per stream. asyncio was checked: it gives the same arrival times, and threads
 keep the engine's synchronous client.
+
+Open loop (:func:`serve_open_loop`): a scheduler thread sends each request at its arrival
+time (:func:`qeval.measure.arrivals.arrival_times`), each on its own thread, whatever is in
+flight; the server queues what its slots cannot take. The client applies the queue's
+timeout: a request with no first token ``timeout_s`` after it was sent is dropped (its
+connection closed) and counted timed out. HTTP errors are counted by status: 429 and 503
+are refusals (the server's queue full or overloaded), any other status a failure.
+``max_waiting`` is the server's own setting and is not applied by the client.
 """
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
+from ..measure.arrivals import Request
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.openloop import OpenLoopRun
 from .openai import chunk_token_ids
+
+#: HTTP statuses counted as refusals (the server's queue is full or it sheds load).
+REFUSED_STATUS = (429, 503)
 
 
 def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
@@ -94,3 +109,120 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
     duration = max((r.token_times_s[-1] for r in records), default=0.0)
     return LoadRun(concurrency=concurrency, scheduling="server", requests=records, duration_s=duration,
                    details={"dialect": client.dialect, "server": engine.backend})
+
+
+class _TimedOut(Exception):
+    """No first token within the queue's timeout."""
+
+
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int | None,
+                    max_waiting: int, timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
+                    kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
+                    max_context: int | None = None, clock: Any = None, stream: int = 0,
+                    max_in_flight: int | None = None) -> OpenLoopRun:
+    """Send a request at each of ``arrivals`` (s) to ``engine``'s server (rules in the
+    module docstring) and record each one's fate.
+
+    Args:
+        engine: an open :class:`qeval.engines.openai.OpenAIEngine`.
+        prompt_for: ``(stream, i) -> prompt token ids`` of the i-th arrival.
+        arrivals: arrival times, s since the point started (ascending).
+        slots: the server's slots (recorded; the server schedules).
+        max_waiting: recorded only (the server's queue).
+        timeout_s: longest wait for the first token, s.
+        max_in_flight: at most this many requests open at once, the rest waiting in the
+            client (a sweep's synchronous end: 1); None: no limit (open loop).
+        prefill_chunk, kv_budget_bytes, kv_bytes_per_token, max_context, clock: the common
+            serve signature; not used (the server owns its KV cache; the wall clock runs).
+
+    Returns:
+        :class:`~qeval.measure.openloop.OpenLoopRun` (scheduling "server"), with
+        ``failed_by_status``.
+
+    Raises:
+        ServerFailed: a managed server died during the point.
+        ValueError: no arrival, output_tokens < 1 or timeout_s <= 0.
+    """
+    import httpx  # start-up time: only served tiers talk HTTP
+    if len(arrivals) == 0 or output_tokens < 1 or not timeout_s > 0:
+        raise ValueError("an open-loop point needs arrivals, output_tokens >= 1 and timeout_s > 0")
+    client = engine.client
+    limit = float(timeout_s) if math.isfinite(timeout_s) else None  # a sweep's ends wait without limit
+    reqs = [Request(i, float(t)) for i, t in enumerate(arrivals)]  # the client never refuses: the server does
+    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(reqs))]
+    records: list[RequestRecord] = []
+    by_status: dict[str, int] = {}
+    lock = threading.Lock()
+    gate = threading.Semaphore(max_in_flight) if max_in_flight else None
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        r = reqs[i]
+        if gate is not None:
+            gate.acquire()
+        sent = time.perf_counter() - t0
+        r.admitted_s = sent
+        toks: list[int] = []
+        times: list[float] = []
+        status: str | None = None
+        try:
+            body = client.body(prompts[i], output_tokens, stream=True, ignore_eos=True)
+            wait = httpx.Timeout(limit, connect=10.0 if limit is None else min(limit, 10.0))
+            with client.http.stream("POST", "/v1/completions", json=body, timeout=wait) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    status = str(resp.status_code)
+                else:
+                    for line in resp.iter_lines():
+                        t = time.perf_counter() - t0
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        got = chunk_token_ids(json.loads(data))
+                        if got and not toks and limit is not None and t - sent > limit:
+                            raise _TimedOut()
+                        toks += got
+                        times += [t] * len(got)
+        except (_TimedOut, httpx.TimeoutException):
+            status = "timeout"
+        except httpx.HTTPError as e:
+            status = f"connection ({e.__class__.__name__})"
+        except Exception as e:  # noqa: BLE001 - a bad chunk is this request's failure, counted
+            status = f"error ({e.__class__.__name__})"
+        finally:
+            if gate is not None:
+                gate.release()
+        end = time.perf_counter() - t0
+        with lock:
+            if status is None and len(toks) >= 1:
+                r.outcome, r.ended_s = "completed", times[-1]
+                records.append(RequestRecord(i, len(prompts[i]), r.arrival_s, times, toks))
+                return
+            r.ended_s = end
+            if status == "timeout":
+                r.outcome = "timed_out"
+            elif status is not None and status.isdigit() and int(status) in REFUSED_STATUS:
+                r.outcome = "refused"
+            else:
+                r.outcome = "failed"
+            key = status or "no tokens"
+            by_status[key] = by_status.get(key, 0) + 1
+
+    threads: list[threading.Thread] = []
+    for i, r in enumerate(reqs):
+        d = r.arrival_s - (time.perf_counter() - t0)
+        if d > 0:
+            time.sleep(d)
+        th = threading.Thread(target=one, args=(i,), daemon=True, name=f"qeval-arrival-{i}")
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    if any(r.outcome == "failed" for r in reqs):
+        engine._alive()  # a dead server is the reason (ServerFailed, its log tail printed)
+    return OpenLoopRun(requests=reqs, completed=sorted(records, key=lambda x: x.stream), scheduling="server",
+                       failed_by_status=by_status,
+                       details={"dialect": client.dialect, "server": engine.backend, "slots": slots,
+                                "client_timeout_s": limit, "max_in_flight": max_in_flight})

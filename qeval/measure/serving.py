@@ -11,14 +11,21 @@ Each admitted point is one timed phase: an engine that serves through another pr
 KV pool (``kv_pool_phase``, :meth:`qeval.engines.openai.OpenAIEngine.kv_pool_phase`)
 starts it on an empty pool, checked by the server's own counters; the record is kept in
 the point's ``details["kv_pool"]``.
+The open loop (:func:`rate_sweep`) uses the ``serve_open_loop`` function beside the
+engine's closed-loop serve function (same module): requests arriving at each rate of
+``load.arrivals`` through the bounded queue of ``load.queue`` (schedules from
+:mod:`qeval.measure.arrivals`, statistics from :mod:`qeval.measure.openloop`).
 """
 from __future__ import annotations
 
 import importlib
 from contextlib import nullcontext
+import inspect
 from typing import Any, Callable, Sequence
 
+from .arrivals import arrival_times
 from .load import NotAdmitted, PromptFor, Slo, admission, not_admitted_point, point_stats, summarize
+from .openloop import knee, not_run_point, rate_point_stats, stop_reason, sweep_rates
 
 
 def serve_function(engine: Any) -> Callable[..., Any] | None:
@@ -29,6 +36,15 @@ def serve_function(engine: Any) -> Callable[..., Any] | None:
         return None
     module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def open_loop_function(engine: Any) -> Callable[..., Any] | None:
+    """``serve_open_loop`` of the module that holds the engine's closed-loop serve function,
+    or None when the engine cannot batch or has no open loop."""
+    target = engine.capabilities.serve
+    if target is None:
+        return None
+    return getattr(importlib.import_module(target.partition(":")[0]), "serve_open_loop", None)
 
 
 def _oom_types() -> tuple[type, ...]:
@@ -108,3 +124,100 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
            "points": points}
     out.update(summarize(points, slo))
     return out
+
+
+def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | None, sweep_points: int | None,
+               process: str, seed: int, requests: int | None, duration_s: float | None, slots: int,
+               max_waiting: int, timeout_s: float, output_tokens: int, prefill_chunk: int, slo: Slo | None,
+               max_error_rate: float | None, saturation_share: float, peak: Any = None,
+               kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
+               max_context: int | None = None, serve: Callable[..., Any] | None = None,
+               progress: Callable[[str], None] = lambda s: None) -> dict:
+    """The open-loop sweep of one tier: each rate of ``rates`` ascending, or a sweep
+    (the synchronous rate: ``n`` requests one at a time; the saturated throughput: all
+    ``n`` at once, no queue limit, no timeout; then ``sweep_points`` rates evenly between),
+    stopping after the first point that is saturated or over ``max_error_rate``.
+
+    Args:
+        prompt_for: ``(stream, i) -> prompt ids``; each point uses its own ``stream`` (1000 +
+            its number), so every request of the sweep is a fresh prompt.
+        requests / duration_s: the length of each point (one of them).
+        slots: requests served at once; max_waiting, timeout_s: the queue (load.queue).
+        serve: the open-loop function (default :func:`open_loop_function` of the engine).
+
+    Returns:
+        a dict of :class:`qeval.results_load.ArrivalsSection`'s fields.
+
+    Raises:
+        ValueError: the engine has no open loop, or neither rates nor sweep_points given.
+    """
+    serve = serve or open_loop_function(engine)
+    if serve is None:
+        raise ValueError(f"engine {getattr(engine, 'name', engine)!r} has no open loop")
+    if not rates and not sweep_points:
+        raise ValueError("rate_sweep needs rates or sweep_points")
+    points: list[dict] = []
+    common = dict(output_tokens=output_tokens, prefill_chunk=prefill_chunk, kv_budget_bytes=kv_budget_bytes,
+                  kv_bytes_per_token=kv_bytes_per_token, max_context=max_context)
+    n_fixed = requests or max(2, int(round(duration_s or 1)))
+
+    def run(kind: str, rate: float | None, times: Sequence[float], **kw: Any) -> dict:
+        stream = 1000 + len(points)
+        if peak is not None:
+            peak.reset()
+        pool_phase = getattr(engine, "kv_pool_phase", None)  # a served engine: each point on an empty KV pool
+        with (pool_phase(f"load at {kind} {rate or ''}".rstrip()) if pool_phase is not None
+              else nullcontext()) as pool:
+            try:
+                r = serve(engine, prompt_for, arrivals=[float(t) for t in times], stream=stream, **common, **kw)
+            except NotAdmitted as e:
+                progress(f"load: {kind} {rate or ''} not admitted: {e}")
+                return not_run_point(rate, kind, len(times), str(e))
+            except _oom_types() as e:
+                progress(f"load: {kind} {rate or ''} ran out of memory")
+                return not_run_point(rate, kind, len(times), f"out of memory: {e.__class__.__name__}: {e}"[:300])
+            if pool is not None:
+                r.details["kv_pool"] = pool  # its "after" counters are filled as the phase ends
+        p = rate_point_stats(r, kind=kind, rate_rps=rate, slo=slo, max_error_rate=max_error_rate,
+                             saturation_share=saturation_share)
+        p["peak_bytes"] = peak.read() if peak is not None else None
+        return p
+
+    stopped = None
+    todo: list[float] = sorted(float(x) for x in rates) if rates else []
+    if sweep_points:
+        inf = float("inf")
+        progress(f"load: sweep: synchronous ({n_fixed} requests one at a time)")
+        sync = run("synchronous", None, [0.0] * n_fixed, slots=1, max_waiting=n_fixed, timeout_s=inf,
+                   **({"max_in_flight": 1} if _served(serve) else {}))
+        points.append(sync)
+        progress(f"load: sweep: throughput ({n_fixed} requests at once, {slots} slots)")
+        thr = run("throughput", None, [0.0] * n_fixed, slots=slots, max_waiting=n_fixed, timeout_s=inf)
+        points.append(thr)
+        lo, hi = sync.get("achieved_rps"), thr.get("achieved_rps")
+        if not lo or not hi:
+            stopped = "the sweep's ends did not complete (synchronous or throughput point failed)"
+        else:
+            todo = sweep_rates(lo, hi, sweep_points)
+    for i, rate in enumerate(todo):
+        if stopped:
+            break
+        times = arrival_times(rate, process=process, seed=seed + i, requests=requests, duration_s=duration_s)
+        progress(f"load: {rate:g} req/s ({process}, {len(times)} requests, queue {max_waiting}, "
+                 f"timeout {timeout_s:g} s)")
+        p = run("rate", rate, times, slots=slots, max_waiting=max_waiting, timeout_s=timeout_s)
+        points.append(p)
+        stopped = stop_reason(p, max_error_rate=max_error_rate, saturation_share=saturation_share)
+        if stopped:
+            progress(f"load: {stopped}")
+    ran = {p.get("rate_rps") for p in points if p.get("kind") == "rate"}
+    return {"mode": "sweep" if sweep_points else "rates", "process": process, "seed": int(seed), "slots": int(slots),
+            "max_waiting": int(max_waiting), "timeout_s": float(timeout_s),
+            "saturation_share": float(saturation_share), "requests_per_point": requests,
+            "duration_s": duration_s, "points": points, "knee": knee(points), "stopped": stopped,
+            "not_run_rps": [r for r in todo if r not in ran] if stopped else []}
+
+
+def _served(serve: Callable[..., Any]) -> bool:
+    """The open-loop function takes ``max_in_flight`` (the served client)."""
+    return "max_in_flight" in inspect.signature(serve).parameters

@@ -36,7 +36,8 @@ from ..recipe import ReportSpec
 from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, short_error
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
-from .table import LOAD_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table, markdown_table, tier_table
+from .table import (LOAD_HEADERS, RATE_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table,
+                    markdown_table, rate_caption, rate_table, tier_table)
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
 DEFAULT_USERS = 8
@@ -91,6 +92,14 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     if lrows:
         md += ["## Load: users at SLO", "", load_caption(a.tiers) or "", "",
                markdown_table(LOAD_HEADERS, lrows)]
+    rrows = rate_table(a.tiers)
+    if rrows:
+        md += ["## Load: request rates (open loop)", "", rate_caption(a.tiers) or "", "",
+               markdown_table(RATE_HEADERS, rrows)]
+        if a.ladder.rates is not None and a.ladder.rates.steps:
+            md += [f"Rate ladder: {a.ladder.rates.text()}.", ""]
+        for n, why in (a.ladder.rates.unplaced.items() if a.ladder.rates is not None else ()):
+            md.append(f"- `{n}` not on the rate ladder: {why}")
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
@@ -181,12 +190,21 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
                "gained_first": signed(s.users_gained_vs_first, "g"),
                "q": _f(s.quality, qfmt), "lost_prev": signed(s.quality_lost_vs_prev, qfmt),
                "lost_first": signed(s.quality_lost_vs_first, qfmt)} for s in a.ladder.steps]
-    slo = next((get_path(t, "load", "slo") for t in a.tiers.values() if get_path(t, "load", "slo")), None)
+    slo = next((t.load.slo for t in a.tiers.values() if t.load is not None and t.load.slo), None)
     load_plots = [
         {"title": "Throughput vs concurrency", "src": _data_uri(plots.load_throughput_png(a.tiers)),
          "caption": "Aggregate decode tokens/s against concurrent streams, per tier (x: not admitted)."},
         {"title": "Latency vs concurrency", "src": _data_uri(plots.load_latency_png(a.tiers, slo)),
          "caption": "TTFT p95 and ITL p95 against concurrent streams, per tier; dashed: the recipe's SLO."},
+    ]
+    rate_plots = [
+        {"title": "Rate vs offered rate", "src": _data_uri(plots.rate_png(a.tiers, slo)),
+         "caption": "Achieved rate, TTFT p95 and ITL p95 against the offered rate, per tier (open loop); dashed: "
+                    "the SLO; dotted verticals: each tier's knee."},
+        {"title": "Error rate vs offered rate",
+         "src": _data_uri(plots.error_rate_png(a.tiers, slo.max_error_rate if slo is not None else None)),
+         "caption": "Refused, timed-out and failed requests (% of arrivals) against the offered rate; dashed: "
+                    "the SLO's limit."},
     ]
     cap = _capacity_plan(run, a, budget_bytes, budget_src, deepest, users, overhead_bytes)
     cap_headers, cap_rows = plan_table(cap)
@@ -241,7 +259,10 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
         ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",
         load_rows=load_table(a.tiers), load_headers=LOAD_HEADERS, load_caption=load_caption(a.tiers) or "",
-        load_plots=load_plots,
+        load_plots=load_plots, rate_rows=rate_table(a.tiers), rate_headers=RATE_HEADERS,
+        rate_caption=rate_caption(a.tiers) or "", rate_plots=rate_plots,
+        rate_ladder=a.ladder.rates.text() if a.ladder.rates is not None else "",
+        rate_unplaced=dict(a.ladder.rates.unplaced) if a.ladder.rates is not None else {},
         capacity_head=plan_header(cap)[1:], capacity_headers=cap_headers, capacity_rows=cap_rows,
         capacity_legend=plan_legend(cap), plots=plot_list,
         depths=a.depths, build=tab.html["build"], memory=tab.html["memory"], depth_headers=tab.html_depth_headers,

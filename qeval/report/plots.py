@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import io
 import re
+from typing import Any
 
 from ..analysis.pareto import GIB, ParetoResult, decode_at
 from ..metrics import metric, objective
 from ..metrics import value as metric_value
-from ..results import STATUS_OK, TierResult, get_path
+from ..results import STATUS_OK, LoadSlo, TierResult, get_path
 
 _DPI = 100
 _SIZE = (8.0, 4.6)  # inches
@@ -142,17 +143,119 @@ def _load_series(tiers: dict[str, TierResult], key: tuple[str, ...]) -> tuple[di
     series: dict[str, list] = {}
     refused: dict[str, list] = {}
     for name, t in tiers.items():
-        pts = get_path(t, "load", "points") or []
+        pts = t.load.points if t.load is not None else []
         if t.status != STATUS_OK or not pts:
             continue
-        ok = [(int(p["concurrency"]), get_path(p, *key)) for p in pts if p.get("admitted")]
+        ok = [(p.concurrency, _attr(p, key)) for p in pts if p.admitted]
         ok = [(c, float(v)) for c, v in ok if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if ok:
             series[name] = ok
-        bad = [int(p["concurrency"]) for p in pts if not p.get("admitted")]
+        bad = [p.concurrency for p in pts if not p.admitted]
         if bad:
             refused[name] = bad
     return series, refused, color_of
+
+
+def _attr(obj: Any, key: tuple[str, ...]) -> Any:
+    """``obj.k1.k2`` (a model's attributes, or a dict's keys), None when a level is missing."""
+    for k in key:
+        obj = obj.get(k) if isinstance(obj, dict) else getattr(obj, k, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _rate_series(tiers: dict[str, TierResult], key: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """Per ok tier with an open loop: ``{tier: [(offered rate rps, value)]}`` over its rate
+    points (x: the rate asked), ``{tier: knee rps}`` and ``{tier: colour}``."""
+    color_of = {n: _color(i) for i, n in enumerate(tiers)}
+    series: dict[str, list] = {}
+    knees: dict[str, float] = {}
+    for name, t in tiers.items():
+        ar = t.load.arrivals if t.load is not None else None
+        if t.status != STATUS_OK or ar is None:
+            continue
+        pts = [(float(p.rate_rps), _attr(p, key)) for p in ar.rate_points if p.rate_rps and not p.reason]
+        pts = [(x, float(v)) for x, v in pts if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if pts:
+            series[name] = pts
+        if ar.knee is not None and ar.knee.rate_rps is not None:
+            knees[name] = float(ar.knee.rate_rps)
+    return series, knees, color_of
+
+
+def _rate_axis(ax: Any, xs: list[float]) -> None:
+    """The offered-rate axis: log2 when the rates span 8x or more (a default recipe's 0.25 and
+    4 req/s), else linear from 0; ticks at the measured rates."""
+    if xs and xs[0] > 0 and xs[-1] / xs[0] >= 8:
+        ax.set_xscale("log", base=2)
+    else:
+        ax.set_xlim(left=0)
+    if xs:
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{x:g}" for x in xs])
+    ax.set_xlabel("offered rate (req/s)")
+
+
+def rate_png(tiers: dict[str, TierResult], slo: LoadSlo | None) -> bytes | None:
+    """Three panels against the offered rate (req/s): achieved rate (the dotted diagonal:
+    achieved = offered), TTFT p95 and ITL p95 (s; dashed: the SLO); one line per tier with
+    an open loop, its knee a vertical dotted line in the tier's colour."""
+    ach, knees, color_of = _rate_series(tiers, ("achieved_rps",))
+    ttft, _, _ = _rate_series(tiers, ("ttft_s", "p95"))
+    itl, _, _ = _rate_series(tiers, ("itl_s", "p95"))
+    if not ach and not ttft:
+        return None
+    from matplotlib.figure import Figure  # start-up time: only the report draws
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up time: only the report draws
+    fig = Figure(figsize=(_SIZE[0] * 2.0, _SIZE[1]), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    panels = ((ach, "achieved req/s", None), (ttft, "TTFT p95 (s)", "ttft_p95_s"), (itl, "ITL p95 (s)", "itl_p95_s"))
+    xs = sorted({x for pts in ach.values() for x, _ in pts} | {x for pts in ttft.values() for x, _ in pts})
+    for i, (series, what, key) in enumerate(panels):
+        ax = fig.add_subplot(1, 3, i + 1)
+        for name, pts in series.items():
+            ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", label=name, color=color_of[name])
+        for name, k in knees.items():
+            ax.axvline(k, linestyle=":", color=color_of[name], linewidth=1.2)
+        if key is None and xs:
+            ax.plot([xs[0], xs[-1]], [xs[0], xs[-1]], linestyle=":", color="#777777", linewidth=1,
+                    label="achieved = offered")
+        limit = _attr(slo, (key,)) if key else None
+        if isinstance(limit, (int, float)):
+            ax.axhline(limit, linestyle="--", color="#9b1c1c", linewidth=1.2, label=f"SLO {limit:g} s")
+        _rate_axis(ax, xs)
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{what.split(' (')[0]} vs offered rate", fontsize=10)
+        ax.legend(fontsize=7, loc="best")
+    return _png(fig)
+
+
+def error_rate_png(tiers: dict[str, TierResult], max_error_rate: float | None) -> bytes | None:
+    """Error rate in % (refused + timed out + failed, of arrived requests) against the
+    offered rate (req/s), one line per tier with an open loop; dashed: the SLO's limit;
+    dotted verticals: the knees."""
+    series, knees, color_of = _rate_series(tiers, ("error_rate",))
+    if not series:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, pts in series.items():
+        ax.plot([x for x, _ in pts], [100 * v for _, v in pts], marker="o", label=name, color=color_of[name])
+    for name, k in knees.items():
+        ax.axvline(k, linestyle=":", color=color_of[name], linewidth=1.2)
+    if isinstance(max_error_rate, (int, float)):
+        ax.axhline(100 * max_error_rate, linestyle="--", color="#9b1c1c", linewidth=1.2,
+                   label=f"limit {100 * max_error_rate:g}%")
+    _rate_axis(ax, sorted({x for pts in series.values() for x, _ in pts}))
+    ax.set_ylabel("error rate (% of requests)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title("Refused, timed out and failed vs offered rate", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)
 
 
 def _concurrency_axis(ax, series: dict, refused: dict) -> None:
@@ -185,7 +288,7 @@ def load_throughput_png(tiers: dict[str, TierResult]) -> bytes | None:
     return _png(fig)
 
 
-def load_latency_png(tiers: dict[str, TierResult], slo: dict | None) -> bytes | None:
+def load_latency_png(tiers: dict[str, TierResult], slo: LoadSlo | dict | None) -> bytes | None:
     """TTFT p95 (left) and ITL p95 (right) in seconds against concurrency (log2), one line
     per tier with a load sweep; the recipe's SLO drawn as a dashed line on each."""
     ttft, refused, color_of = _load_series(tiers, ("ttft_s", "p95"))
@@ -201,7 +304,7 @@ def load_latency_png(tiers: dict[str, TierResult], slo: dict | None) -> bytes | 
         ax = fig.add_subplot(1, 2, i + 1)
         for name, pts in series.items():
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name, color=color_of[name])
-        limit = (slo or {}).get(key)
+        limit = _attr(slo, (key,))
         if isinstance(limit, (int, float)):
             ax.axhline(limit, linestyle="--", color="#9b1c1c", linewidth=1.2, label=f"SLO {limit:g} s")
         _concurrency_axis(ax, series or ttft, refused)

@@ -20,7 +20,8 @@ from ..analysis import RunAnalysis
 from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
-from ..results import STATUS_OK, Behaviour, Fidelity, TierResult, get_path, short_error
+from ..results import (STATUS_OK, Behaviour, Fidelity, LoadPoint, LoadSection, LoadSlo, RatePoint, TierResult, get_path,
+                       short_error)
 
 Section = Literal["build", "memory", "speed", "quality", "long_context"]
 SECTIONS: tuple[Section, ...] = ("build", "memory", "speed", "quality", "long_context")
@@ -386,33 +387,49 @@ def _notes(r: Row) -> Cell:
         notes.append(f"{timed_out} check{'s' if timed_out > 1 else ''} timed out (not judged)")
     if not r.ok and r.t.error:
         notes.append(short_error(r.t.error))  # a failed tier's error may hold a whole log
-    if (r.t.load or {}).get("error"):
-        notes.append(f"load sweep failed: {short_error(r.t.load['error'])}")
+    if r.t.load is not None and r.t.load.error:
+        notes.append(f"load sweep failed: {short_error(r.t.load.error)}")
     return "; ".join(notes), {"slow_path": bool(r.slow)}
 
 
 def _load(r: Row) -> Cell:
-    """The load sweep's CSV fields (no Markdown/HTML cell: the load table shows it): depth,
+    """The load sweep's CSV fields (no Markdown/HTML cell: the load tables show it): depth,
     scheduling, users at SLO, best decode tokens/s, requests not admitted, and per
     concurrency any tier recorded (:func:`load_concurrencies`) decode tokens/s, batching
-    gain, TTFT/ITL p95, goodput, peak GiB and admission."""
-    load = r.t.load or {}
-    raw: dict[str, Any] = {"load_depth": load.get("depth"),
-                           "load_scheduling": ",".join(load.get("scheduling") or []) or None,
+    gain, TTFT/ITL p95, goodput, peak GiB and admission; with an open loop, the knee
+    (req/s) and per offered rate any tier recorded (:func:`load_rates`) the achieved rate,
+    TTFT/ITL p95, error rate and refused / timed-out counts."""
+    load = r.t.load or LoadSection()
+    raw: dict[str, Any] = {"load_depth": load.depth,
+                           "load_scheduling": ",".join(load.scheduling) or None,
                            "users_at_slo": _whole(r.v("users_at_slo")),
-                           "load_max_decode_tokens_per_s": finite(load.get("max_decode_tokens_per_s")),
-                           "load_requests_not_admitted": load.get("requests_not_admitted")}
-    pts = {int(p["concurrency"]): p for p in load.get("points") or []}
-    gain = load.get("batching_gain") or {}
+                           "load_max_decode_tokens_per_s": finite(load.max_decode_tokens_per_s),
+                           "load_requests_not_admitted": load.requests_not_admitted}
     for c in load_concurrencies(r.a.tiers):
-        p = pts.get(c) or {}
-        raw.update({f"load_decode_tokens_per_s_c{c}": finite(p.get("decode_tokens_per_s")),
-                    f"load_batching_gain_c{c}": finite(gain.get(str(c))),
-                    f"load_ttft_p95_s_c{c}": finite(get_path(p, "ttft_s", "p95")),
-                    f"load_itl_p95_s_c{c}": finite(get_path(p, "itl_s", "p95")),
-                    f"load_goodput_tokens_per_s_c{c}": finite(p.get("goodput_tokens_per_s")),
-                    f"load_peak_gib_c{c}": _r(finite(p.get("peak_bytes")), GIB),
-                    f"load_admitted_c{c}": p.get("admitted") if p else None})
+        p = load.point(c)
+        pc = p or LoadPoint(concurrency=c)
+        raw.update({f"load_decode_tokens_per_s_c{c}": finite(pc.decode_tokens_per_s),
+                    f"load_batching_gain_c{c}": finite(load.batching_gain.get(str(c))),
+                    f"load_ttft_p95_s_c{c}": finite(pc.ttft_s.p95 if pc.ttft_s else None),
+                    f"load_itl_p95_s_c{c}": finite(pc.itl_s.p95 if pc.itl_s else None),
+                    f"load_goodput_tokens_per_s_c{c}": finite(pc.goodput_tokens_per_s),
+                    f"load_peak_gib_c{c}": _r(finite(pc.peak_bytes), GIB),
+                    f"load_admitted_c{c}": p.admitted if p else None})
+    rates = load_rates(r.a.tiers)
+    if rates:
+        ar = load.arrivals
+        raw["load_knee_rps"] = finite(ar.knee.rate_rps) if ar and ar.knee else None
+        by_rate = {p.rate_rps: p for p in (ar.rate_points if ar else [])}
+        for x in rates:
+            p = by_rate.get(x)
+            k = f"{x:g}"
+            raw.update({f"load_achieved_rps_r{k}": finite(p.achieved_rps) if p else None,
+                        f"load_ttft_p95_s_r{k}": finite(p.ttft_s.p95) if p and p.ttft_s else None,
+                        f"load_itl_p95_s_r{k}": finite(p.itl_s.p95) if p and p.itl_s else None,
+                        f"load_error_rate_r{k}": finite(p.error_rate) if p else None,
+                        f"load_refused_r{k}": p.refused if p else None,
+                        f"load_timed_out_r{k}": p.timed_out if p else None,
+                        f"load_meets_slo_r{k}": p.meets_slo if p else None})
     return "", raw
 
 
@@ -581,49 +598,113 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def load_concurrencies(tiers: dict[str, TierResult]) -> list[int]:
     """Every concurrency any tier's load sweep recorded, ascending."""
-    return sorted({int(p["concurrency"]) for t in tiers.values() for p in get_path(t, "load", "points") or []})
+    return sorted({p.concurrency for t in tiers.values() if t.load is not None for p in t.load.points})
+
+
+def load_rates(tiers: dict[str, TierResult]) -> list[float]:
+    """Every offered rate (req/s) any tier's open loop measured, ascending."""
+    return sorted({p.rate_rps for t in tiers.values() if t.load is not None and t.load.arrivals is not None
+                   for p in t.load.arrivals.rate_points if p.rate_rps})
 
 
 LOAD_HEADERS = ["tier", "scheduling", "streams", "decode tok/s", "gain", "req/s", "TTFT p50/p95/p99 s",
                 "ITL p50/p95/p99 s", "e2e p50/p95 s", "goodput tok/s", "peak GiB", "KV GiB at peak", "SLO"]
 
 
+def _trio(d: Any, keys: tuple[str, ...]) -> str:
+    return "/".join(_f(getattr(d, k, None) if d is not None else None, ".3g") for k in keys)
+
+
 def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
     """Rows of the load table: one per tier and concurrency (``LOAD_HEADERS``); a point not
     admitted shows the reason; a failed sweep one row with its error."""
-    def trio(d: Any, keys: tuple[str, ...]) -> str:
-        return "/".join(_f((d or {}).get(k), ".3g") for k in keys)
-
     rows = []
     for name, t in tiers.items():
-        load = t.load or {}
-        if load.get("error"):
-            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {short_error(load['error'])}"])
+        load = t.load
+        if load is None:
             continue
-        gain = load.get("batching_gain") or {}
-        for p in load.get("points") or []:
-            c = int(p["concurrency"])
-            if not p.get("admitted"):
+        if load.error:
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {short_error(load.error)}"])
+            continue
+        for p in load.points:
+            c = p.concurrency
+            if not p.admitted:
                 rows.append([name, "-", str(c), "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                             f"not admitted ({p.get('requests_not_admitted')} requests): {p.get('reason')}"])
+                             f"not admitted ({p.requests_not_admitted} requests): {p.reason}"])
                 continue
-            rows.append([name, str(p.get("scheduling") or "-"), str(c), _f(p.get("decode_tokens_per_s"), ".3g"),
-                         _f(gain.get(str(c)), ".2f", suffix="x"), _f(p.get("requests_per_s"), ".3g"),
-                         trio(p.get("ttft_s"), ("p50", "p95", "p99")), trio(p.get("itl_s"), ("p50", "p95", "p99")),
-                         trio(p.get("e2e_s"), ("p50", "p95")), _f(p.get("goodput_tokens_per_s"), ".3g"),
-                         _gib(p.get("peak_bytes"), 3), _gib(p.get("kv_bytes_peak"), 4),
-                         "meets" if p.get("meets_slo") else "misses"])
+            rows.append([name, str(p.scheduling or "-"), str(c), _f(p.decode_tokens_per_s, ".3g"),
+                         _f(load.batching_gain.get(str(c)), ".2f", suffix="x"), _f(p.requests_per_s, ".3g"),
+                         _trio(p.ttft_s, ("p50", "p95", "p99")), _trio(p.itl_s, ("p50", "p95", "p99")),
+                         _trio(p.e2e_s, ("p50", "p95")), _f(p.goodput_tokens_per_s, ".3g"),
+                         _gib(p.peak_bytes, 3), _gib(p.kv_bytes_peak, 4),
+                         "meets" if p.meets_slo else "misses"])
     return rows
 
 
 def load_caption(tiers: dict[str, TierResult]) -> str | None:
     """One line saying what the load table measured (depth, tokens, SLO), from the first sweep."""
-    load = next((t.load for t in tiers.values() if (t.load or {}).get("points")), None)
-    if not load:
+    load = next((t.load for t in tiers.values() if t.load is not None and t.load.points), None)
+    if load is None:
         return None
-    slo = load.get("slo") or {}
-    return (f"Closed loop: each stream sends {load.get('requests_per_stream')} requests in turn, each a fresh "
-            f"{load.get('depth')}-token prompt and {load.get('output_tokens')} new tokens; prefill in chunks of "
-            f"{load.get('prefill_chunk')} tokens. SLO: TTFT p95 <= {slo.get('ttft_p95_s')} s and ITL p95 <= "
-            f"{slo.get('itl_p95_s')} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
+    slo = load.slo or LoadSlo()
+    return (f"Closed loop: each stream sends {load.requests_per_stream} requests in turn, each a fresh "
+            f"{load.depth}-token prompt and {load.output_tokens} new tokens; prefill in chunks of "
+            f"{load.prefill_chunk} tokens. SLO: TTFT p95 <= {slo.ttft_p95_s} s and ITL p95 <= "
+            f"{slo.itl_p95_s} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
             "tokens of requests within the SLO / run time (qeval.measure.load).")
+
+
+RATE_HEADERS = ["tier", "point", "offered req/s", "achieved req/s", "TTFT p50/p95/p99 s", "ITL p50/p95/p99 s",
+                "e2e p50/p95/p99 s", "queue wait p50/p95 s", "done/refused/timed out/failed", "error rate",
+                "goodput tok/s", "KV GiB at peak", "SLO"]
+
+
+def _point_label(p: RatePoint) -> str:
+    return f"{p.rate_rps:g} req/s" if p.kind == "rate" and p.rate_rps else p.kind
+
+
+def rate_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the open-loop table (``RATE_HEADERS``): one per tier and measured point, in
+    the order run (a sweep's synchronous and throughput ends first), then one row per tier
+    with its knee and, when the sweep stopped early, why."""
+    rows = []
+    for name, t in tiers.items():
+        ar = t.load.arrivals if t.load is not None else None
+        if ar is None:
+            continue
+        for p in ar.points:
+            if p.reason:
+                rows.append([name, _point_label(p), _f(p.rate_rps, ".3g"), "-", "-", "-", "-", "-",
+                             f"0/0/0/{p.failed}", "-", "-", "-", f"not run: {short_error(p.reason)}"])
+                continue
+            verdict = "-" if p.meets_slo is None else ("meets" if p.meets_slo else "misses")
+            if p.saturated:
+                verdict += ", saturated"
+            rows.append([name, _point_label(p), _f(p.offered_rps, ".3g"), _f(p.achieved_rps, ".3g"),
+                         _trio(p.ttft_s, ("p50", "p95", "p99")), _trio(p.itl_s, ("p50", "p95", "p99")),
+                         _trio(p.e2e_s, ("p50", "p95", "p99")), _trio(p.queue_wait_s, ("p50", "p95")),
+                         f"{p.completed}/{p.refused}/{p.timed_out}/{p.failed}", _f(p.error_rate, ".1%"),
+                         _f(p.goodput_tokens_per_s, ".3g"), _gib(p.kv_bytes_peak, 4), verdict])
+        k = ar.knee
+        if k is not None:
+            knee = f"knee {k.rate_rps:g} req/s" if k.rate_rps is not None else "no knee"
+            rows.append([name, "knee", _f(k.rate_rps, ".3g"), "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"{knee}: {k.note}" + (f"; {ar.stopped}" if ar.stopped else "")])
+    return rows
+
+
+def rate_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the open loop measured (process, queue, SLO), from the first tier with one."""
+    load = next((t.load for t in tiers.values() if t.load is not None and t.load.arrivals is not None), None)
+    if load is None or load.arrivals is None:
+        return None
+    ar, slo = load.arrivals, load.slo or LoadSlo()
+    length = f"{ar.requests_per_point} requests" if ar.requests_per_point else f"{ar.duration_s:g} s of arrivals"
+    err = f" and at most {slo.max_error_rate:.0%} of requests refused, timed out or failed" \
+        if slo.max_error_rate is not None else ""
+    return (f"Open loop: {ar.process} arrivals (seed {ar.seed}), {length} per rate, each a fresh "
+            f"{load.depth}-token prompt and {load.output_tokens} new tokens; {ar.slots} served at once, up to "
+            f"{ar.max_waiting} waiting, dropped after {ar.timeout_s:g} s waiting. SLO: TTFT p95 <= {slo.ttft_p95_s} s, "
+            f"ITL p95 <= {slo.itl_p95_s} s{err}. TTFT counts from the arrival (queue wait in it); achieved = completed "
+            f"/ run time; a point is saturated when achieved < offered x {1 - ar.saturation_share:.2f}; the knee is "
+            "the highest measured rate meeting the SLO (qeval.measure.openloop).")
