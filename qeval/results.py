@@ -558,11 +558,11 @@ class Quality(_Closed):
     noise_floor: bool | None = None
     bf16_matmul: str | None = None   # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     reused: bool | None = None       # the result of an earlier run with the same content key (issue 18)
-    content_key: str | None = None   # that key (qeval.measure.quality.quality_fields); None: not keyable
+    content_key: str | None = None   # that key (qeval.quality_stages.quality_fields); None: not keyable
 
 
 class FloorStage(_StageBase):
-    """``stages/_run.floor.json``: the noise floor (:func:`qeval.measure.quality.noise_floor_pass`):
+    """``stages/_run.floor.json``: the noise floor (:func:`qeval.quality_stages.noise_floor_pass`):
     the reference tier served in ``served_dtype`` scored against the reference computed in
     ``reference_dtype``. ``measured`` False (with ``why``) when the two dtypes are the same."""
     tier: str
@@ -574,7 +574,7 @@ class FloorStage(_StageBase):
     bf16_matmul: str | None = None  # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     seconds: float | None = None
     why: str | None = None
-    reused: bool | None = None  # from an earlier run with the same content key (measure.quality.floor_fields)
+    reused: bool | None = None  # from an earlier run with the same content key (qeval.quality_stages.floor_fields)
 
 
 class NoiseFloorSummary(_Closed):

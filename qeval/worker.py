@@ -34,9 +34,9 @@ from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
-from .measure.quality import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .measure.serving import load_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
+from .quality_stages import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .recipe import Recipe, validation_error
 from .results import RUN_SCOPE, RunLayout, StageError, read_run_info, read_stage, write_stage, write_stage_error
 from .source import model_max_context, resolve_source
@@ -363,7 +363,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
 
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
     """The reference tier answers every suite item in ``quality.reference_dtype``; ids and
-    log-probabilities stored once (see measure/quality.py)."""
+    log-probabilities stored once (:mod:`qeval.quality_stages`)."""
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = reference_context(recipe, tier_context(recipe, run_dir, device))
@@ -372,7 +372,7 @@ def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
 
 def stage_floor(recipe, run_dir: Path, tier: str | None) -> dict:
     """The noise floor: the reference tier as served, scored against the stored reference
-    (:func:`qeval.measure.quality.noise_floor_pass`)."""
+    (:func:`qeval.quality_stages.noise_floor_pass`)."""
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
