@@ -117,8 +117,9 @@ class EngineOptions:
             :func:`qeval.engines.hf.resolve_decode_mode`); other engines have one loop.
         server: for engines that reach a model over HTTP (``openai``): the tier's
             ``endpoint`` or ``serve`` settings, ``log`` (the server log's path),
-            ``tokenizer`` (the source folder), ``check_texts`` (depth prompts as text),
-            ``max_context`` (tokens); None for in-process engines.
+            ``tokenizer`` (the source folder), ``depth_text`` and ``depths`` (the depth
+            prompts whose token counts the engine checks against the server's), ``tokens``
+            (sequence lengths the server must hold); None for in-process engines.
     """
     device: str
     dtype: str = "bfloat16"
