@@ -54,7 +54,8 @@ from .measure.quality import (answer_all, choose_quality_engine, conversations, 
                               load_suites, resolve_reference_dtype, stop_token_ids)
 from .measure.review import ReviewCollector
 from .recipe import stable_suite_dict, stable_tier_dict
-from .results import RUN_SCOPE, ReviewFile, RunLayout, atomic_write_json, read_stage, stage_done
+from .results import (RUN_SCOPE, AnswerRow, ReviewFile, RunLayout, Segment, atomic_write_json, read_floor_review,
+                      read_segments, read_stage, stage_done, write_answers, write_segments)
 from .source import model_max_context
 from .storage import storage_for
 from .tiers import get_method
@@ -157,7 +158,7 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
             mm[s["offset"] + j: s["offset"] + j + len(logp)] = logp.astype(ROUND)
     _flush(mm)
     del mm
-    atomic_write_json(out_dir / "segments.json", segments)
+    write_segments(out_dir / "segments.json", [Segment(**s) for s in segments])
     info = {"segments": len(segments), "answer_tokens": total, "vocab": engine.vocab_size,
             "generate_seconds": gen_s, "stop_ids": stop, "backend": engine.backend}
     lc = recipe_long_context(recipe)
@@ -286,7 +287,7 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
         matmul, backend = _bf16_matmul(engine, recipe, ctx)
         progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference "
                  f"({backend})")
-        segments = json.loads(layout.reference_segments.read_text())
+        segments = [s.model_dump() for s in read_segments(layout)]  # the primitives' segment dicts
         ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
         t0 = time.time()
         review = ReviewCollector()
@@ -493,18 +494,18 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
     matmul, backend = _bf16_matmul(engine, recipe, ctx)
     progress(f"quality on the {which} engine ({backend})")
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
-    segments = json.loads(layout.reference_segments.read_text())
+    segments = [s.model_dump() for s in read_segments(layout)]  # the primitives' segment dicts
     ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
     floor = _floor(run_dir) if tier == recipe.gate.reference else None
     t0 = time.time()
     review = ReviewCollector()
-    floor_review = None
-    if floor is not None and floor.measured and floor.fidelity is not None and layout.floor_review.is_file():
+    floor_review = read_floor_review(layout) if floor is not None and floor.measured and floor.fidelity is not None \
+        else None
+    if floor_review is not None:
         # the reference tier's figures are the noise floor's: the floor stage scored the same
         # engine on the same tokens and kept the review; not scored twice
         progress("fidelity: the noise floor's scoring of this tier (same engine, same tokens)")
         fid = floor.fidelity.model_dump()
-        floor_review = json.loads(layout.floor_review.read_text())
     else:
         fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0
@@ -534,13 +535,14 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
                               layout.lm_eval_tasks(tier), recipe.quality.lm_eval_limit)
     prompts = {(f"{sp.name}/{it.id}", t): (it.system, turn.user)
                for sp, items in load_suites(recipe) for it in items for t, turn in enumerate(it.turns)}
-    atomic_write_json(layout.answers(tier), [
-        {**{k: s[k] for k in ("item", "turn", "text", "finished", "checks", "check_details")},
-         "system": prompts.get((s["item"], s["turn"]), (None, None))[0],
-         "prompt": prompts.get((s["item"], s["turn"]), (None, None))[1]} for s in mine]
-        + [{k: s[k] for k in ("item", "depth", "text", "finished", "checks", "check_details")} for s in lc_mine])
+    write_answers(layout, tier, [
+        AnswerRow(item=s["item"], turn=s["turn"], text=s["text"], finished=s["finished"], checks=s["checks"],
+                  check_details=s["check_details"], system=prompts.get((s["item"], s["turn"]), (None, None))[0],
+                  prompt=prompts.get((s["item"], s["turn"]), (None, None))[1]) for s in mine]
+        + [AnswerRow(item=s["item"], depth=s["depth"], text=s["text"], finished=s["finished"], checks=s["checks"],
+                     check_details=s["check_details"]) for s in lc_mine])
     if floor_review is not None:
-        atomic_write_json(layout.review(tier), ReviewFile.model_validate(floor_review))
+        atomic_write_json(layout.review(tier), floor_review)
     else:
         atomic_write_json(layout.review(tier), ReviewFile(tier=tier, **review.result(
             lambda ids: tok.decode(ids, skip_special_tokens=False),
