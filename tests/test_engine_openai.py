@@ -343,14 +343,17 @@ def test_llama_server_generates_what_llama_cpp_generates_and_serves_load(served,
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_request_is_the_error_with_its_log_tail(served, tmp_path):
+def test_a_server_killed_mid_stage_is_the_error_with_its_log_tail(served, tmp_path):
+    """The server dies between two requests of a stage (killed, then reaped: no timer): the
+    next request is the ServerFailed error naming the signal, with the server log's tail."""
     from qeval.engines.servers import ServerFailed
     eng = _serve(served, tmp_path / "server.log", parallel=1)
     try:
-        threading.Timer(0.3, lambda: os.kill(eng.server.pid, signal.SIGKILL)).start()
+        assert eng.generate(served["ids"][:32], 4, ignore_stop=True).token_ids  # serving
+        os.kill(eng.server.pid, signal.SIGKILL)
+        eng.server.proc.wait(timeout=60)
         with pytest.raises(ServerFailed, match=r"llama-server \(pid \d+\) killed by SIGKILL mid-stage") as e:
-            for _ in range(200):
-                eng.generate(served["ids"][:200], 64, ignore_stop=True)
+            eng.generate(served["ids"][:32], 4, ignore_stop=True)
         assert "server.log" in str(e.value) and e.value.log_tail
     finally:
         eng.close()
