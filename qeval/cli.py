@@ -29,7 +29,7 @@ from . import __version__
 from .bounded import check_output_dir, check_output_file, expand_user, safe_join
 from .analysis.compare import compare_markdown, compare_runs
 from .analysis.floor import check_rules_against_floor, floor_from_run, previous_floor
-from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QevalInputError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, QevalInputError
 from .executors import make_executor
 from .paths import cache_root, staging_dir
 from .pipeline import default_lanes
@@ -265,7 +265,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         where = runner.remote.url_of(runner.remote_rel) if runner.remote is not None else run_dir
         console.print(f"[yellow]interrupted[/]: finished stages are kept; resume with "
                       f"`qeval run {escape(str(recipe))} --resume {escape(str(where))}`", highlight=False)
-        raise typer.Exit(128 + int(_SIGNAL["n"]))  # 130 for Ctrl-C, 143 for SIGTERM
+        raise typer.Exit(_interrupted_exit())
     try:
         code = _decide(run_dir, junit_path)
     except QevalInputError as e:
@@ -484,13 +484,19 @@ def show(run_dir: str = typer.Argument(..., help="a run folder, or its URL under
         _fail(e)
 
 
-#: The signal that stopped the process (SIGINT unless SIGTERM arrived): exit 128 + it.
+#: The signal that stopped the process (SIGINT unless SIGTERM arrived): exit 130 or 143 (_interrupted_exit).
 _SIGNAL = {"n": int(signal.SIGINT)}
 
 
 def _on_term(signum, _frame) -> None:  # CI cancels with SIGTERM: stop like Ctrl-C (stages kept, exit 143)
     _SIGNAL["n"] = int(signum)
     raise KeyboardInterrupt
+
+
+def _interrupted_exit() -> int:
+    """The exit code of an interrupted command: EXIT_TERMINATED (143) after SIGTERM, else
+    EXIT_INTERRUPTED (130, Ctrl-C)."""
+    return EXIT_TERMINATED if _SIGNAL["n"] == int(signal.SIGTERM) else EXIT_INTERRUPTED
 
 
 def _crash_log(exc: BaseException) -> Path | None:
@@ -541,7 +547,7 @@ def main() -> None:
                           highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     except (typer.Abort, KeyboardInterrupt):
-        sys.exit(128 + _SIGNAL["n"])
+        sys.exit(_interrupted_exit())
     except QevalInputError as e:  # pragma: no cover - commands catch their own
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
@@ -554,8 +560,8 @@ def main() -> None:
                       f"{escape(str(log)) if log else 'no log: nothing could be written'}; please report it)",
                       highlight=False, soft_wrap=True)
         sys.exit(EXIT_INTERNAL)
-    if rc == 130:  # typer turns KeyboardInterrupt (also ours, from SIGTERM) into exit 130
-        rc = 128 + _SIGNAL["n"]
+    if rc == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt (also ours, from SIGTERM) into exit 130
+        rc = _interrupted_exit()
     sys.exit(rc if isinstance(rc, int) else 0)
 
 

@@ -19,7 +19,7 @@ each path)::
                                 (an assertion's source), cause, traceback
     logs/<scope>.<stage>.log    each stage's stdout/stderr (the tail goes into a failure)
     logs/<tier>.server.log      a served tier's server (engine openai, serve:): its output, per start
-    reference/segments.json     BF16 reference answers (token ids, texts, checks)
+    reference/segments.json     Segment list: BF16 reference answers (token ids, texts, checks)
     reference/logprobs.npy      their log-probabilities, float16 ``[answer tokens, vocab]``
     reference/long_context.json  with a long_context suite: the reference's answers and checks per
                                 item and depth (prompt digest, where the document ends, offset)
@@ -32,7 +32,8 @@ each path)::
                                 with both sides' top tokens (qeval.measure.review)
     lm_eval_tasks/<tier>/       resolved lm-eval task YAMLs
     table.md, table.csv         the tier table
-    gate.json, report.html      decisions (analysis stage); junit.xml on request
+    gate.json                   GateFile: the gate's verdicts, Pareto front, overload ladder
+    report.html                 the report (analysis stage); junit.xml on request
 
 Tier result (``tiers/<tier>.json``, :class:`TierResult`); every figure may be None when
 not measured::
@@ -567,11 +568,11 @@ class Quality(_Closed):
     noise_floor: bool | None = None
     bf16_matmul: str | None = None   # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     reused: bool | None = None       # the result of an earlier run with the same content key (issue 18)
-    content_key: str | None = None   # that key (qeval.measure.quality.quality_fields); None: not keyable
+    content_key: str | None = None   # that key (qeval.quality_stages.quality_fields); None: not keyable
 
 
 class FloorStage(_StageBase):
-    """``stages/_run.floor.json``: the noise floor (:func:`qeval.measure.quality.noise_floor_pass`):
+    """``stages/_run.floor.json``: the noise floor (:func:`qeval.quality_stages.noise_floor_pass`):
     the reference tier served in ``served_dtype`` scored against the reference computed in
     ``reference_dtype``. ``measured`` False (with ``why``) when the two dtypes are the same."""
     tier: str
@@ -583,7 +584,7 @@ class FloorStage(_StageBase):
     bf16_matmul: str | None = None  # "native" or "float32" as applied (qeval.engines.bf16_matmul)
     seconds: float | None = None
     why: str | None = None
-    reused: bool | None = None  # from an earlier run with the same content key (measure.quality.floor_fields)
+    reused: bool | None = None  # from an earlier run with the same content key (qeval.quality_stages.floor_fields)
 
 
 class NoiseFloorSummary(_Closed):
@@ -673,6 +674,26 @@ class AnswerRow(_Open):
     prompt: str | None = None
 
 
+class Segment(_Closed):
+    """One answered turn of the reference pass in ``reference/segments.json``
+    (:func:`qeval.measure.quality.answer_all`): ``item`` (``<suite>/<id>``), its suite and
+    suite kind, ``turn``; the prompt's and the answer's token ids (the answer ends with the
+    stop token when ``finished``); the answer's text and its check results (None: a check
+    not decided in bounded time) with their one-line reasons; ``offset``, the row of
+    ``reference/logprobs.npy`` holding the distribution of the answer's first token."""
+    item: str
+    suite: str | None = None
+    kind: str | None = None
+    turn: int = 0
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    finished: bool = True
+    text: str = ""
+    checks: list[bool | None] = Field(default_factory=list)
+    check_details: list[str] = Field(default_factory=list)
+    offset: int | None = None
+
+
 class ItemKld(_Closed):
     """KL(P_ref || P_tier) in nats over one answered turn's positions: mean and max."""
     item: str
@@ -701,6 +722,119 @@ class ReviewFile(_Closed):
     tier: str
     items: list[ItemKld] = Field(default_factory=list)
     worst: list[WorstPosition] = Field(default_factory=list)
+
+
+class GateRuleRow(_Closed):
+    """One rule applied to one candidate (:class:`qeval.analysis.gate.RuleResult`): ``value``
+    the candidate's figure as compared and ``threshold`` its bound (numbers in the rule's
+    unit: GiB, tokens/s, shares, nats, streams; None when missing), ``message`` one line."""
+    rule: str
+    passed: bool
+    value: Any = None
+    threshold: Any = None
+    message: str = ""
+
+
+class GateCandidate(_Closed):
+    """A candidate's verdict: its tier status, ``pass``/``fail``, the rules it failed (names),
+    every rule's result and notes (e.g. within the noise floor)."""
+    tier: str
+    status: str | None = None
+    verdict: Literal["pass", "fail"]
+    failed_rules: list[str] = Field(default_factory=list)
+    rules: list[GateRuleRow] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class GateNoiseFloor(_Closed):
+    """The measured noise floor the gate's notes used (:class:`qeval.analysis.floor.NoiseFloor`):
+    mean KLD and its standard error (nats), the tier and dtypes, where it came from, and
+    ``threshold`` = ``factor`` x ``kld_mean`` (a KLD at most that is indistinguishable)."""
+    kld_mean: float
+    kld_se: float | None = None
+    tier: str | None = None
+    served_dtype: str | None = None
+    reference_dtype: str | None = None
+    source: str = "this run"
+    threshold: float
+    factor: float
+
+
+class ParetoRow(_Closed):
+    """One tier's place relative to the Pareto front (:class:`qeval.analysis.pareto.ParetoEntry`):
+    peak bytes and decode tokens/s at the depth, the quality metric's value, users at SLO
+    (streams), and for a dominated tier one front tier dominating it, for a tier not
+    compared the reason."""
+    tier: str
+    status: Literal["front", "dominated", "not_compared"]
+    memory_bytes: float | None = None
+    decode_tokens_per_s: float | None = None
+    quality: float | None = None
+    dominated_by: str | None = None
+    reason: str | None = None
+    users_at_slo: float | None = None
+
+
+class ParetoSection(_Closed):
+    """``gate.json`` ``pareto``: the front at ``depth`` tokens on memory, the speed objective
+    (``decode`` or ``users_at_slo``) and ``quality_metric``; ``front`` the names on it."""
+    depth: int
+    quality_metric: str
+    speed: str = "decode"
+    front: list[str] = Field(default_factory=list)
+    entries: list[ParetoRow] = Field(default_factory=list)
+
+
+class LadderRung(_Closed):
+    """One rung of the overload ladder (:class:`qeval.analysis.ladder.LadderStep`): peak bytes
+    at the gate depth, the quality metric's value, users at SLO (streams) and the best
+    aggregate decode tokens/s of the load sweep; users gained, memory saved (bytes and %)
+    and quality lost (positive = worse) versus the rung above and the first rung."""
+    tier: str
+    peak_bytes: float | None = None
+    quality: float | None = None
+    users_at_slo: float | None = None
+    max_decode_tokens_per_s: float | None = None
+    users_gained_vs_prev: float | None = None
+    users_gained_vs_first: float | None = None
+    saved_vs_prev_bytes: float | None = None
+    saved_vs_prev_pct: float | None = None
+    saved_vs_first_bytes: float | None = None
+    saved_vs_first_pct: float | None = None
+    quality_lost_vs_prev: float | None = None
+    quality_lost_vs_first: float | None = None
+
+
+class LadderSection(_Closed):
+    """``gate.json`` ``ladder`` (:mod:`qeval.analysis.ladder`): rungs ordered by ``basis``
+    (``users_at_slo`` at ``load_depth``, else ``peak_memory`` at ``depth``), and the passing
+    tiers that could not be placed with the reason."""
+    depth: int
+    quality_metric: str
+    basis: str = "peak_memory"
+    load_depth: int | None = None
+    steps: list[LadderRung] = Field(default_factory=list)
+    unplaced: dict[str, str] = Field(default_factory=dict)
+
+
+class GateFile(_Closed):
+    """``gate.json`` (:func:`qeval.report.rebuild_outputs`): the gate's verdict (``passed``,
+    its ``exit_code``: 0 pass, 1 fail), the reference tier, the gate depth (tokens), the
+    rules that were set ``{name: threshold}``, the noise floor used, warnings about the gate
+    itself, one verdict per candidate; the quality metric, Pareto front, overload ladder and
+    ``slow_path`` (``{tier: why its decode is slow}``) beside it."""
+    passed: bool
+    exit_code: int
+    reference: str
+    depth: int
+    rules: dict[str, float] = Field(default_factory=dict)
+    noise_floor: GateNoiseFloor | None = None
+    warnings: list[str] = Field(default_factory=list)
+    candidates: list[GateCandidate] = Field(default_factory=list)
+    quality_metric: str
+    pareto: ParetoSection
+    ladder: LadderSection
+    slow_path: dict[str, str] = Field(default_factory=dict)
 
 
 class Timings(_Closed):
@@ -1115,6 +1249,47 @@ def read_answers(layout: RunLayout, tier: str) -> list[AnswerRow] | None:
     """
     p = layout.answers(tier)
     return _list_of(p, AnswerRow) if p.is_file() else None
+
+
+def write_answers(layout: RunLayout, tier: str, rows: list[AnswerRow]) -> None:
+    """Write ``answers/<tier>.json`` atomically: each row with the fields it was given
+    (a long-context answer has a ``depth`` and no turn or prompt)."""
+    atomic_write_text(layout.answers(tier), json_text([r.model_dump(exclude_unset=True) for r in rows]))
+
+
+def write_segments(path: str | Path, segments: list[Segment]) -> None:
+    """Write a reference pass's ``segments.json`` atomically (built in the artifact cache,
+    linked into the run folder as ``reference/segments.json``)."""
+    atomic_write_text(path, json_text([s.model_dump() for s in segments]))
+
+
+def read_segments(layout: RunLayout) -> list[Segment]:
+    """``reference/segments.json``: the reference pass's answered turns with token ids.
+
+    Raises:
+        QevalInputError: missing, malformed, or a row not fitting :class:`Segment`.
+    """
+    return _list_of(layout.reference_segments, Segment)
+
+
+def read_gate(layout: RunLayout) -> GateFile | None:
+    """``gate.json`` (None when the run has none yet).
+
+    Raises:
+        QevalInputError: malformed, or not fitting :class:`GateFile`.
+    """
+    p = layout.gate_json
+    return read_model(p, GateFile) if p.is_file() else None
+
+
+def read_floor_review(layout: RunLayout) -> ReviewFile | None:
+    """``reference/floor_review.json`` (None when the floor stage kept none).
+
+    Raises:
+        QevalInputError: malformed, or not fitting :class:`ReviewFile`.
+    """
+    p = layout.floor_review
+    return read_model(p, ReviewFile) if p.is_file() else None
 
 
 def read_reference_answers(layout: RunLayout) -> list[AnswerRow] | None:

@@ -358,17 +358,13 @@ def check_endpoints(recipe: Recipe, tokenizer: Path | None) -> None:
     Raises:
         QevalInputError: one line naming the recipe file, the tier's line and field.
     """
-    from .engines.openai import EndpointError, depth_texts, preflight_endpoint  # start-up time: httpx
-    texts: list[str] | None = None
+    from .engines.openai import EndpointError, preflight_endpoint  # start-up time: httpx
     for i, t in enumerate(recipe.tiers):
         if t.endpoint is None or (t.name, tokenizer is not None) in _CHECKED:
             continue
-        if tokenizer is not None and texts is None:
-            from transformers import AutoTokenizer  # start-up time: only endpoint tiers need it here
-            texts = depth_texts(AutoTokenizer.from_pretrained(str(tokenizer)),
-                                recipe.resolve_path(recipe.speed.depth_text), recipe.speed.depths)
         try:
-            preflight_endpoint(t.endpoint, tokenizer=tokenizer, texts=texts or ())
+            preflight_endpoint(t.endpoint, tokenizer=tokenizer, depth_text=recipe.resolve_path(recipe.speed.depth_text),
+                               depths=recipe.speed.depths)
         except EndpointError as e:  # TokenizerMismatch is one
             field = (e.field or "endpoint").split(".")
             raise recipe.error(("tiers", i, *field), e.message) from None

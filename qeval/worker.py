@@ -11,16 +11,23 @@ process), ``load`` (the concurrency sweep, in its own fresh process; engines tha
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
 (:func:`qeval.failures.describe_exception`: type, message, the raising frame and, for an assertion, its
 failed condition) and exits 1. The parent (:mod:`qeval.run`) reads them.
+
+Tests inject faults at named points of a stage (:func:`inject_fault`, environment variables
+never set in normal use): ``start`` (before the stage's work), ``mid`` (its work done, its
+file not yet written) and ``write`` (its file half-written to a temporary sibling that is
+never renamed).
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from pydantic import ValidationError
 
@@ -34,11 +41,12 @@ from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
-from .measure.quality import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .measure.serving import load_sweep, rate_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
+from .quality_stages import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .recipe import Recipe, validation_error
-from .results import RUN_SCOPE, RunLayout, StageError, json_text, read_run_info, read_stage, write_stage, write_stage_error
+from .results import (RUN_SCOPE, RunLayout, StageError, json_text, read_run_info, read_stage, write_stage,
+                      write_stage_error)
 from .source import model_max_context, resolve_source
 from .stages import FRESH_ENV, load_fingerprint
 from .storage import OPTIONS_ENV, publish_source, storage_for
@@ -376,7 +384,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
 
 def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
     """The reference tier answers every suite item in ``quality.reference_dtype``; ids and
-    log-probabilities stored once (see measure/quality.py)."""
+    log-probabilities stored once (:mod:`qeval.quality_stages`)."""
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = reference_context(recipe, tier_context(recipe, run_dir, device))
@@ -385,7 +393,7 @@ def stage_reference(recipe, run_dir: Path, tier: str | None) -> dict:
 
 def stage_floor(recipe, run_dir: Path, tier: str | None) -> dict:
     """The noise floor: the reference tier as served, scored against the stored reference
-    (:func:`qeval.measure.quality.noise_floor_pass`)."""
+    (:func:`qeval.quality_stages.noise_floor_pass`)."""
     device = pick_device(recipe.device)
     pin_threads(recipe.threads)
     ctx = tier_context(recipe, run_dir, device)
@@ -405,6 +413,57 @@ STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "m
           "reference": stage_reference, "floor": stage_floor, "quality": stage_quality}
 
 
+#: The named points of a stage where :func:`inject_fault` may act, in the order they come.
+FAULT_POINTS = ("start", "mid", "write")
+
+
+def _fault_at(spec: str | None, tier: str, stage: str, point: str) -> list[str] | None:
+    """``spec`` (``tier:stage[:point[:extra]]``, point default ``start``) split, when it names this point."""
+    parts = (spec or "").split(":")
+    if len(parts) >= 2 and parts[:2] == [tier, stage] and (parts[2] if len(parts) > 2 and parts[2] else "start") == point:
+        return parts
+    return None
+
+
+def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = None,
+                 text: Callable[[], str] = str) -> None:
+    """Test-only faults at a named point of a stage (:data:`FAULT_POINTS`), from environment
+    variables that are never set in normal use; each value names ``tier:stage[:point]``
+    (``_run`` for run-wide stages; point default ``start``):
+
+    * ``QEVAL_TEST_CRASH``: this stage process aborts (SIGABRT) there: a hard crash of one stage.
+    * ``QEVAL_TEST_KILL_RUN``: SIGKILL to the run (the parent process; this one dies with it,
+      PR_SET_PDEATHSIG): the whole run killed at that moment, as by the OOM killer or ``kill -9``.
+    * ``QEVAL_TEST_SIGNAL_RUN`` (``tier:stage:point:SIGINT`` or ``...:SIGTERM``): that signal to
+      the run (Ctrl-C; a CI cancel), then this process waits for the run to stop it.
+
+    At ``write``, ``text()`` (the stage file's JSON) is first half-written to a temporary sibling
+    of the stage file in ``layout``, as a kill during an atomic write leaves it.
+    """
+    env = os.environ
+    hits = [(name, _fault_at(env.get(name), tier, stage, point))
+            for name in ("QEVAL_TEST_CRASH", "QEVAL_TEST_KILL_RUN", "QEVAL_TEST_SIGNAL_RUN")]
+    hits = [(name, parts) for name, parts in hits if parts]
+    if not hits:
+        return
+    if point == "write" and layout is not None:
+        dst = layout.stage(tier, stage)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        body = text()
+        (dst.parent / f".{dst.name}.fault.tmp").write_text(body[: len(body) // 2])
+    for name, parts in hits:
+        print(f"[qeval] test fault {name} at {tier}:{stage}:{point}", flush=True)
+        if name == "QEVAL_TEST_CRASH":
+            os.abort()
+        if name == "QEVAL_TEST_KILL_RUN":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if name == "QEVAL_TEST_SIGNAL_RUN":
+            os.kill(os.getppid(), signal.Signals[parts[3] if len(parts) > 3 else "SIGINT"])
+            while True:  # the run kills this stage's process group as it stops
+                time.sleep(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``STAGE RUN_DIR [TIER]``; exit 0 ok, 1 exception (recorded), 2 bad input (recorded)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -412,15 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     tier = argv[2] if len(argv) > 2 else RUN_SCOPE
     layout = RunLayout(run_dir)
     recipe, _ = load_recipe_from_run(run_dir)
-    # test-only crash hook (issue 7): QEVAL_TEST_CRASH="tier:stage" aborts hard there
-    if os.environ.get("QEVAL_TEST_CRASH") == f"{tier}:{stage}":
-        os.abort()
+    inject_fault(tier, stage, "start")
     try:
         t0 = time.time()
         out = STAGES[stage](recipe, run_dir, None if tier == RUN_SCOPE else tier)
         out["stage_seconds"] = time.time() - t0
         out["host"] = platform.node()
         out["fingerprint"] = os.environ.get("QEVAL_FINGERPRINT") or None
+        inject_fault(tier, stage, "mid")
+        inject_fault(tier, stage, "write", layout, lambda: json_text(out))
         write_stage(layout, tier, stage, out)
         return 0
     except TierUnavailable as e:  # cannot run here as asked: one line, what to install

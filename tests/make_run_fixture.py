@@ -17,6 +17,14 @@ the ``awq`` tier fail at its prepare stage with the test-only crash hook
 in paths replaced by folders that exist nowhere). Figures are this machine's (speed is
 noise on a shared CPU): tests derive what they expect from the files, never from fixed
 numbers. Takes a few minutes on 2 cores.
+
+``--review`` makes ``tests/fixtures/run_review/`` instead, the run the review tests read
+(tests/test_review.py): the tiny recipe of ``tests/conftest.py`` (its random llama, its two
+tiers and small suites, exactly what the session's ``reference_run`` runs), with the answers,
+reviews and reference segments the report's review section reads (``run.json``,
+``tiers/``, ``answers/``, ``review/``, ``reference/segments.json``)::
+
+    PYTHONPATH=$PWD .venv/bin/python tests/make_run_fixture.py --review
 """
 from __future__ import annotations
 
@@ -31,6 +39,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FIXTURE = HERE / "fixtures" / "run_synthetic"
+REVIEW_FIXTURE = HERE / "fixtures" / "run_review"
+#: What the review fixture keeps of a run folder (relative paths and globs).
+REVIEW_FILES = ("run.json", "tiers/*.json", "answers/*.json", "review/*.json", "reference/segments.json")
 sys.path.insert(0, str(HERE))
 
 TIERS = """  - {name: bf16, method: bf16}
@@ -107,12 +118,55 @@ def make(cache: Path | None, keep: Path | None) -> Path:
     return run_dir
 
 
+def copy_run(run_dir: Path, dst: Path, patterns: tuple[str, ...], work: Path) -> None:
+    """Replace ``dst`` with the files of ``run_dir`` matching ``patterns``, the work and
+    checkout folders in their text replaced by paths that exist nowhere."""
+    shutil.rmtree(dst, ignore_errors=True)
+    for pattern in patterns:
+        for f in sorted(run_dir.glob(pattern)):
+            text = f.read_text().replace(str(work), "/nonexistent/qeval-fixture-work").replace(
+                str(REPO), "/nonexistent/qeval-repo")
+            (dst / f.relative_to(run_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (dst / f.relative_to(run_dir)).write_text(text)
+
+
+def make_review(cache: Path | None, keep: Path | None) -> Path:
+    """Run the conftest tiny recipe (two BF16 tiers, suites) and replace the review fixture
+    with :data:`REVIEW_FILES` of it. Returns the run folder it came from.
+
+    Raises:
+        RuntimeError: the run did not finish with exit 0.
+    """
+    from conftest import GATE, TIERS as TINY_TIERS, build_tiny_llama, run_dir_of, write_recipe
+
+    work = Path(keep or tempfile.mkdtemp(prefix="qeval-fixture-"))
+    model = build_tiny_llama(work / "tiny-llama")
+    recipe = write_recipe(work / "tiny.yaml", model, tiers=TINY_TIERS, extra=GATE)
+    env = dict(os.environ, QEVAL_CACHE=str(cache or work / "cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(work / "results")],
+                       env=env, cwd=REPO, text=True, capture_output=True)
+    print(p.stdout[-3000:])
+    if p.returncode != 0:
+        raise RuntimeError(f"qeval run exited {p.returncode}:\n{p.stderr[-3000:]}")
+    run_dir = run_dir_of(work / "results")
+    copy_run(run_dir, REVIEW_FIXTURE, REVIEW_FILES, work)
+    from qeval.results import RunLayout, load_run, read_answers, read_review, read_segments
+    layout = RunLayout(REVIEW_FIXTURE)
+    _, tiers = load_run(REVIEW_FIXTURE)  # the copy reads back through the typed models
+    for name in tiers:
+        assert read_answers(layout, name) and read_review(layout, name), name
+    print(f"fixture: {REVIEW_FIXTURE} ({len(read_segments(layout))} reference segments) from {run_dir}")
+    return run_dir
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, help="QEVAL_CACHE to use (default: a fresh one in the work folder)")
     ap.add_argument("--work", type=Path, help="keep the model, recipe and run here (default: a temporary folder)")
+    ap.add_argument("--review", action="store_true", help=f"make {REVIEW_FIXTURE.relative_to(REPO)} instead")
     a = ap.parse_args()
-    make(a.cache, a.work)
+    (make_review if a.review else make)(a.cache, a.work)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO, run_dir_of, write_recipe
 
 SECRET = "sk-qeval-test-5f3a9c1e7b"
+DEPTH_TEXT = REPO / "qeval" / "data" / "depth_text.txt"
 
 
 # ---- a fake OpenAI-compatible server ------------------------------------------------------
@@ -187,16 +188,18 @@ def _tok_count(folder):
 
 
 def test_endpoint_checks_name_the_problem_in_one_line(fake, tiny_llama, monkeypatch):
-    from qeval.engines.openai import EndpointError, TokenizerMismatch, preflight_endpoint
+    from transformers import AutoTokenizer
+    from qeval.engines.openai import EndpointError, TokenizerMismatch, depth_texts, preflight_endpoint
     from qeval.engines.servers import EndpointSpec, free_port
     count = _tok_count(tiny_llama)
     good = fake(key=SECRET, count=count)
     monkeypatch.setenv("QEVAL_TEST_KEY", SECRET)
     spec = EndpointSpec(url=good.url, api_key_env="QEVAL_TEST_KEY")
-    ok = preflight_endpoint(spec, tokenizer=tiny_llama, texts=["one two three", "a longer text of words " * 20])
+    ok = preflight_endpoint(spec, tokenizer=tiny_llama, depth_text=DEPTH_TEXT, depths=[8, 64])
     assert ok["model"] == "fake-model" and ok["dialect"] == "llama.cpp"
-    assert [c["server_tokens"] for c in ok["tokenizer_check"]] == [count("one two three"),
-                                                                  count("a longer text of words " * 20)]
+    texts = depth_texts(AutoTokenizer.from_pretrained(str(tiny_llama)), DEPTH_TEXT, [8, 64])
+    assert [c["server_tokens"] for c in ok["tokenizer_check"]] == [count(t) for t in texts]
+    assert [r["prompt"] for r in good.requests[-2:]] == texts  # the depth prompts, as text
     monkeypatch.setenv("QEVAL_TEST_KEY", "wrong")
     with pytest.raises(EndpointError, match="refused the API key .HTTP 401") as e:
         preflight_endpoint(spec)
@@ -209,8 +212,8 @@ def test_endpoint_checks_name_the_problem_in_one_line(fake, tiny_llama, monkeypa
     assert "\n" not in str(e.value)
     other = fake(count=lambda text: count(text) + 1)
     with pytest.raises(TokenizerMismatch, match=r"counts (\d+) prompt tokens where the source tokenizer counts") as e:
-        preflight_endpoint(EndpointSpec(url=other.url), tokenizer=tiny_llama, texts=["one two three"])
-    n = count("one two three")
+        preflight_endpoint(EndpointSpec(url=other.url), tokenizer=tiny_llama, depth_text=DEPTH_TEXT, depths=[8])
+    n = count(texts[0])
     assert f"counts {n + 1} prompt tokens where the source tokenizer counts {n} " in str(e.value)
 
 
@@ -304,7 +307,7 @@ def _serve(tiny, log, parallel=2, tier="t1"):
     from qeval.engines.openai import OpenAIEngine
     return OpenAIEngine.open("gguf", tiny["f16"], _options(
         serve={"server": "llama-server", "parallel": parallel, "ctx_size": 1024}, log=str(log), tier=tier,
-        tokenizer=str(tiny["src"]), check_texts=[tiny["tok"].decode(tiny["ids"][:40])]))
+        tokenizer=str(tiny["src"]), depth_text=str(DEPTH_TEXT), depths=[40]))
 
 
 def _slot_tokens(eng) -> list[int]:
@@ -400,14 +403,17 @@ def test_llama_server_generates_what_llama_cpp_generates_and_serves_load(served,
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_request_is_the_error_with_its_log_tail(served, tmp_path):
+def test_a_server_killed_mid_stage_is_the_error_with_its_log_tail(served, tmp_path):
+    """The server dies between two requests of a stage (killed, then reaped: no timer): the
+    next request is the ServerFailed error naming the signal, with the server log's tail."""
     from qeval.engines.servers import ServerFailed
     eng = _serve(served, tmp_path / "server.log", parallel=1)
     try:
-        threading.Timer(0.3, lambda: os.kill(eng.server.pid, signal.SIGKILL)).start()
+        assert eng.generate(served["ids"][:32], 4, ignore_stop=True).token_ids  # serving
+        os.kill(eng.server.pid, signal.SIGKILL)
+        eng.server.proc.wait(timeout=60)
         with pytest.raises(ServerFailed, match=r"llama-server \(pid \d+\) killed by SIGKILL mid-stage") as e:
-            for _ in range(200):
-                eng.generate(served["ids"][:200], 64, ignore_stop=True)
+            eng.generate(served["ids"][:32], 4, ignore_stop=True)
         assert "server.log" in str(e.value) and e.value.log_tail
     finally:
         eng.close()

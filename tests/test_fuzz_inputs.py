@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from qeval.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_RUN = REPO / "tests" / "fixtures" / "run_synthetic"
-PER_EXAMPLE_S = 10.0
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
@@ -77,12 +75,9 @@ def _dump_yaml(obj: Any) -> str:
 
 
 def _invoke(args: list[str], allowed: tuple[int, ...]) -> None:
-    t0 = time.monotonic()
     res = CliRunner().invoke(app, args)
-    elapsed = time.monotonic() - t0
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         raise res.exception  # a traceback: the property fails here, with hypothesis's minimal example
-    assert elapsed < PER_EXAMPLE_S, elapsed
     assert res.exit_code in allowed, (res.exit_code, res.output[-2000:])
     assert "Traceback" not in res.output
     if res.exit_code == 2:

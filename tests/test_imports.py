@@ -1,5 +1,6 @@
 """qeval's import graph has no cycle: module-level imports only (function-level ones are
-for optional dependencies or start-up time), read with ``ast`` from every file under qeval/."""
+for optional dependencies or start-up time), read with ``ast`` from every file under qeval/;
+and every import, function-level ones too, points down the layers (:data:`LAYERS`)."""
 from __future__ import annotations
 
 import ast
@@ -119,3 +120,98 @@ def test_function_level_imports_say_why():
                         if "# optional" not in line and "# start-up time" not in line:
                             bare.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {line.strip()}")
     assert bare == []
+
+
+# ---- layers ------------------------------------------------------------------------------
+#: qeval's layers, top first: a module may import its own layer and the layers below it, never
+#: one above. A module belongs to the layer of its longest matching prefix (a package name
+#: covers its modules); every module must have one, so a new module is placed on purpose.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cli", ("qeval.cli",)),
+    ("stages", ("qeval.run", "qeval.executors", "qeval.pipeline", "qeval.stages", "qeval.worker",
+                "qeval.quality_stages", "qeval.progress", "qeval.validate")),
+    ("report", ("qeval.report",)),
+    ("analysis", ("qeval.analysis",)),
+    ("recipe", ("qeval.recipe", "qeval.source")),
+    ("tiers", ("qeval.tiers",)),
+    ("engines", ("qeval.engines",)),
+    ("measure", ("qeval.measure",)),
+    ("results", ("qeval.results", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
+    ("base", ("qeval.errors", "qeval.bounded", "qeval.hashing", "qeval.paths", "qeval.plugins", "qeval.osutil",
+              "qeval.failures", "qeval.model_config", "qeval.weight_formats", "qeval.calibration", "qeval.data")),
+)
+
+#: Imports allowed to point up the layers, ``(importer, imported)``, each with the reason. None
+#: today: the quality stage drivers moved from measure/ to the stage layer (quality_stages.py).
+UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def layer_of(module: str) -> int | None:
+    """Index in :data:`LAYERS` (0 = top) of ``module``'s longest matching prefix; the
+    package ``qeval`` itself (its ``__version__``) is a base module. None: not placed."""
+    if module == "qeval":
+        return len(LAYERS) - 1
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return best[0] if best else None
+
+
+def all_imports() -> dict[str, set[str]]:
+    """``{module: qeval modules it imports anywhere}``: module level (``import_graph``) plus
+    every import inside a function (``TYPE_CHECKING`` blocks left out)."""
+    graph = import_graph()
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                targets = []
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    mod = node.module or ""
+                    if node.level:
+                        base = name if is_pkg else name.rpartition(".")[0]
+                        for _ in range(node.level - 1):
+                            base = base.rpartition(".")[0]
+                        mod = f"{base}.{mod}" if mod else base
+                    targets = [f"{mod}.{a.name}" for a in node.names]
+                for t in targets:
+                    while t and t not in modules:  # "from .x import name": name may be an attribute
+                        t = t.rpartition(".")[0]
+                    if t and t != name and t.startswith("qeval"):
+                        graph[name].add(t)
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"importer -> imported"`` for every import from a layer to one above it."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if layer_of(m) is not None and layer_of(d) is not None and layer_of(d) < layer_of(m)
+                  and (m, d) not in UPWARD_EXCEPTIONS)
+
+
+def test_every_module_has_a_layer():
+    assert sorted(m for m in import_graph() if layer_of(m) is None) == []
+
+
+def test_finds_an_upward_import():
+    g = {"qeval.measure.quality": {"qeval.tiers", "qeval.results"}, "qeval.tiers": {"qeval.engines"}}
+    assert upward_imports(g) == ["qeval.measure.quality -> qeval.tiers"]
+    assert layer_of("qeval.engines.openai") == layer_of("qeval.engines") > layer_of("qeval.tiers.gguf")
+    assert layer_of("qeval.stages") != layer_of("qeval.measure")  # a prefix is a whole name part
+
+
+def test_imports_point_down_the_layers():
+    """recipe -> tiers -> engines -> measure -> results (and the layers above and below
+    them, :data:`LAYERS`): no import, at module or function level, points up, bar the
+    named :data:`UPWARD_EXCEPTIONS`."""
+    graph = all_imports()
+    assert "qeval.measure.speed" in graph["qeval.engines.openai"]  # function-level imports are read
+    assert upward_imports(graph) == []
+    assert [e for e in UPWARD_EXCEPTIONS if e[1] not in graph.get(e[0], ())] == []  # each exception still used

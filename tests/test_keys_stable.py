@@ -48,7 +48,7 @@ def pinned(monkeypatch):
     import importlib.metadata
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
     import qeval.engines.gguf_convert as gc
-    import qeval.measure.quality as q
+    import qeval.quality_stages as q
     for mod in (gc, q):  # modules that bound importlib.metadata.version at import
         monkeypatch.setattr(mod, "version", lambda name: "1.0")
 
@@ -75,7 +75,7 @@ def test_artifact_keys_are_unchanged(pinned, monkeypatch):
 
 
 def test_reference_key_is_unchanged(pinned, monkeypatch):
-    from qeval.measure.quality import reference_fields
+    from qeval.quality_stages import reference_fields
     monkeypatch.chdir(REPO)  # the suite paths are relative to the repository
     r = parse_recipe(RECIPE)
     from qeval.engines import bf16_matmul
@@ -86,7 +86,7 @@ def test_reference_key_is_unchanged(pinned, monkeypatch):
     monkeypatch.setattr(bf16_matmul, "cpu_has_fast_bf16", lambda: False)
     assert artifact_key(reference_fields(r, _ctx())) != REFERENCE_KEY
     # a reference computed in float32 (quality.reference_dtype, CPU default) is another pass
-    from qeval.measure.quality import reference_context
+    from qeval.quality_stages import reference_context
     assert artifact_key(reference_fields(r, reference_context(r, _ctx()))) != REFERENCE_KEY
 
 

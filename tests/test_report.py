@@ -18,7 +18,7 @@ from qeval.analysis import analyse_run, evaluate_gate
 from qeval.report import (default_budget_bytes, junit_xml, rebuild_outputs, slow_path_flags,
                           write_junit, write_report, write_tables)
 from qeval.report import plots
-from qeval.results import RunInfo, RunLayout, TierResult, load_run, read_tier_result, write_tier_result
+from qeval.results import RunInfo, RunLayout, TierResult, load_run, read_gate, read_tier_result, write_tier_result
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"  # a real tiny run: tests/make_run_fixture.py
 TIERS = ["bf16", "bf16-kv8", "int8", "gptq", "awq", "q4_k_m", "q4_k_m-kv8"]
@@ -148,6 +148,24 @@ def test_gate_json(built, analysis):
     assert g["pareto"]["front"] == a.pareto.front and "bf16" in a.pareto.front
     steps = [s["tier"] for s in g["ladder"]["steps"]]
     assert steps == a.ladder.order and steps[0] == max(steps, key=lambda n: a.tiers[n].memory.peak_bytes["48"])
+    # the file reads back through its model, as written
+    typed = read_gate(RunLayout(d))
+    assert typed == out.gate_file and typed.candidates[0].rules[0].rule == "status"
+    assert [r.tier for r in typed.ladder.steps] == steps
+
+
+def test_gate_json_is_validated_on_read(built, tmp_path):
+    """A gate.json with a key the model does not declare is bad input naming the file and field."""
+    from qeval.errors import QevalInputError
+    d, out = built
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    g = json.loads((bad / "gate.json").read_text())
+    g["ladder"]["stepz"] = g["ladder"].pop("steps")
+    (bad / "gate.json").write_text(json.dumps(g))
+    with pytest.raises(QevalInputError, match="gate.json") as e:
+        read_gate(RunLayout(bad))
+    assert e.value.field == "ladder.stepz"
 
 
 def test_junit_from_run(built, analysis):

@@ -1,11 +1,12 @@
 """Whole runs on the tiny random llama, through the CLI in a subprocess: outputs, per-tier
-isolation (a hard crash), SIGKILL at random moments with --resume, Ctrl-C."""
+isolation (a hard crash), the run killed (SIGKILL) at named stage points then --resume,
+Ctrl-C and SIGTERM. Faults come from the worker's test hooks (qeval.worker.inject_fault) at
+named points, never from timers: each test runs the same way every time."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -131,41 +132,37 @@ def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
     assert "failed" in (run_dir / "table.md").read_text()
 
 
-@pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_matches(reference_run, tmp_path):
+#: Where the resume test kills the whole run (``tier:stage:point``, qeval.worker.FAULT_POINTS),
+#: one kill per attempt, in the local executor's order (source, env, reference, floor, then
+#: each tier's prepare, measure, load, quality), so each kill comes at a stage the earlier
+#: attempts did not finish: stages with their work done, half-written, or not yet begun.
+KILL_POINTS = ("_run:env:mid", "_run:reference:mid", "_run:floor:write", "bf16:measure:write",
+               "bf16-kv8:load:start", "bf16-kv8:quality:write")
+
+
+def test_a_run_killed_at_named_points_resumes_to_the_same_results(reference_run, tmp_path):
     recipe, ref_dir, _ = reference_run
     base = tmp_path / "results"
-    env = _env(tmp_path / "cache")
-    rng = random.Random(1234)
-    kills = 0
     finished_hashes: dict[str, str] = {}
     run_dir = None
-    for attempt in range(40):
-        if run_dir is None or not (run_dir / "run.json").exists():
-            if run_dir is not None:
-                import shutil
-                shutil.rmtree(run_dir)
-            p = _qeval("run", recipe, "--out", base, env=env)
-        else:
-            p = _qeval("run", recipe, "--resume", run_dir, env=env)
-        if kills < 10:
-            time.sleep(rng.uniform(0.3, 7.0))
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                kills += 1
-        p.communicate(timeout=600)
+    for point in (*KILL_POINTS, None):
+        env = _env(tmp_path / "cache", **({"QEVAL_TEST_KILL_RUN": point} if point else {}))
+        resume = run_dir is not None and (run_dir / "run.json").exists()
+        p = _qeval("run", recipe, *(("--resume", run_dir) if resume else ("--out", base)), env=env)
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == (-signal.SIGKILL if point else 0), (point, err[-2000:])
         run_dir = _run_dir(base)
-        if run_dir is None:
-            continue
+        assert run_dir is not None and (run_dir / "run.json").is_file()
         hashes = _load_all_json(run_dir)  # every JSON parses after a kill: no corrupt file
         # a finished stage is never redone: its file stays byte-identical
         for k, h in finished_hashes.items():
-            assert hashes.get(k) == h, f"{k} changed after it was finished"
+            assert hashes.get(k) == h, f"{k} changed after it was finished (killed at {point})"
+        if point:
+            tier, stage, _ = point.split(":")
+            assert f"stages/{tier}.{stage}.json" not in hashes, point  # killed before its file was written
+            if point.endswith(":write"):  # the half-written temporary file is no stage file
+                assert (run_dir / "stages" / f".{tier}.{stage}.json.fault.tmp").is_file()
         finished_hashes.update({k: h for k, h in hashes.items() if k.startswith("stages/") and ".error" not in k})
-        if kills >= 10 and p.returncode == 0:
-            break
-    assert kills >= 10
-    assert p.returncode == 0
     for tier in ("bf16", "bf16-kv8"):
         got = json.loads((run_dir / "tiers" / f"{tier}.json").read_text())
         want = json.loads((ref_dir / "tiers" / f"{tier}.json").read_text())

@@ -1,6 +1,6 @@
 """The noise floor: how far the reference tier as served sits from the reference itself.
 
-Every run with suites measures it (stage ``floor``, :func:`qeval.measure.quality.noise_floor_pass`):
+Every run with suites measures it (stage ``floor``, :func:`qeval.quality_stages.noise_floor_pass`):
 the reference tier served in the model dtype (BF16), teacher-forced on the reference's
 own tokens and scored against the reference pass, which computes in
 ``quality.reference_dtype`` (float32 on CPU by default). The same weights differ only

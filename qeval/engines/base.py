@@ -1,11 +1,16 @@
-"""The Engine interface: score, generate, memory (kept as small as lm-evaluation-harness's
-model interface). Implementations: :mod:`qeval.engines.hf` (transformers) and
-:mod:`qeval.engines.llamacpp` (llama-cpp-python), found by :mod:`qeval.engines`.
+"""The Engine interface (:class:`Engine`: eight methods, thirteen attributes; kept small as
+lm-evaluation-harness keeps its model interface): open and warm, score, generate, attention
+path, KV bytes, memory, close. Implementations: :mod:`qeval.engines.hf` (transformers),
+:mod:`qeval.engines.llamacpp` (llama-cpp-python) and :mod:`qeval.engines.openai` (an
+OpenAI-compatible server), found by :mod:`qeval.engines`.
 
 Every engine takes and returns token ids from the source model's Hugging Face tokenizer,
 so every tier scores the very same tokens. An engine says what it can do in
 :class:`Capabilities` and which artifact formats it opens (``formats``, :meth:`Engine.open`);
-callers read those instead of probing engine names or attributes.
+callers read those instead of probing engine names or attributes. Four optional members
+are looked up with ``getattr``: ``prepare_decode`` and ``decode_again``
+(:func:`qeval.measure.speed.speed_sweep`), ``score_topk`` (below) and ``model``
+(:mod:`qeval.engines.bf16_matmul`).
 """
 from __future__ import annotations
 
@@ -112,8 +117,9 @@ class EngineOptions:
             :func:`qeval.engines.hf.resolve_decode_mode`); other engines have one loop.
         server: for engines that reach a model over HTTP (``openai``): the tier's
             ``endpoint`` or ``serve`` settings, ``log`` (the server log's path),
-            ``tokenizer`` (the source folder), ``check_texts`` (depth prompts as text),
-            ``max_context`` (tokens); None for in-process engines.
+            ``tokenizer`` (the source folder), ``depth_text`` and ``depths`` (the depth
+            prompts whose token counts the engine checks against the server's), ``tokens``
+            (sequence lengths the server must hold); None for in-process engines.
     """
     device: str
     dtype: str = "bfloat16"
@@ -147,6 +153,8 @@ class Engine(Protocol):
         score_topk: optional; k when :meth:`iter_logprobs` rows hold only a server's top-k
             (the fidelity KLD is then the top-k estimate, :mod:`qeval.measure.fidelity`);
             absent or None: the full vocabulary.
+        last_cache_bytes: bytes of the KV cache the last :meth:`generate` filled
+            (:attr:`Capabilities.kv_bytes`).
         last_cache_allocated_bytes: see :attr:`Capabilities.kv_bytes` (bytes; None: as held).
     """
     name: ClassVar[str]
@@ -160,6 +168,7 @@ class Engine(Protocol):
     decode_note: str | None
     sampling: dict | None
     kv_requant_period: int | None
+    last_cache_bytes: int | None
     last_cache_allocated_bytes: int | None
 
     @classmethod

@@ -274,12 +274,13 @@ class OpenAIEngine:
         if (endpoint is None) == (serve is None):
             raise ValueError("the openai engine needs exactly one of endpoint: and serve:")
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
-                   tokenizer=s.get("tokenizer"), check_texts=s.get("check_texts") or (),
+                   tokenizer=s.get("tokenizer"), depth_text=s.get("depth_text"), depths=s.get("depths") or (),
                    tokens=s.get("tokens") or {}, tier=s.get("tier"))
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
                  serve: ServeOptions | None, log_path: str | None, tokenizer: str | None,
-                 check_texts: Sequence[str] = (), tokens: dict | None = None, tier: str | None = None) -> None:
+                 depth_text: str | Path | None = None, depths: Sequence[int] = (),
+                 tokens: dict | None = None, tier: str | None = None) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         self.server: ManagedServer | None = None
         self.kind: Any = None
@@ -313,8 +314,9 @@ class OpenAIEngine:
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
             self.vocab_size = len(self.tok) if self.tok is not None else 0
             try:
-                self.tokenizer_check = check_tokenizer(self.client, self.tok, check_texts) if self.tok else []
-                if self.server is not None and check_texts:  # the check's long prompts leave the pool
+                texts = depth_texts(self.tok, depth_text, depths) if self.tok is not None and depth_text else []
+                self.tokenizer_check = check_tokenizer(self.client, self.tok, texts) if self.tok else []
+                if self.server is not None and texts:  # the check's long prompts leave the pool
                     self.clear_kv_pool("the tokenizer check")
             except Exception as e:  # noqa: BLE001 - a server dying here is the reason
                 self._alive(e)
@@ -693,9 +695,10 @@ def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list
 
 
 def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = None,
-                       texts: Sequence[str] = ()) -> dict:
+                       depth_text: str | Path | None = None, depths: Sequence[int] = ()) -> dict:
     """Before any stage: the endpoint answers ``/v1/models`` with the key and, given the
-    source tokenizer, counts the depth prompts' tokens as it does.
+    source tokenizer, counts the depth prompts' tokens as it does (the prompts of
+    ``depths`` tokens cut from ``depth_text``, :func:`depth_texts`).
 
     Returns:
         ``{"model", "dialect", "tokenizer_check"}``.
@@ -711,7 +714,8 @@ def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = Non
         client.post("/v1/completions", client.body("Hello", 1, stream=False, logprobs=0))  # the key, on a route that needs it
         if tokenizer is not None:
             from transformers import AutoTokenizer  # start-up time: only endpoint tiers check a tokenizer here
-            checked = check_tokenizer(client, AutoTokenizer.from_pretrained(str(tokenizer)), texts)
+            tok = AutoTokenizer.from_pretrained(str(tokenizer))
+            checked = check_tokenizer(client, tok, depth_texts(tok, depth_text, depths) if depth_text else [])
         return {"model": client.model, "dialect": client.dialect, "tokenizer_check": checked}
     finally:
         client.close()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.gate import GateReport
-from ..results import RunLayout, json_text, write_all
+from ..results import GateFile, RunLayout, json_text, write_all
 from .html import (DEFAULT_BUDGET_BYTES, DEFAULT_USERS, _analyse, _tables_text, default_budget_bytes, render_report,
                    slow_path_flags, write_report, write_tables)
 from .table import COLUMNS, SlowPath, TierTable, markdown_table, tier_table
@@ -21,13 +21,14 @@ __all__ = ["COLUMNS", "DEFAULT_BUDGET_BYTES", "DEFAULT_USERS", "Outputs", "SlowP
 
 @dataclass
 class Outputs:
-    """What :func:`rebuild_outputs` wrote, and the gate verdict behind it."""
+    """What :func:`rebuild_outputs` wrote, the gate verdict behind it and ``gate.json`` as written."""
     table_md: Path
     table_csv: Path
     gate_json: Path
     report_html: Path
     junit_xml: Path | None
     gate: GateReport
+    gate_file: GateFile
 
     def exit_code(self) -> int:
         """0 when every gate candidate passes, 1 otherwise."""
@@ -60,17 +61,15 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
     run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
     md, csv_text = _tables_text(a, slow)
-    gate_doc = a.gate.to_dict()
-    gate_doc["quality_metric"] = a.quality_metric
-    gate_doc["pareto"] = a.pareto.to_dict()
-    gate_doc["ladder"] = a.ladder.to_dict()
-    gate_doc["slow_path"] = {n: s.text for n, s in slow.items()}
+    gate_file = GateFile.model_validate({**a.gate.to_dict(), "quality_metric": a.quality_metric,
+                                         "pareto": a.pareto.to_dict(), "ladder": a.ladder.to_dict(),
+                                         "slow_path": {n: s.text for n, s in slow.items()}})
     reviews = run_reviews(layout.root, list(a.tiers), a.reference)
-    files = {layout.table_md: md, layout.table_csv: csv_text, layout.gate_json: json_text(gate_doc),
+    files = {layout.table_md: md, layout.table_csv: csv_text, layout.gate_json: json_text(gate_file),
              layout.report_html: render_report(run, a, spec, reviews=reviews)}
     jpath = None
     if junit:
         jpath = layout.junit_xml if junit is True else Path(junit)
         files[jpath] = junit_xml(a.gate, offenders=gate_offenders(a.gate, reviews))
     write_all(files)  # all or none: a failure while rendering or writing leaves every old output as it was
-    return Outputs(layout.table_md, layout.table_csv, layout.gate_json, layout.report_html, jpath, a.gate)
+    return Outputs(layout.table_md, layout.table_csv, layout.gate_json, layout.report_html, jpath, a.gate, gate_file)

@@ -2,7 +2,6 @@
 and the capacity functions, returning text for the terminal."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..analysis.capacity import format_gib, parse_bandwidth, parse_size
@@ -40,23 +39,21 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
         lines += [f"       note: {n}" for n in c.notes]
-    gate_doc = json.loads(outs.gate_json.read_text())
-    lad = gate_doc.get("ladder") or {}
-    steps = lad.get("steps") or []
-    if steps:
-        by_users = lad.get("basis") == "users_at_slo"
-        lines.append(f"overload ladder (users at SLO at depth {lad.get('load_depth') or '-'}, fewest first):"
+    gate_file = outs.gate_file  # gate.json as written (qeval.results.GateFile)
+    lad = gate_file.ladder
+    if lad.steps:
+        by_users = lad.basis == "users_at_slo"
+        lines.append(f"overload ladder (users at SLO at depth {lad.load_depth or '-'}, fewest first):"
                      if by_users else "fallback ladder (most to least memory):")
-        for i, s in enumerate(steps):
-            q = s.get("quality")
-            saved = s.get("saved_vs_first_pct")
-            lines.append(f"  {i + 1}. {s['tier']:<18}"
-                         + (f" users {s['users_at_slo']:g} ({s['users_gained_vs_first']:+g} vs first) "
+        for i, s in enumerate(lad.steps):
+            q, saved = s.quality, s.saved_vs_first_pct
+            lines.append(f"  {i + 1}. {s.tier:<18}"
+                         + (f" users {s.users_at_slo:g} ({s.users_gained_vs_first:+g} vs first) "
                             if by_users else "")
-                         + f" peak {format_gib(s['peak_bytes'])}"
-                         + (f"  saved {saved:.0f}% vs first" if isinstance(saved, (int, float)) else "")
-                         + (f"  quality {q:.4g}" if isinstance(q, (int, float)) else ""))
-    for name, text in (gate_doc.get("slow_path") or {}).items():
+                         + f" peak {format_gib(s.peak_bytes)}"
+                         + (f"  saved {saved:.0f}% vs first" if saved is not None else "")
+                         + (f"  quality {q:.4g}" if q is not None else ""))
+    for name, text in gate_file.slow_path.items():
         lines.append(f"  slow path: {name}: {text}")
     lines.append(f"report: {outs.report_html}")
     if outs.junit_xml:

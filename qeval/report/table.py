@@ -236,9 +236,10 @@ def _pareto(r: Row) -> Cell:
 
 
 def eager_gpu_decode(t: TierResult) -> bool:
-    """True for a transformers tier whose decode figures were measured eagerly on CUDA
-    (launch-bound there: the table marks them "eager")."""
-    return t.device == "cuda" and t.engine == "hf" and t.decode_mode == "eager"
+    """True for a tier whose decode figures were measured eagerly on CUDA (a transformers
+    tier's ``decode_mode``; engines with one decode loop record None): launch-bound there,
+    the table marks them "eager"."""
+    return t.device == "cuda" and t.decode_mode == "eager"
 
 
 def _decode(r: Row, d: int) -> Cell:

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..bounded import checked_name
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
-from ..engines.openai import depth_texts
 from ..engines.servers import EndpointSpec, ServeSpec
 from ..results import RunLayout
 from ..weight_formats import Dense
@@ -280,18 +279,16 @@ class TierMethod:
 def server_options(spec: Any, ctx: TierContext) -> dict | None:
     """:attr:`EngineOptions.server` of a tier with ``endpoint:`` or ``serve:`` (None
     otherwise): its settings, the server log ``logs/<tier>.server.log`` of the run folder,
-    the source tokenizer, the depth prompts as text (the token-count check) and the
-    sequence lengths its server must hold (:attr:`TierContext.served_tokens`)."""
+    the source tokenizer, the depth text and depths (the engine checks the server's token
+    counts on those prompts with its own tokenizer) and the sequence lengths its server must
+    hold (:attr:`TierContext.served_tokens`)."""
     if getattr(spec, "endpoint", None) is None and getattr(spec, "serve", None) is None:
         return None
-    texts: list[str] = []
-    if ctx.depth_text and ctx.depths:
-        from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
-        texts = depth_texts(AutoTokenizer.from_pretrained(ctx.source_path), ctx.depth_text, ctx.depths)
     log = str(RunLayout(ctx.run_dir).log(spec.name, "server")) if ctx.run_dir else None
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
             "serve": spec.serve.model_dump() if spec.serve else None, "tier": spec.name,
-            "log": log, "tokenizer": ctx.source_path, "check_texts": texts, "tokens": dict(ctx.served_tokens)}
+            "log": log, "tokenizer": ctx.source_path, "depth_text": ctx.depth_text, "depths": list(ctx.depths),
+            "tokens": dict(ctx.served_tokens)}
 
 
 #: Bytes per element of the safetensors dtypes (the format's own names).
