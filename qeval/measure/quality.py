@@ -48,6 +48,7 @@ from ..source import model_max_context
 from ..storage import storage_for
 from ..tiers import get_method
 from .behaviour import summarise_behaviour
+from .output_length import summarise_output_length
 from .fidelity import ROUND, FidelityAccumulator
 from .lmeval import run_lm_eval
 from .review import ReviewCollector
@@ -756,6 +757,8 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         mine = answer_all(engine, tok, stop, load_suites(recipe), recipe.quality.batch_size, progress,
                           limit_items=True)
     beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
+    out_len = summarise_output_length(mine, ref_by_key,
+                                      lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
     beh_s = time.time() - t0
     long_context, lc_mine = long_context_quality(engine, tok, recipe, layout, stop, tier == recipe.gate.reference,
                                                  progress)
@@ -781,5 +784,6 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
                         "behaviour": beh,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
                         "long_context": long_context,
+                        "output_length": out_len,
                         "reference_dtype": resolve_reference_dtype(recipe, ctx.device),
                         "noise_floor": bool(tier == recipe.gate.reference and floor is not None and floor.measured)}}
