@@ -90,3 +90,26 @@ def test_llamacpp_long_prompt_steps_per_chunk_size(tiny):
             serve_with_long_prompt(eng, streams, long, chunk_size=0)
     finally:
         eng.close()
+
+
+# ---- the recipe fields -------------------------------------------------------------------
+
+_RECIPE = "name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}]\nspeed: {depths: [64, 128]}\n"
+
+
+def test_recipe_interference_fields():
+    from qeval.errors import QevalInputError
+    from qeval.recipe import check_context, parse_recipe
+    r = parse_recipe(_RECIPE + "load:\n  interference: {prompt_tokens: 512, chunk_sizes: [128, 32]}\n")
+    assert r.load.interference.prompt_tokens == 512 and r.load.interference.chunk_sizes == [32, 128]
+    assert parse_recipe(_RECIPE).load.interference is None
+    bad = {"chunk_sizes: [64, 0]": r"r\.yaml:8: load\.interference\.chunk_sizes\[1\]: Input should be greater than 0",
+           "chunk_sizes: []": r"r\.yaml:8: load\.interference\.chunk_sizes: ",
+           "chunk_sizes: [8, 8]": r"r\.yaml:8: load\.interference\.chunk_sizes: chunk_sizes must be distinct",
+           "prompt_tokens2: 5": r"r\.yaml:7: load\.interference\.prompt_tokens2: unknown field"}
+    for line, want in bad.items():
+        extra = "" if line.startswith("prompt_tokens") else "    prompt_tokens: 512\n"
+        with pytest.raises(QevalInputError, match=want):
+            parse_recipe(_RECIPE + "load:\n  interference:\n" + extra + "    " + line + "\n", "r.yaml")
+    with pytest.raises(QevalInputError, match=r"load\.interference\.prompt_tokens: 512 \+ output_tokens 32 exceeds"):
+        check_context(r, 520)

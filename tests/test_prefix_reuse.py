@@ -91,3 +91,26 @@ def test_hf_reused_prefix_gives_the_fresh_prefill_tokens(tiny_llama):
     again = [pc.generate(own, 8, reuse=False) for own in owns]
     assert got == fresh and again == fresh
     assert pc.stats.cached_share == pytest.approx(120 / (2 * 120 + 2 * 22))
+
+
+# ---- the recipe fields -------------------------------------------------------------------
+
+_RECIPE = "name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}]\nspeed: {depths: [64, 128]}\n"
+
+
+def test_recipe_prefix_fields_validate_against_the_depth():
+    from qeval.errors import QevalInputError
+    from qeval.recipe import parse_recipe
+    r = parse_recipe(_RECIPE + "load:\n  depth: 96\n  shared_prefix_tokens: 64\n  prefix_cache: on\n")
+    assert r.load.shared_prefix_tokens == 64 and r.load.prefix_cache == "on"  # YAML's bare on read as the word
+    assert parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 32}\n").load.prefix_cache == "both"
+    assert parse_recipe(_RECIPE).load.shared_prefix_tokens is None
+    with pytest.raises(QevalInputError) as e:  # the prefix is part of the depth (main_depth 128 here)
+        parse_recipe(_RECIPE + "load:\n  shared_prefix_tokens: 128\n", "r.yaml")
+    assert str(e.value).startswith("r.yaml:6: load.shared_prefix_tokens: ") and "shorter" in str(e.value)
+    with pytest.raises(QevalInputError, match=r"r\.yaml:6: load\.prefix_cache: .*needs load\.shared_prefix_tokens"):
+        parse_recipe(_RECIPE + "load:\n  prefix_cache: off\n", "r.yaml")
+    with pytest.raises(QevalInputError, match=r"load\.prefix_cache: Input should be 'on', 'off' or 'both'"):
+        parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 8, prefix_cache: sometimes}\n")
+    with pytest.raises(QevalInputError, match=r"load\.shared_prefix_tokens: Input should be greater than 0"):
+        parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 0}\n")
