@@ -108,6 +108,14 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            reference_value=1.0),
     Metric("budget_exhausted_rate", ("quality", "behaviour", "budget_exhausted_rate"), "share", "min",
            "budget exhaustion rate"),
+    # output length of the free-running answers against the reference's on the same turns
+    # (qeval.measure.output_length): a tier that talks longer serves fewer requests per second
+    Metric("output_tokens_mean", ("quality", "output_length", "mean_new_tokens"), "tokens", "min",
+           "new tokens per answer"),
+    Metric("output_tokens_p95", ("quality", "output_length", "p95_new_tokens"), "tokens", "min",
+           "new tokens per answer, p95"),
+    Metric("output_tokens_rel", ("quality", "output_length", "mean_ratio"), "ratio", "min",
+           "new tokens per answer vs reference", reference_value=1.0),
 )}
 
 #: Metrics the Pareto front and the ladder can use as their quality objective.
@@ -220,6 +228,10 @@ GATE_RULES: dict[str, GateRule] = {r.name: r for r in (
     GateRule("min_decode_tokens_per_s", "decode_tokens_per_s", "min", ge=0),
     GateRule("min_decode_rel", "decode_tokens_per_s", "min", "ratio", ge=0),
     GateRule("max_budget_exhaustion", "budget_exhausted_rate", "max", ge=0, le=1),
+    GateRule("max_output_tokens_rel", "output_tokens_rel", "max", gt=0,
+             description="candidate's mean new tokens per free-running answer / the reference's on the same "
+                         "turns <= this (a tier that talks longer serves fewer requests at the same tokens/s)",
+             missing_hint="no free-running answers (no long_output or multi_turn suite)"),
     GateRule("min_users_at_slo_rel", "users_at_slo", "min", "of_reference", reference_metric="users_at_slo", ge=0,
              description="candidate users at SLO (load sweep) >= this x the reference's",
              missing_hint="no load sweep"),

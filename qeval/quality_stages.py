@@ -46,6 +46,7 @@ from .artifacts import get_or_build
 from .engines.bf16_matmul import apply_to_engine, resolve_bf16_matmul
 from .hashing import file_sha256
 from .measure.behaviour import summarise_behaviour
+from .measure.output_length import summarise_output_length
 from .measure.fidelity import ROUND, FidelityAccumulator
 from .measure.lmeval import run_lm_eval
 from .measure.long_context import (answer_long_context, check_depths_fit, filler_files, recipe_long_context,
@@ -525,6 +526,8 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         mine = answer_all(engine, tok, stop, load_suites(recipe), recipe.quality.batch_size, progress,
                           limit_items=True)
     beh = summarise_behaviour(mine, ref_by_key, recipe.quality.bootstrap)
+    out_len = summarise_output_length(mine, ref_by_key,
+                                      lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
     beh_s = time.time() - t0
     long_context, lc_mine = long_context_quality(engine, tok, recipe, layout, stop, tier == recipe.gate.reference,
                                                  progress)
@@ -548,7 +551,7 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
             lambda ids: tok.decode(ids, skip_special_tokens=False),
             lambda i: tok.decode([i], skip_special_tokens=False))))
     return {"quality": {"engine": which, "backend": backend, "bf16_matmul": matmul, "fidelity": fid,
-                        "behaviour": beh,
+                        "behaviour": beh, "output_length": out_len,
                         "fidelity_seconds": fid_s, "behaviour_seconds": beh_s, "lm_eval": lm_eval,
                         "long_context": long_context,
                         "reference_dtype": resolve_reference_dtype(recipe, ctx.device),

@@ -229,7 +229,42 @@ class QueueSpec(_Strict):
     timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS, description="longest wait for a place, s")
 
 
-class LoadSpec(_Strict):
+class InterferenceSpec(_Strict):
+    """One long prompt landing while streams decode (qeval.measure.interference): ``prompt_tokens``
+    of cold prefill arrive mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per
+    engine step, chunked prefill), and once unchunked (the whole prompt in one step)."""
+    prompt_tokens: int = Field(gt=0, le=MAX_TOKENS, description="tokens of the long prompt")
+    chunk_sizes: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] = Field(
+        min_length=1, max_length=64, description="prefill chunk sizes (tokens per engine step) to compare")
+
+    @field_validator("chunk_sizes")
+    @classmethod
+    def _chunks(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError("chunk_sizes must be distinct")
+        return sorted(v)
+
+
+class _LoadWorkloads(_Strict):
+    """Workload shapes of the load sweep beyond fresh prompts (qeval.engines.llamacpp_prefix,
+    qeval.engines.hf_prefix, qeval.measure.interference): a system prompt every request shares,
+    whose KV cache the engine may reuse, and a long prompt arriving mid-decode."""
+    shared_prefix_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="every request = this many "
+                                             "shared prefix tokens + its own part (the prefix is part of the "
+                                             "depth, so it must be shorter than it)")
+    prefix_cache: Literal["on", "off", "both"] = Field("both", description="with shared_prefix_tokens: serve the "
+                                                       "prefix from a reused KV cache (on), prefill it per request "
+                                                       "(off), or measure both")
+    interference: InterferenceSpec | None = None
+
+    @field_validator("prefix_cache", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads a bare on / off as true / false
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+class LoadSpec(_LoadWorkloads):
     """Load sweep: closed-loop concurrency per tier (definitions in qeval.measure.load).
 
     Each of ``concurrency`` streams sends ``requests_per_stream`` requests one after the
@@ -800,6 +835,7 @@ def _cross_checks(recipe: Recipe) -> None:
     sp = recipe.speed
     if sp.main_depth not in sp.depths:
         raise recipe.error(("speed", "main_depth"), f"main_depth {sp.main_depth} is not one of depths {sp.depths}")
+    _check_workloads(recipe)
     g = recipe.gate
     if g.reference not in names:
         raise recipe.error(("gate", "reference"), f"{g.reference!r} is not a tier (tiers: {', '.join(names)})")
@@ -815,6 +851,17 @@ def _cross_checks(recipe: Recipe) -> None:
         if recipe.gate_depth not in lc:
             raise recipe.error(("gate", "rules", "min_recall_rel"), f"the gate depth {recipe.gate_depth} is not one "
                                f"of the long_context depths {lc}")
+
+
+def _check_workloads(recipe: Recipe) -> None:
+    """The load section's workload fields (:class:`_LoadWorkloads`) against the load depth."""
+    ld = recipe.load
+    if ld.shared_prefix_tokens is not None and ld.shared_prefix_tokens >= recipe.load_depth:
+        raise recipe.error(("load", "shared_prefix_tokens"), f"a shared prefix of {ld.shared_prefix_tokens} tokens "
+                           f"leaves no own part in a request of {recipe.load_depth} tokens (the load depth): it "
+                           "must be shorter")
+    if "prefix_cache" in ld.model_fields_set and ld.shared_prefix_tokens is None:
+        raise recipe.error(("load", "prefix_cache"), "prefix_cache needs load.shared_prefix_tokens")
 
 
 def check_context(recipe: Recipe, max_context: int | None) -> None:
@@ -836,6 +883,10 @@ def check_context(recipe: Recipe, max_context: int | None) -> None:
         where = ("load", "depth") if ld.depth is not None else ("speed", "main_depth")
         raise recipe.error(where, f"load depth {recipe.load_depth} + output_tokens {ld.output_tokens} exceeds the "
                                   f"model's maximum context of {max_context} tokens")
+    inter = ld.interference
+    if ld.enabled and inter is not None and inter.prompt_tokens + ld.output_tokens > max_context:
+        raise recipe.error(("load", "interference", "prompt_tokens"), f"{inter.prompt_tokens} + output_tokens "
+                           f"{ld.output_tokens} exceeds the model's maximum context of {max_context} tokens")
 
 
 def _check_engine(recipe: Recipe, i: int, spec: Any) -> None:

@@ -112,6 +112,12 @@ not measured::
                                                           "ppl_ratio_se", "delta_p_mean", "delta_p_rms",
                                                           "n_tokens"} | None}},   # None for the reference
                       "fidelity_tokens": {"<suite>": int}, "seconds": float} | None,
+                  "output_length": {             # OutputLength: new tokens per answered turn vs the
+                      "n_answers", "n_unpaired",  # reference's on the same turns (qeval.measure.output_length)
+                      "mean_new_tokens", "p95_new_tokens", "ref_mean_new_tokens", "ref_p95_new_tokens",
+                      "mean_ratio", "p95_ratio", "budget_hit_rate", "ref_budget_hit_rate",
+                      "thinking": {"n_answers", "mean_tokens", "ref_mean_tokens", "mean_ratio"} | None,
+                      "by_kind": {"long_output": {...the same figures...}, "multi_turn": {...}}} | None,
                   "reference_dtype": "float32",   # what the reference pass computed in
                   "noise_floor": bool},           # True on the reference tier when its fidelity is the floor
       "load": {...} | None,      # LoadSection (qeval/results_load.py, every field documented there):
@@ -525,6 +531,40 @@ class Behaviour(_Closed):
     checks_timed_out: int | None = None  # regex checks not decided in bounded time (neither pass nor fail)
 
 
+class OutputLengthFigures(_Closed):
+    """New tokens per answered turn of a tier against the reference's answers to the same
+    turns (:func:`qeval.measure.output_length.summarise_output_length`): means and 95th
+    percentiles (tokens, the stop token included), their ratios tier / reference, and the
+    shares that hit the token budget."""
+    n_answers: int = 0
+    mean_new_tokens: float | None = None
+    p95_new_tokens: float | None = None
+    ref_mean_new_tokens: float | None = None
+    ref_p95_new_tokens: float | None = None
+    mean_ratio: float | None = None
+    p95_ratio: float | None = None
+    budget_hit_rate: float | None = None
+    ref_budget_hit_rate: float | None = None
+
+
+class ThinkingLength(_Closed):
+    """Tokens of the thinking part (``<think>...</think>``) of the paired answers that have
+    one on either side: means (tokens) and tier / reference."""
+    n_answers: int = 0
+    mean_tokens: float | None = None
+    ref_mean_tokens: float | None = None
+    mean_ratio: float | None = None
+
+
+class OutputLength(OutputLengthFigures):
+    """A tier's output length (``quality.output_length``): the figures over every paired
+    turn, ``n_unpaired`` turns without a reference answer, the thinking part, and the
+    figures per suite kind (``long_output``, ``multi_turn``)."""
+    n_unpaired: int = 0
+    thinking: ThinkingLength | None = None
+    by_kind: dict[str, OutputLengthFigures] = Field(default_factory=dict)
+
+
 class LongContextDepth(_Closed):
     """Long-context figures of one tier at one document depth
     (:func:`qeval.measure.long_context.summarise_long_context`): recall (share of questions
@@ -564,6 +604,7 @@ class Quality(_Closed):
     behaviour_seconds: float | None = None
     lm_eval: dict[str, Any] | None = None
     long_context: LongContext | None = None
+    output_length: OutputLength | None = None  # qeval.measure.output_length
     reference_dtype: str | None = None
     noise_floor: bool | None = None
     bf16_matmul: str | None = None   # "native" or "float32" as applied (qeval.engines.bf16_matmul)

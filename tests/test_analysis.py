@@ -106,6 +106,8 @@ CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.7
 REF["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.90}, "4096": {"recall": 0.5}}}
 CAND["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.85, "recall_ci_low": 0.75},
                                               "4096": {"recall": 0.0, "recall_ci_low": 0.0}}}
+CAND["quality"]["output_length"] = {"n_answers": 4, "mean_new_tokens": 90.0, "ref_mean_new_tokens": 60.0,
+                                   "mean_ratio": 1.5}
 
 # rule: (threshold that passes, threshold that fails) for CAND against REF
 RULE_CASES = {
@@ -121,6 +123,7 @@ RULE_CASES = {
     "min_decode_rel": (1.5, 2.5),             # 20 / 10 = 2
     "max_budget_exhaustion": (0.10, 0.01),
     "min_users_at_slo_rel": (2.0, 2.5),       # 4 >= 2 x 2 ; 4 < 2.5 x 2
+    "max_output_tokens_rel": (1.6, 1.4),      # 90 / 60 new tokens per answer = 1.5
 }
 
 
@@ -167,6 +170,7 @@ MISSING = {  # rule -> a CAND copy without the figure it needs
     "min_decode_tokens_per_s": ("speed", str(D)),
     "min_decode_rel": ("speed", str(D)),
     "max_budget_exhaustion": ("quality", "behaviour", "budget_exhausted_rate"),
+    "max_output_tokens_rel": ("quality", "output_length", "mean_ratio"),
 }
 
 

@@ -31,6 +31,12 @@ streams at context c = load depth + output tokens the memory formula needs
 ``weights + overhead + N x c x kv_bytes_per_token`` bytes and the N-stream decode bound is
 :func:`decode_bound`; the sweep measured the peak (``load.points[].peak_bytes``), the
 aggregate decode tokens/s, and whether the point met the SLO.
+
+Output length (:func:`requests_per_s_at_slo`): the load sweep gives every request the
+recipe's fixed ``output_tokens``; a tier whose free-running answers run ``r`` times as long
+as the reference's on the same turns (``quality.output_length.mean_ratio``,
+:mod:`qeval.measure.output_length`) needs ``r x output_tokens`` decode tokens per request, so
+at the same decode tokens/s it serves ``1 / r`` as many requests per second.
 """
 from __future__ import annotations
 
@@ -267,3 +273,62 @@ def load_vs_formula(tiers: dict[str, TierResult], overhead_bytes: int = DEFAULT_
             out.append(LoadCheck(name, n, ctx, pred, meas, 100.0 * (pred - meas) / meas if meas else None,
                                  bound, got, got / bound if got and bound else None, p.meets_slo, users))
     return out
+
+
+@dataclass
+class RequestsAtSlo:
+    """Requests/s a tier serves at the SLO at its own output length.
+
+    Attributes:
+        tier: tier name.
+        users_at_slo: the sweep's users at SLO (streams).
+        measured_requests_per_s: requests/s the sweep measured at that concurrency, every
+            request ``load_output_tokens`` long.
+        load_output_tokens: the recipe's fixed new tokens per request.
+        output_tokens_rel: the tier's mean new tokens per answer / the reference's (1.0 for
+            the reference, None when the tier has no free-running answers).
+        own_output_tokens: ``load_output_tokens x output_tokens_rel`` (tokens).
+        requests_per_s: ``measured_requests_per_s / output_tokens_rel`` (the measured figure
+            when the ratio is unknown: ``basis`` says which).
+        basis: ``"own output length"`` or ``"recipe output_tokens"``.
+    """
+    tier: str
+    users_at_slo: int
+    measured_requests_per_s: float
+    load_output_tokens: int
+    output_tokens_rel: float | None
+    own_output_tokens: float
+    requests_per_s: float
+    basis: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def requests_per_s_at_slo(name: str, tier: TierResult | None, *, is_reference: bool = False) -> RequestsAtSlo | None:
+    """Requests/s at the SLO at the tier's own output length (module docstring): the load
+    point at ``load.users_at_slo`` streams, its measured requests/s divided by the tier's
+    output-length ratio against the reference. Reads the load section through
+    :func:`qeval.results.get_path` (dicts or typed points alike).
+
+    Returns:
+        None when the tier has no load sweep, no users at SLO (0 or missing) or no measured
+        requests/s at that concurrency.
+    """
+    users = finite(get_path(tier, "load", "users_at_slo"))
+    out = finite(get_path(tier, "load", "output_tokens"))
+    if tier is None or not users or not out:
+        return None
+    point = next((p for p in get_path(tier, "load", "points") or []
+                  if finite(get_path(p, "concurrency")) == users and get_path(p, "admitted") is not False), None)
+    rps = finite(get_path(point, "requests_per_s"))
+    if not rps:
+        return None
+    rel = finite(get_path(tier, "quality", "output_length", "mean_ratio"))
+    if rel is None and is_reference:
+        rel = 1.0  # the reference against itself
+    if rel is not None and rel <= 0:
+        rel = None
+    own = out * (rel if rel is not None else 1.0)
+    return RequestsAtSlo(name, int(users), rps, int(out), rel, own, rps / rel if rel is not None else rps,
+                         "own output length" if rel is not None else "recipe output_tokens")

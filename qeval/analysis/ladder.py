@@ -15,7 +15,9 @@ Order (``Ladder.basis``):
   the gate depth, largest first; ties by better quality, then name; a tier without a peak
   at that depth is unplaced.
 
-Users gained are counted against the rung above and the first rung. Memory is the
+Each rung also carries its requests/s at the SLO at its own output length (a tier whose
+answers run longer than the reference's serves fewer requests at the same users;
+:func:`qeval.analysis.capacity.requests_per_s_at_slo`). Users gained are counted against the rung above and the first rung. Memory is the
 single-stream peak at the gate depth (bytes); "saved" is positive when a rung needs less.
 "Quality lost" is signed so that a positive number is always worse: for ``kld_mean`` and
 ``ppl_ratio`` (lower is better) it is ``q_step - q_other``; for ``pass_rate`` (higher is
@@ -36,6 +38,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..results import STATUS_OK, LoadSection, TierResult
+from .capacity import requests_per_s_at_slo
 from .gate import GateReport
 from .pareto import finite, peak_bytes_at, quality_direction, quality_value, users_at_slo_of
 
@@ -50,6 +53,9 @@ class LadderStep:
         quality: value of the quality metric (None when the tier lacks it).
         users_at_slo: users at SLO at the load depth (None without a load sweep).
         max_decode_tokens_per_s: the sweep's best aggregate decode tokens/s.
+        requests_per_s_at_slo: requests/s at the SLO at the tier's own output length
+            (:func:`qeval.analysis.capacity.requests_per_s_at_slo`; None without load figures).
+        output_tokens_rel: the tier's new tokens per answer / the reference's (None: no answers).
         users_gained_vs_prev / users_gained_vs_first: users at SLO gained versus the rung
             above / the first rung (0 for the first rung; None without load figures).
         saved_vs_prev_bytes / saved_vs_prev_pct: memory freed versus the rung above
@@ -71,6 +77,8 @@ class LadderStep:
     saved_vs_first_pct: float | None = 0.0
     quality_lost_vs_prev: float | None = None
     quality_lost_vs_first: float | None = None
+    requests_per_s_at_slo: float | None = None
+    output_tokens_rel: float | None = None
 
 
 @dataclass
@@ -265,8 +273,12 @@ def fallback_ladder(tiers: dict[str, TierResult], gate_report: GateReport,
         if not by_users and mem is None:
             ladder.unplaced[n] = f"no peak memory at depth {depth}"
             continue
-        placed.append(LadderStep(n, mem, quality_value(t, quality_metric, is_reference=(n == ref)), users,
-                                 finite(_load(t).max_decode_tokens_per_s)))
+        step = LadderStep(n, mem, quality_value(t, quality_metric, is_reference=(n == ref)), users,
+                          finite(_load(t).max_decode_tokens_per_s))
+        req = requests_per_s_at_slo(n, t, is_reference=(n == ref))
+        step.requests_per_s_at_slo = req.requests_per_s if req is not None else None
+        step.output_tokens_rel = req.output_tokens_rel if req is not None else None
+        placed.append(step)
 
     def qkey(s: LadderStep) -> float:
         if s.quality is None:

@@ -213,6 +213,17 @@ def _pass(r: Row) -> Cell:
     return text, {"pass_rate": pr, "pass_ci_low": lo, "pass_ci_high": hi}
 
 
+def _out_len(r: Row) -> Cell:
+    """New tokens per free-running answer against the reference's on the same turns
+    (qeval.measure.output_length): ``1.50x (90 vs 60)``; CSV: mean, p95, ratio, budget hit share."""
+    rel, mean = r.v("output_tokens_rel"), r.v("output_tokens_mean")
+    ref = finite(get_path(r.t, "quality", "output_length", "ref_mean_new_tokens"))
+    text = "-" if rel is None else f"{rel:.2f}x" + (f" ({mean:.0f} vs {ref:.0f})" if mean is not None and ref else "")
+    return text, {"output_tokens_mean": mean, "output_tokens_p95": r.v("output_tokens_p95"),
+                  "output_tokens_rel": rel,
+                  "output_budget_hit_rate": finite(get_path(r.t, "quality", "output_length", "budget_hit_rate"))}
+
+
 def _flips(r: Row) -> Cell:
     flip, p2f, f2p = r.v("flip_rate"), r.beh.flips_pass_to_fail, r.beh.flips_fail_to_pass
     text = "-" if flip is None else f"{100 * flip:.1f}%" + (
@@ -481,6 +492,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("flips", _flips, "quality", numeric=True),
     Column("budget exh. %", lambda r: (_f(r.v("budget_exhausted_rate"), ".1f", 100),
                                        {"budget_exhausted_rate": r.v("budget_exhausted_rate")}), "quality",
+           numeric=True),
+    Column("out tokens vs ref", _out_len, "quality", html_header="new tokens per answer vs reference",
            numeric=True),
     Column("recall % [95% CI]", _lc_recall, "long_context", per_depth=True, depths="long_context", numeric=True),
     Column("recall flips", _lc_flips, "long_context", md=False, per_depth=True, depths="long_context",

@@ -1,0 +1,116 @@
+"""Prefix KV reuse on both in-process engines (tiny models): a request served from a reused
+shared prefix produces the same greedy tokens as a fresh prefill of the whole prompt, and
+the prompt tokens served from the cache are counted."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny random llama with SmolLM2's tokenizer and its F16 GGUF (conftest.build_tiny_gguf)."""
+    import os
+    from pathlib import Path
+    from conftest import build_tiny_gguf
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("prefix")
+    mp.setenv("QEVAL_CACHE", str(root / "cache"))
+    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
+        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
+    try:
+        yield build_tiny_gguf(root)
+    finally:
+        mp.undo()
+
+
+def _parts(ids: list[int]) -> tuple[list[int], list[list[int]]]:
+    """A 40-token shared prefix and three own parts of different lengths (different texts)."""
+    return ids[:40], [ids[40:47], ids[60:72], ids[90:93]]
+
+
+def test_llamacpp_reused_prefix_gives_the_fresh_prefill_tokens(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.engines.llamacpp_prefix import LlamaPrefixCache
+    prefix, owns = _parts(tiny["ids"])
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        fresh = [eng.generate(prefix + own, 8, ignore_stop=True).token_ids for own in owns]
+        with LlamaPrefixCache(eng, prefix, slots=2, max_request_tokens=24, n_batch=16) as pc:
+            assert pc.cells_of(0) == len(prefix)  # the prefix sits in sequence 0
+            steps0 = pc.steps
+            got = [pc.generate(own, 8, slot=i % 2) for i, own in enumerate(owns)]
+            # the prefix was prefilled once: each reused request prefilled only its own part
+            # (one chunk each here) and then decoded 7 tokens one step at a time
+            assert pc.steps - steps0 == sum(-(-len(o) // 16) + 7 for o in owns)
+            assert pc.stats.requests == 3 and pc.stats.cached_tokens == 3 * len(prefix)
+            assert pc.stats.prompt_tokens == 3 * len(prefix) + sum(len(o) for o in owns)
+            assert pc.stats.cached_share == pytest.approx(120 / (120 + 22))
+            again = [pc.generate(own, 8, slot=1, reuse=False) for own in owns]
+            assert pc.stats.cached_tokens == 3 * len(prefix)  # fresh prefills add none
+            assert pc.cells_of(0) == len(prefix) and pc.cells_of(1) == 0 and pc.cells_of(2) == 0
+        assert got == fresh, (got, fresh)
+        assert again == fresh
+        assert len({tuple(g) for g in got}) == 3  # different own parts, different answers
+    finally:
+        eng.close()
+
+
+def test_llamacpp_prefix_cache_refuses_what_does_not_fit(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.engines.llamacpp_prefix import LlamaPrefixCache
+    prefix, owns = _parts(tiny["ids"])
+    eng = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        with pytest.raises(ValueError, match="context"):
+            LlamaPrefixCache(eng, prefix, max_request_tokens=eng.n_ctx_train)
+        with LlamaPrefixCache(eng, prefix, slots=1, max_request_tokens=10) as pc:
+            with pytest.raises(ValueError, match="max_request_tokens"):
+                pc.generate(owns[1], 4)
+            with pytest.raises(ValueError, match="slot"):
+                pc.generate(owns[2], 4, slot=1)
+    finally:
+        eng.close()
+
+
+def test_hf_reused_prefix_gives_the_fresh_prefill_tokens(tiny_llama):
+    from transformers import AutoTokenizer
+    from qeval.engines.hf import HFEngine, load_hf_model
+    from qeval.engines.hf_prefix import HFPrefixCache
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = tok("Quantization trades memory for accuracy. The quick brown fox jumps over the lazy dog. " * 12,
+              add_special_tokens=False)["input_ids"]
+    prefix, owns = _parts(ids)
+    eng = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+    fresh = [eng.generate(prefix + own, 8, ignore_stop=True).token_ids for own in owns]
+    pc = HFPrefixCache(eng, prefix)
+    assert pc.cached_tokens() == len(prefix) and pc.forwards == 1
+    got = [pc.generate(own, 8) for own in owns]
+    assert pc.forwards == 1 + 3 * 8  # one prefill of the own part + 7 decode steps per request
+    assert pc.cached_tokens() == len(prefix)  # the shared cache is never extended by a request
+    assert pc.stats.cached_tokens == 3 * len(prefix) and pc.stats.requests == 3
+    again = [pc.generate(own, 8, reuse=False) for own in owns]
+    assert got == fresh and again == fresh
+    assert pc.stats.cached_share == pytest.approx(120 / (2 * 120 + 2 * 22))
+
+
+# ---- the recipe fields -------------------------------------------------------------------
+
+_RECIPE = "name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}]\nspeed: {depths: [64, 128]}\n"
+
+
+def test_recipe_prefix_fields_validate_against_the_depth():
+    from qeval.errors import QevalInputError
+    from qeval.recipe import parse_recipe
+    r = parse_recipe(_RECIPE + "load:\n  depth: 96\n  shared_prefix_tokens: 64\n  prefix_cache: on\n")
+    assert r.load.shared_prefix_tokens == 64 and r.load.prefix_cache == "on"  # YAML's bare on read as the word
+    assert parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 32}\n").load.prefix_cache == "both"
+    assert parse_recipe(_RECIPE).load.shared_prefix_tokens is None
+    with pytest.raises(QevalInputError) as e:  # the prefix is part of the depth (main_depth 128 here)
+        parse_recipe(_RECIPE + "load:\n  shared_prefix_tokens: 128\n", "r.yaml")
+    assert str(e.value).startswith("r.yaml:6: load.shared_prefix_tokens: ") and "shorter" in str(e.value)
+    with pytest.raises(QevalInputError, match=r"r\.yaml:6: load\.prefix_cache: .*needs load\.shared_prefix_tokens"):
+        parse_recipe(_RECIPE + "load:\n  prefix_cache: off\n", "r.yaml")
+    with pytest.raises(QevalInputError, match=r"load\.prefix_cache: Input should be 'on', 'off' or 'both'"):
+        parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 8, prefix_cache: sometimes}\n")
+    with pytest.raises(QevalInputError, match=r"load\.shared_prefix_tokens: Input should be greater than 0"):
+        parse_recipe(_RECIPE + "load: {shared_prefix_tokens: 0}\n")
