@@ -42,6 +42,9 @@ OFFLINE ?=
 WHEELHOUSE ?= wheelhouse
 TORCH ?=
 ifneq ($(OFFLINE),)
+ifeq ($(wildcard $(WHEELHOUSE)/*.whl),)
+$(error OFFLINE=1: no wheels in WHEELHOUSE=$(WHEELHOUSE) (run `make wheelhouse WHEELHOUSE=DIR` where PyPI is reachable and copy DIR here))
+endif
 export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELHOUSE))
 endif

@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     machine_report()
     work = a.keep or Path(tempfile.mkdtemp(prefix="qeval-gpu-smoke-"))
     work.mkdir(parents=True, exist_ok=True)
-    from qeval.source import cache_root
+    from qeval.paths import cache_root
     persistent = cache_root()
     env = dict(os.environ, QEVAL_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", GPTQMODEL_OFFLINE=os.environ.get("GPTQMODEL_OFFLINE", "1"),

@@ -507,7 +507,7 @@ def _smoke(monkeypatch, tmp_path, results=None):
 
     def fake_run(cmd, env, left_s, t_start):
         recipe = Path(cmd[cmd.index("run") + 1])
-        seen["recipe"] = parsed = parse_recipe(recipe)
+        seen["recipe"] = parsed = parse_recipe(recipe.read_text(), recipe)
         seen["text"], seen["env"] = recipe.read_text(), env
         tiers = Path(cmd[cmd.index("--out") + 1]) / "gpu-smoke" / "run1" / "tiers"
         tiers.mkdir(parents=True)
