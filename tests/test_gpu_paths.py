@@ -2,7 +2,8 @@
 load, per process, on the visible device, as a sampled peak; greedy decoding that ignores
 a model's generation_config.json; tiers that cannot run on CUDA here stop in one line;
 static decode; the int8-KV decode window; disk pre-flight and bandwidth probe sizes; the
-table's eager and flash-attention marks; gpu_smoke.py's refusal without CUDA.
+table's eager and flash-attention marks; gpu_smoke.py's refusal without CUDA, its phases
+(the llama.cpp CUDA build checked or rebuilt), --tokenizer, the load switch and its bad options.
 
 NVML and CUDA are faked (a stand-in ``pynvml`` module, ``torch.cuda.is_available``
 patched): what is tested is qeval's logic around them, not the driver.
