@@ -32,10 +32,27 @@ PYTEST_WORKERS ?= 2
 # Files go out longest first (tests/conftest.py, FILE_ORDER): xdist's default reorder by test
 # count sent the end-to-end file last.
 PYTEST_ARGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
+# Offline / air-gapped install (README): on a connected machine with the target's Python and
+# architecture, `make wheelhouse [WHEELHOUSE=DIR] [TORCH=system] [CUDA=1]` collects every wheel and
+# sdist `make setup` needs (tools/wheelhouse.py); on the target, `make setup OFFLINE=1 WHEELHOUSE=DIR`
+# installs from it alone (pip --no-index --find-links, exported so the converter's and llama-server's
+# `pip download` of llama.cpp's source find the sdist there too). TORCH=system: the venv sees the
+# machine's own torch (--system-site-packages) and never replaces it; with CUDA=1 it must see a GPU.
+OFFLINE ?=
+WHEELHOUSE ?= wheelhouse
+TORCH ?=
+ifneq ($(OFFLINE),)
+ifeq ($(wildcard $(WHEELHOUSE)/*.whl),)
+$(error OFFLINE=1: no wheels in WHEELHOUSE=$(WHEELHOUSE) (run `make wheelhouse WHEELHOUSE=DIR` where PyPI is reachable and copy DIR here))
+endif
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(WHEELHOUSE))
+endif
+TORCH_SYSTEM_CHECK := import sys, torch; print(f'system torch {torch.__version__} ({torch.__file__}), CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPUs'); sys.exit(2 if $(if $(CUDA),True,False) and not torch.cuda.is_available() else 0)
 # Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
 LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
 
-.PHONY: demo test setup clean-venv package-data
+.PHONY: demo test setup clean-venv package-data wheelhouse
 # exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
 demo: $(STAMP)
 	@$(VENV)/bin/qeval run $(RECIPE); rc=$$?; \
@@ -48,11 +65,13 @@ test: $(STAMP)
 setup: $(STAMP)
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(filter system,$(TORCH)),--system-site-packages,) $(VENV)
 	$(PIP) install --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml Makefile
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
+	$(if $(filter system,$(TORCH)),$(PY) -c "$(TORCH_SYSTEM_CHECK)" || { echo "TORCH=system: the venv sees no \
+		usable torch$(if $(CUDA), with CUDA,) (a venv made without TORCH=system? make clean-venv first)" >&2; exit 2; },\
+		$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC))
 	$(if $(CUDA),$(PY) -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
 		echo "warning: CUDA=1 but this torch sees no CUDA device (set TORCH_SPEC to a CUDA build)" >&2,)
 	$(if $(CUDA),command -v nvcc >/dev/null || [ -x "$$CUDA_HOME/bin/nvcc" ] || { echo "CUDA=1 needs nvcc \
@@ -72,6 +91,11 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	# and flags): the default recipe's gguf-q4_k_m-server tier runs on it.
 	$(PY) -m qeval.engines.llama_tools --build >/dev/null
 	touch $(STAMP)
+
+# Every file `make setup OFFLINE=1 WHEELHOUSE=DIR` needs, into WHEELHOUSE (run where PyPI is reachable)
+wheelhouse:
+	$(PYTHON) tools/wheelhouse.py --dest $(WHEELHOUSE) --extras "$(EXTRAS)" --torch-spec "$(TORCH_SPEC)" \
+		$(if $(filter system,$(TORCH)),--torch system,)
 
 # Refresh the packaged copies of datasets/ (qeval/data/, found by `builtin:` recipe paths)
 package-data:

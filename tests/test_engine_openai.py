@@ -30,10 +30,12 @@ DEPTH_TEXT = REPO / "qeval" / "data" / "depth_text.txt"
 
 class Fake:
     """A tiny /v1 server: ``key`` required when set; ``count`` maps a text prompt to its
-    usage count; streams ``answer`` token ids llama-server style."""
+    usage count; streams ``answer`` token ids llama-server style; ``script(path, body)``,
+    when given, answers first (a dict: that JSON; a list: those chunks streamed; None: the
+    default answer)."""
 
-    def __init__(self, key=None, count=None, answer=(5, 6, 7), owner="llamacpp"):
-        self.key, self.count, self.answer, self.owner = key, count, list(answer), owner
+    def __init__(self, key=None, count=None, answer=(5, 6, 7), owner="llamacpp", script=None):
+        self.key, self.count, self.answer, self.owner, self.script = key, count, list(answer), owner, script
         self.requests: list[dict] = []
         fake = self
 
@@ -65,6 +67,17 @@ class Fake:
                     return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.requests.append(body)
+                scripted = fake.script(self.path, body) if fake.script else None
+                if isinstance(scripted, dict):
+                    return self._json(scripted)
+                if isinstance(scripted, list):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for ch in scripted:
+                        self.wfile.write(f"data: {json.dumps(ch)}\n\n".encode())
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
                 p = body["prompt"]
                 n_prompt = fake.count(p) if isinstance(p, str) else len(p)
                 ids = fake.answer[:body["max_tokens"]]
@@ -158,6 +171,139 @@ def test_topk_kld_is_exact_for_k_equal_vocab_and_a_lower_bound_below():
     assert s["kld_mean"] == pytest.approx(topk_kld_rows(ref.astype(np.float16), served.astype(np.float16), 5).mean(),
                                           rel=1e-3)
     assert FidelityAccumulator().summary() == {"n_tokens": 0}
+
+
+def _scripted_scorer(vocab, prompt_logprobs=True):
+    """A vLLM-like scorer: the next-token distribution after a prefix is a fixed function of
+    the prefix (seeded by it); per-position requests (``max_tokens`` 1, ``logprobs`` k) get
+    the top-k of the generated token as ``token_id:N``, ``prompt_logprobs`` requests every
+    prompt position's top-k plus the prompt's own token (its rank) when outside them."""
+    def logp(prefix):
+        x = np.random.default_rng(abs(hash(tuple(prefix))) % 2**32).normal(size=vocab) * 3
+        return x - np.log(np.exp(x).sum())
+
+    def script(path, body):
+        p = body.get("prompt")
+        if path != "/v1/completions" or not isinstance(p, list) or body.get("stream"):
+            return None
+        usage = {"prompt_tokens": len(p), "completion_tokens": 1}
+        if "prompt_logprobs" in body:
+            if not prompt_logprobs:  # a server that ignores the field
+                return {"choices": [{"text": "x"}], "usage": usage}
+            k, rows = body["prompt_logprobs"], [None]
+            for i in range(1, len(p)):
+                lp = logp(p[:i])
+                order = [int(t) for t in np.argsort(-lp)]
+                row = {str(t): {"logprob": float(lp[t]), "rank": r + 1, "decoded_token": "x"}
+                       for r, t in enumerate(order[:k])}
+                row.setdefault(str(p[i]), {"logprob": float(lp[p[i]]), "rank": order.index(p[i]) + 1,
+                                           "decoded_token": "x"})
+                rows.append(row)
+            return {"choices": [{"text": "x", "prompt_logprobs": rows}], "usage": usage}
+        lp = logp(p)
+        order = [int(t) for t in np.argsort(-lp)][:body["logprobs"]]
+        return {"choices": [{"text": "x", "logprobs": {"tokens": [f"token_id:{order[0]}"], "top_logprobs": [
+            {f"token_id:{t}": float(lp[t]) for t in order}]}}], "usage": usage}
+    return script
+
+
+def test_prompt_logprobs_scoring_equals_the_per_position_path_in_one_request(fake, tiny_llama):
+    from transformers import AutoTokenizer
+
+    from qeval.engines.openai import OpenAIEngine
+    vocab = len(AutoTokenizer.from_pretrained(str(tiny_llama)))
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, vocab, size=40)]
+
+    def rows(f, **server):
+        eng = OpenAIEngine.open("hf", tiny_llama, _options(endpoint={"url": f.url}, tokenizer=str(tiny_llama),
+                                                           **server))
+        try:
+            before = len(f.requests)
+            out = list(eng.iter_logprobs(ids, window=16, first=3))
+            return out, f.requests[before:], eng
+        finally:
+            eng.close()
+
+    f = fake(owner="vllm", script=_scripted_scorer(vocab))
+    one, reqs_one, eng = rows(f)  # vLLM's dialect: prompt_logprobs by default
+    assert eng.prompt_logprobs and len(reqs_one) == 1
+    assert reqs_one[0]["prompt"] == ids and reqs_one[0]["prompt_logprobs"] == eng.topk == 20
+    assert reqs_one[0]["stream"] is False and reqs_one[0]["max_tokens"] == 1
+    per, reqs_per, _ = rows(f, prompt_logprobs=False)  # declared off: one request per position
+    assert len(reqs_per) == len(ids) - 1 - 3 and all("prompt_logprobs" not in r for r in reqs_per)
+    assert [s for s, _ in one] == [s for s, _ in per] == [3, 19, 35]
+    a, b = np.concatenate([r for _, r in one]), np.concatenate([r for _, r in per])
+    assert a.shape == (len(ids) - 1 - 3, vocab) and np.array_equal(a, b)
+    # the reference token outside the top k is dropped, so each row still holds exactly k exact entries
+    assert all(int((np.abs(r - r.min()) > 1e-6).sum()) == 20 for r in a[:5])
+    # a server that ignores prompt_logprobs is scored per position, with the same rows
+    g = fake(owner="vllm", script=_scripted_scorer(vocab, prompt_logprobs=False))
+    fb, reqs_fb, eng = rows(g)
+    assert not eng.prompt_logprobs and len(reqs_fb) == 1 + len(ids) - 1 - 3
+    assert np.array_equal(np.concatenate([r for _, r in fb]), b)
+
+
+def _chat_script(field, thinking, answer, finish):
+    """Chat answers of a reasoning model: ``thinking`` in ``field`` (vLLM ``reasoning``,
+    llama-server ``reasoning_content``), ``answer`` as content (None: null, as when thinking
+    spent ``max_tokens``); streamed as deltas, thinking first, or whole."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "completion_tokens_details": {"reasoning_tokens": 7}}
+
+    def script(path, body):
+        if path != "/v1/chat/completions":
+            return None
+        if not body.get("stream"):
+            msg = {"role": "assistant", "content": answer, field: thinking}
+            return {"choices": [{"index": 0, "message": msg, "finish_reason": finish}], "usage": usage}
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        for piece in (thinking[:4], thinking[4:]):  # content null while thinking, as vLLM sends
+            chunks.append({"choices": [{"index": 0, "delta": {field: piece, "content": None}}]})
+        for piece in ([answer[:3], answer[3:]] if answer else []):
+            chunks.append({"choices": [{"index": 0, "delta": {"content": piece}}]})
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        chunks.append({"choices": [], "usage": usage})
+        return chunks
+    return script
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_chat_reasoning_fields_are_kept_apart_and_count_thinking_exhaustion(fake, tiny_llama, field):
+    from qeval.engines.openai import OpenAIEngine, message_parts
+    from qeval.measure.behaviour import summarise_behaviour, thinking_exhausted
+    done = fake(owner="vllm", script=_chat_script(field, "let me think", "Paris is the capital.", "stop"))
+    cut = fake(owner="vllm", script=_chat_script(field, "let me think", None, "length"))
+    answers = {}
+    for name, f in (("done", done), ("cut", cut)):
+        eng = OpenAIEngine.open("hf", tiny_llama, _options(endpoint={"url": f.url}, tokenizer=str(tiny_llama)))
+        try:
+            for stream in (True, False):
+                a = eng.chat([{"role": "user", "content": "capital of France?"}], 16, stream=stream)
+                answers[name, stream] = a
+                body = f.requests[-1]
+                assert body["messages"][0]["content"] == "capital of France?" and body["max_tokens"] == 16
+                assert body["stream"] is stream and body["temperature"] == 0
+        finally:
+            eng.close()
+    for stream in (True, False):  # both shapes: the same split
+        a, b = answers["done", stream], answers["cut", stream]
+        assert (a.content, a.reasoning, a.finished) == ("Paris is the capital.", "let me think", True)
+        assert (b.content, b.reasoning, b.finished) == ("", "let me think", False)
+        assert a.reasoning_tokens == 7 and a.completion_tokens == 9
+        assert (a.first_content_s is not None) == stream and b.first_content_s is None
+    # counted from the fields: thinking never inline, the answer never holds it
+    assert not thinking_exhausted(**answers["done", True].segment())
+    assert thinking_exhausted(**answers["cut", False].segment())
+    segs = [{"item": f"s/{i}", "turn": 0, "answer_ids": [], "checks": [], **answers[k].segment()}
+            for i, k in enumerate([("done", True), ("cut", True), ("cut", False), ("done", False)])]
+    m = summarise_behaviour(segs, {}, n_boot=10)
+    assert m["budget_exhausted_rate"] == 0.5 and m["thinking_exhausted_rate"] == 0.5
+    # an answer cut in the middle of its answer text spent the budget, not on thinking
+    assert not thinking_exhausted("Paris is", False, "let me think")
+    # no reasoning field: the thinking is inline and read from the tags, as before
+    assert message_parts({"content": "<think>hm</think>Paris"}) == ("<think>hm</think>Paris", None)
+    assert thinking_exhausted("<think>still thinking", False) and not thinking_exhausted("<think>a</think>B", False)
+    # a server filling both names with the same text is read once
+    assert message_parts({"content": None, "reasoning": "x", "reasoning_content": "x"}) == ("", "x")
 
 
 def test_generate_streams_token_ids_with_chunk_times_and_stops_on_a_stop_token(fake, tiny_llama):

@@ -2,7 +2,8 @@
 load, per process, on the visible device, as a sampled peak; greedy decoding that ignores
 a model's generation_config.json; tiers that cannot run on CUDA here stop in one line;
 static decode; the int8-KV decode window; disk pre-flight and bandwidth probe sizes; the
-table's eager and flash-attention marks; gpu_smoke.py's refusal without CUDA.
+table's eager and flash-attention marks; gpu_smoke.py's refusal without CUDA, its phases
+(the llama.cpp CUDA build checked or rebuilt), --tokenizer, the load switch and its bad options.
 
 NVML and CUDA are faked (a stand-in ``pynvml`` module, ``torch.cuda.is_available``
 patched): what is tested is qeval's logic around them, not the driver.
@@ -490,3 +491,95 @@ def test_gpu_smoke_refuses_without_cuda_in_one_line():
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "CUDA" in lines[0] and p.stdout == ""
+
+
+def _smoke(monkeypatch, tmp_path, results=None):
+    """benchmarks/gpu_smoke.py imported with CUDA faked: ``torch.cuda.is_available`` True, the
+    machine report and model device stubbed (the model is built on the CPU), and ``qeval run``
+    replaced by one that writes a tier result per recipe tier (``results``: name -> overrides)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_smoke_under_test", REPO / "benchmarks" / "gpu_smoke.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gs, "machine_report", lambda: {})
+    monkeypatch.setattr(gs, "model_device", lambda: "cpu")
+    seen = {}
+
+    def fake_run(cmd, env, left_s, t_start):
+        recipe = Path(cmd[cmd.index("run") + 1])
+        seen["recipe"] = parsed = parse_recipe(recipe.read_text(), recipe)
+        seen["text"], seen["env"] = recipe.read_text(), env
+        tiers = Path(cmd[cmd.index("--out") + 1]) / "gpu-smoke" / "run1" / "tiers"
+        tiers.mkdir(parents=True)
+        d = str(parsed.speed.depths[0])
+        for t in parsed.tiers:
+            r = {"status": "ok", "device": "cuda", "backend": f"{t.method}-cuda", "decode_mode": "static",
+                 "speed": {d: {"decode_tokens_per_s": 99.5, "ttft_s": 0.01}},
+                 "memory": {"kind": "cuda_max_allocated", "peak_bytes": {d: 2 ** 30}}, "runtime": {}}
+            r.update((results or {}).get(t.name, {}))
+            (tiers / f"{t.name}.json").write_text(json.dumps(r))
+    monkeypatch.setattr(gs, "run_qeval", fake_run)
+    return gs, seen
+
+
+def test_gpu_smoke_phases_tokenizer_and_load_switch_with_cuda_faked(tiny_llama, tmp_path, monkeypatch, capsys):
+    from transformers import AutoConfig, AutoTokenizer
+    gs, seen = _smoke(monkeypatch, tmp_path)
+    small = ["--tokenizer", str(tiny_llama), "--hidden", "64", "--layers", "1", "--depth", "64"]
+    assert gs.main(["--phase", "torch", *small, "--keep", str(tmp_path / "w1")]) == 0
+    out = capsys.readouterr().out
+    assert [t.name for t in seen["recipe"].tiers] == ["bf16", "bf16-eager", "int8"]
+    assert seen["recipe"].load.enabled is False and "load stage off" in out  # load off unless asked
+    assert seen["env"]["HF_HUB_OFFLINE"] == "1"
+    # the model carries the given tokenizer: no model package needed
+    model = tmp_path / "w1" / "model"
+    assert AutoConfig.from_pretrained(model).vocab_size == len(AutoTokenizer.from_pretrained(str(tiny_llama)))
+    assert (model / "tokenizer.json").exists()
+    assert "proved: bf16 ran on CUDA with bf16-cuda, decode static, 99.5 tokens/s at depth 64" in out
+    assert out.count("proved: ") == 3 and "not proved" not in out
+    # the gptq phase, --load asked, one tier failing and one falling back: said, exit 1
+    gs, seen = _smoke(monkeypatch, tmp_path, {"awq": {"status": "failed", "error": "Marlin: nvcc not found"},
+                                              "gptq": {"runtime": {"kernel_build_seconds": 42.0}}})
+    assert gs.main(["--phase", "gptq", "--load", *small]) == 1
+    out = capsys.readouterr().out
+    assert [t.name for t in seen["recipe"].tiers] == ["gptq", "awq"] and seen["recipe"].load.enabled is True
+    assert "proved: gptq ran on CUDA with gptq-cuda, decode static, kernel built in 42 s" in out
+    assert "not proved: awq: failed: Marlin: nvcc not found" in out
+
+
+def test_gpu_smoke_gguf_phase_checks_or_rebuilds_the_llama_cpp_cuda_build(tiny_llama, tmp_path, monkeypatch, capsys):
+    import qeval.engines.gguf_convert as gc
+    gs, seen = _smoke(monkeypatch, tmp_path)
+    small = ["--phase", "gguf", "--tokenizer", str(tiny_llama), "--hidden", "64", "--layers", "1", "--depth", "64"]
+    monkeypatch.setattr(gs, "llama_offload", lambda: {"offload": False, "version": "0.3.36"})
+    with pytest.raises(SystemExit) as e:  # a CPU build of llama.cpp: one line, what to do
+        gs.main(small)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1 and "--build-llama" in err[0] and "CUDA=1" in err[0]
+    built = {}
+    monkeypatch.setattr(gs, "build_llama", lambda wh, budget: built.update(wh=wh, budget=budget) or 321.0)
+    monkeypatch.setattr(gs, "llama_offload_child", lambda: {"offload": True, "version": "0.3.36"})
+    monkeypatch.setattr(gc, "converter_present", lambda folder: True)
+    assert gs.main([*small, "--build-llama", "--wheelhouse", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert built == {"wh": tmp_path, "budget": 540.0} and [t.name for t in seen["recipe"].tiers] == ["q4", "q4-kv8"]
+    assert "proved: llama-cpp-python 0.3.36 offloads to the GPU (built here in 321 s)" in out
+    assert "proved: q4-kv8 ran on CUDA with gguf-cuda, decode static, flash attention None, q8_0 KV cache" in out
+    # the rebuild: from the sdist, this GPU's compute capability on the portable CPU flags, offline from a wheelhouse
+    cmd, env = gs.llama_build_command("0.3.36", "90", tmp_path)
+    assert cmd[cmd.index("--find-links") + 1] == str(tmp_path) and "--no-index" in cmd
+    assert "llama-cpp-python==0.3.36" in cmd and "--no-binary" in cmd
+    assert "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" in env["CMAKE_ARGS"] and "-DGGML_NATIVE=OFF" in env["CMAKE_ARGS"]
+    assert "--no-index" not in gs.llama_build_command("0.3.36", "90", None)[0]
+
+
+@pytest.mark.parametrize("args,needle", [(["--tokenizer", "/nonexistent/tok"], "--tokenizer"),
+                                         (["--wheelhouse", "/tmp"], "--build-llama"),
+                                         (["--tiers", "bf16,nope"], "unknown tiers")])
+def test_gpu_smoke_bad_options_refuse_in_one_line(args, needle, tmp_path, monkeypatch, capsys):
+    gs, _ = _smoke(monkeypatch, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        gs.main(args)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0]

@@ -132,13 +132,15 @@ def extract_converter(sdist: Path, dest: Path) -> int:
 
 def download_sdist(version: str, into: Path, *, timeout: float = 900.0, purpose: str = "its llama.cpp source") -> Path:
     """Download the llama-cpp-python ``version`` sdist (about 75 MB) into folder ``into``
-    through pip (``pip download --no-deps --no-binary :all:``) and return its path.
+    through pip (``pip download --no-deps --no-binary llama-cpp-python``: the sdist, while its
+    build requirements, which pip installs to read its metadata, may be wheels, as an offline
+    wheelhouse holds them; ``PIP_NO_INDEX``/``PIP_FIND_LINKS`` point pip there) and return its path.
 
     Raises:
         RuntimeError: pip failed (no network, version not on the index); the message
             carries pip's last lines and names ``purpose``.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
            "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", str(into)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     sdists = sorted(into.glob("llama_cpp_python-*.tar.gz")) if into.is_dir() else []
@@ -152,7 +154,7 @@ def download_sdist(version: str, into: Path, *, timeout: float = 900.0, purpose:
 def ensure_converter(version: str | None = None, log: Callable[[str], None] = print,
                      timeout: float = 900.0) -> Path:
     """Folder of the converter matching llama-cpp-python ``version`` (default: installed),
-    fetched on first use: ``pip download --no-deps --no-binary :all:
+    fetched on first use: ``pip download --no-deps --no-binary llama-cpp-python
     llama-cpp-python==<version>`` (about 75 MB, about a minute), then only the converter,
     ``conversion/`` and ``gguf-py/gguf`` are kept. Safe against concurrent fetches (the
     folder is renamed into place complete).

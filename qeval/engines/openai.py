@@ -31,14 +31,21 @@ servers' token-id extensions):
   (llama-server's slot erase, vLLM's prefix-cache reset, SGLang's cache flush; a server
   without one is restarted), its own counters are read before and after, and a pool that
   is not empty at the start fails the phase in one line naming the tier and the server.
-* scoring (fidelity) from the server's top-k log-probabilities by token id (dialects with
-  ``logprobs``: llama-server ``n_probs``, vLLM ``logprobs``): one request per position with
-  the prefix as prompt and ``max_tokens 1`` (llama-server reuses its cached prefix,
-  ``cache_prompt: true``). :meth:`OpenAIEngine.iter_logprobs` yields full-vocabulary rows
-  with the top ``k`` exact and the remaining mass spread evenly over the other tokens;
-  the fidelity stage also reports the top-``k`` estimate proper
-  (:func:`qeval.measure.fidelity.topk_kld_rows`: the remaining mass in one bucket),
-  labelled with ``k``.
+* scoring (fidelity) from the server's top-k log-probabilities. Where the server returns
+  the log-probabilities of the prompt's own positions (vLLM's ``prompt_logprobs``
+  extension of ``/v1/completions``: ``choices[0].prompt_logprobs``, one
+  ``{token id: {logprob, rank, decoded_token}}`` per prompt token, None for the first),
+  one request per sequence; otherwise (llama-server, an unknown server) one request per
+  position with the prefix as prompt and ``max_tokens 1`` (llama-server ``n_probs``,
+  reusing its cached prefix, ``cache_prompt: true``). vLLM is the one dialect that has
+  it unless ``options.server["prompt_logprobs"]`` says otherwise; a server that answers
+  such a request without the field is scored per position from then on. Both paths keep
+  the ``k`` most probable tokens (vLLM adds the prompt's own token when it is outside
+  them: dropped, so both paths give the same rows).
+  :meth:`OpenAIEngine.iter_logprobs` yields full-vocabulary rows with the top ``k``
+  exact and the remaining mass spread evenly over the other tokens; the fidelity stage
+  also reports the top-``k`` estimate proper (:func:`qeval.measure.fidelity.topk_kld_rows`:
+  the remaining mass in one bucket), labelled with ``k``.
 
 The API key is read from the environment variable the recipe names, sent only in the
 ``Authorization`` header, and never written to a file or a message.
@@ -52,6 +59,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -153,14 +161,17 @@ class Client:
         self.wire = wire if wire is not None else dialect_for_owner(owner)
 
     def body(self, prompt: Any, max_tokens: int, *, stream: bool, logprobs: int = 1, ignore_eos: bool = False,
-             cache_prompt: bool = False) -> dict:
-        """A greedy ``/v1/completions`` request body with the dialect's token-id extensions."""
+             cache_prompt: bool = False, prompt_logprobs: int | None = None) -> dict:
+        """A greedy ``/v1/completions`` request body with the dialect's token-id extensions
+        (``prompt_logprobs``: vLLM's top-k of every prompt position, non-streamed only)."""
         b: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens),
                              "temperature": 0.0, "top_p": 1.0, "stream": stream, "logprobs": int(logprobs)}
         if stream:
             b["stream_options"] = {"include_usage": True}
         if ignore_eos:
             b["ignore_eos"] = True
+        if prompt_logprobs is not None:
+            b["prompt_logprobs"] = int(prompt_logprobs)
         b.update(self.wire.extras(logprobs=int(logprobs), cache_prompt=cache_prompt))
         return b
 
@@ -182,16 +193,17 @@ class Client:
             raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def stream(self, body: dict) -> Iterator[tuple[float, dict]]:
-        """``(perf_counter time, chunk)`` for every ``data:`` line of a streamed completion.
+    def stream(self, body: dict, path: str = "/v1/completions") -> Iterator[tuple[float, dict]]:
+        """``(perf_counter time, chunk)`` for every ``data:`` line of a streamed completion
+        (``path``: ``/v1/chat/completions`` for a chat one).
 
         Raises:
             RuntimeError: an HTTP error status.
         """
-        with self.http.stream("POST", "/v1/completions", json=body) as r:
+        with self.http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 r.read()
-                raise RuntimeError(f"/v1/completions answered HTTP {r.status_code}: {r.text[:300]}")
+                raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
             for line in r.iter_lines():
                 t = time.perf_counter()
                 if not line.startswith("data:"):
@@ -221,6 +233,107 @@ def chunk_topk(chunk: dict, wire: Dialect | None = None) -> list[list[tuple[int,
     return next((rows for d in dialects() if (rows := d.topk(chunk))), [])
 
 
+#: Where chat servers put a reasoning model's thinking, apart from ``content``: vLLM's reasoning
+#: parsers ``reasoning`` (renamed from ``reasoning_content``, vllm#27752; the old name removed in
+#: vllm#33402), llama-server ``--reasoning-format deepseek`` (its default ``auto`` too) and
+#: DeepSeek's API ``reasoning_content``. Without a parser the thinking stays inline in
+#: ``content`` (``<think>...</think>``), which :func:`qeval.measure.behaviour.split_thinking` reads.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def message_parts(m: dict) -> tuple[str, str | None]:
+    """``(answer, thinking)`` of a chat message or a streamed delta: ``content`` (null, as a
+    server sends when thinking spent ``max_tokens``, is ``""``) and the first reasoning field
+    present (:data:`REASONING_FIELDS`; a server that fills both with the same text, as vLLM's
+    compatibility alias did, is read once); thinking None when the server sent no such field."""
+    thinking = next((m[f] for f in REASONING_FIELDS if isinstance(m.get(f), str)), None)
+    return str(m.get("content") or ""), thinking
+
+
+@dataclass
+class ChatAnswer:
+    """One chat completion with the thinking kept apart from the answer.
+
+    Attributes:
+        content: the answer (``message.content``; ``""`` when the server sent null).
+        reasoning: the thinking from a reasoning field (None: the server sent none: no
+            reasoning parser, or not a reasoning model).
+        finish_reason: ``stop``, ``length`` (``max_tokens`` reached) ... as the server says.
+        completion_tokens: ``usage.completion_tokens`` (thinking included), None when absent.
+        reasoning_tokens: ``usage.completion_tokens_details.reasoning_tokens`` where the server
+            counts them, else None.
+        first_content_s: seconds from the request to the first answer text (after any
+            thinking; streamed answers only, None otherwise or when no answer came).
+    """
+    content: str
+    reasoning: str | None
+    finish_reason: str | None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    first_content_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """False when the token budget ended the answer (``finish_reason == "length"``)."""
+        return self.finish_reason != "length"
+
+    def segment(self) -> dict:
+        """The fields a behaviour segment takes (:func:`qeval.measure.behaviour.summarise_behaviour`):
+        ``text`` (the answer alone), ``reasoning`` and ``finished``."""
+        return {"text": self.content, "reasoning": self.reasoning, "finished": self.finished}
+
+
+def chat_answer(parts: Sequence[tuple[float, dict]], t0: float | None = None) -> ChatAnswer:
+    """A :class:`ChatAnswer` from a whole chat answer (one part) or a stream's chunks
+    (``(arrival time, chunk)``; ``choices[0].delta`` pieces joined, the last
+    ``finish_reason`` and ``usage`` kept), ``t0`` the request's send time."""
+    content, reasoning, finish, usage, first = [], [], None, None, None
+    streamed = False
+    for t, d in parts:
+        usage = d.get("usage") or usage
+        for ch in (d.get("choices") or [])[:1]:
+            m = ch.get("delta")
+            streamed = streamed or m is not None
+            text, thought = message_parts(m if m is not None else ch.get("message") or {})
+            if text and first is None and m is not None and t0 is not None:
+                first = t - t0
+            content.append(text)
+            if thought is not None:
+                reasoning.append(thought)
+            finish = ch.get("finish_reason") or finish
+    details = (usage or {}).get("completion_tokens_details") or {}
+    rt = details.get("reasoning_tokens")
+    ct = (usage or {}).get("completion_tokens")
+    return ChatAnswer("".join(content), "".join(reasoning) if reasoning else None, finish,
+                      int(ct) if ct is not None else None, int(rt) if rt is not None else None,
+                      first if streamed else None)
+
+
+def prompt_topk(answer: dict, k: int) -> list[list[tuple[int, float]] | None] | None:
+    """Per prompt position, the ``k`` most probable ``(token id, logprob)`` from vLLM's
+    ``choices[0].prompt_logprobs`` (entries ``{"<id>": {"logprob", "rank", ...}}``; ``rank``
+    1-based; a bare float is taken as the logprob). Entry ``i`` is the distribution of
+    prompt token ``i`` given tokens ``[:i]``; entry 0 is None. None when the answer has no
+    ``prompt_logprobs`` (the server ignored the request field)."""
+    ch = (answer.get("choices") or [{}])[0] or {}
+    rows = ch.get("prompt_logprobs", answer.get("prompt_logprobs"))
+    if not isinstance(rows, list):
+        return None
+    out: list[list[tuple[int, float]] | None] = []
+    for d in rows:
+        if not d:
+            out.append(None)
+            continue
+        ent = []
+        for key, v in d.items():
+            tid = int(str(key).split(":", 1)[1]) if str(key).startswith("token_id:") else int(key)
+            lp, rank = (float(v["logprob"]), v.get("rank")) if isinstance(v, dict) else (float(v), None)
+            ent.append((rank if rank is not None else 1 << 30, -lp, tid, lp))
+        ent.sort()  # by rank, then by logprob: ties and missing ranks alike
+        out.append([(tid, lp) for _, _, tid, lp in ent[:k]])
+    return out
+
+
 class OpenAIEngine:
     """A tier served over HTTP (see the module notes).
 
@@ -235,6 +348,8 @@ class OpenAIEngine:
         kind: the managed server's :class:`~qeval.engines.servers.ServerKind` (None for
             an endpoint).
         topk: the log-probabilities per position the server returns when scoring (k).
+        prompt_logprobs: True when scoring asks for the whole sequence's positions in one
+            request (vLLM ``prompt_logprobs``); False: one request per position.
         tokenizer_check: ``[{"text_tokens", "server_tokens"}]`` of the check that passed.
         restarts: times the managed server was restarted to empty its KV pool.
     """
@@ -275,12 +390,12 @@ class OpenAIEngine:
             raise ValueError("the openai engine needs exactly one of endpoint: and serve:")
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
                    tokenizer=s.get("tokenizer"), depth_text=s.get("depth_text"), depths=s.get("depths") or (),
-                   tokens=s.get("tokens") or {}, tier=s.get("tier"))
+                   tokens=s.get("tokens") or {}, tier=s.get("tier"), prompt_logprobs=s.get("prompt_logprobs"))
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
                  serve: ServeOptions | None, log_path: str | None, tokenizer: str | None,
                  depth_text: str | Path | None = None, depths: Sequence[int] = (),
-                 tokens: dict | None = None, tier: str | None = None) -> None:
+                 tokens: dict | None = None, tier: str | None = None, prompt_logprobs: bool | None = None) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         self.server: ManagedServer | None = None
         self.kind: Any = None
@@ -294,6 +409,7 @@ class OpenAIEngine:
         self.sampling = {"decode": "argmax (temperature 0, top_k 1)", "ignored_file_defaults": {}}
         self.topk = DEFAULT_TOPK
         self.score_topk = self.topk  # the fidelity stage's KLD is the top-k estimate
+        self.prompt_logprobs = False  # set from the server's dialect once connected
         self.last_cache_bytes = None
         self.kv_cache = options.kv_cache
         self.device = options.device
@@ -312,6 +428,7 @@ class OpenAIEngine:
             self.client.connect(endpoint.model if endpoint else None,
                                 self.kind.dialect if self.kind is not None else None)
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
+            self.prompt_logprobs = self.client.dialect == "vllm" if prompt_logprobs is None else bool(prompt_logprobs)
             self.vocab_size = len(self.tok) if self.tok is not None else 0
             try:
                 texts = depth_texts(self.tok, depth_text, depths) if self.tok is not None and depth_text else []
@@ -518,6 +635,29 @@ class OpenAIEngine:
             self._alive(e)
             raise
 
+    def chat(self, messages: Sequence[dict], max_new_tokens: int, *, stream: bool = True) -> ChatAnswer:
+        """A greedy ``/v1/chat/completions`` answer to ``messages`` (``[{"role", "content"}]``)
+        with the thinking of a reasoning model kept apart (:class:`ChatAnswer`): for endpoints
+        that serve chat, where the server's chat template and reasoning parser apply (the
+        suites send token ids to ``/v1/completions`` instead, where thinking stays inline).
+
+        Raises:
+            ServerFailed: the managed server died.
+            RuntimeError: an HTTP error.
+        """
+        body: dict[str, Any] = {"model": self.client.model, "messages": list(messages),
+                                "max_tokens": int(max_new_tokens), "temperature": 0.0, "top_p": 1.0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        t0 = time.perf_counter()
+        try:
+            if stream:
+                return chat_answer(list(self.client.stream(body, "/v1/chat/completions")), t0)
+            return chat_answer([(time.perf_counter(), self.client.post("/v1/chat/completions", body))], t0)
+        except Exception as e:  # noqa: BLE001 - a dead server is the reason, whatever httpx saw
+            self._alive(e)
+            raise
+
     def topk_at(self, prefix: Sequence[int]) -> list[tuple[int, float]]:
         """The server's top-``k`` ``(token id, logprob)`` of the token after ``prefix``.
 
@@ -539,22 +679,57 @@ class OpenAIEngine:
             raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities")
         return rows[0]
 
+    def sequence_topk(self, ids: Sequence[int]) -> list[list[tuple[int, float]] | None] | None:
+        """The server's top-``k`` at every position of ``ids`` in one request (vLLM
+        ``prompt_logprobs``, ``max_tokens 1``): entry ``i`` for token ``i`` given ``ids[:i]``.
+        None when the server answered without ``prompt_logprobs``: :attr:`prompt_logprobs` is
+        then turned off (one request per position from then on).
+
+        Raises:
+            ServerFailed: the managed server died.
+            RuntimeError: an HTTP error (a sequence longer than the server's context, a
+                ``k`` above vLLM's ``--max-logprobs``), or a list of another length than ``ids``.
+        """
+        body = self.client.body([int(t) for t in ids], 1, stream=False, logprobs=1, prompt_logprobs=self.topk)
+        try:
+            d = self.client.post("/v1/completions", body)
+        except Exception as e:  # noqa: BLE001 - a dead server is the reason
+            self._alive(e)
+            raise
+        rows = prompt_topk(d, self.topk)
+        if rows is None:
+            print(f"[qeval] {self.backend} answered without prompt_logprobs: scoring one request per position",
+                  flush=True)
+            self.prompt_logprobs = False
+            return None
+        if len(rows) != len(ids):
+            raise RuntimeError(f"the server returned prompt_logprobs for {len(rows)} positions of a "
+                               f"{len(ids)}-token prompt")
+        return rows
+
     def iter_logprobs(self, token_ids: Sequence[int], window: int = 256,
                       first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """Rows of :meth:`qeval.engines.base.Engine.iter_logprobs` from the server's top-k:
-        one request per position; each row holds the top ``k`` log-probabilities at their
-        ids and the remaining mass ``1 - sum(top k)`` spread evenly over the other
-        ``vocab - k`` tokens (the top-k estimate; :func:`qeval.measure.fidelity.topk_kld_rows`
-        keeps the remaining mass in one bucket instead). Shape ``[m, vocab]``, float32."""
+        one request for the whole sequence where the server returns ``prompt_logprobs``
+        (:meth:`sequence_topk`), else one request per position (:meth:`topk_at`); each row
+        holds the top ``k`` log-probabilities at their ids and the remaining mass
+        ``1 - sum(top k)`` spread evenly over the other ``vocab - k`` tokens (the top-k
+        estimate; :func:`qeval.measure.fidelity.topk_kld_rows` keeps the remaining mass in
+        one bucket instead). Shape ``[m, vocab]``, float32."""
         ids = [int(t) for t in token_ids]
         n = len(ids)
         first = max(0, int(first))
         step = max(1, int(window))
+        seq = self.sequence_topk(ids) if (self.prompt_logprobs and n - 1 > first) else None
         for start in range(first, n - 1, step):
             m = min(step, n - 1 - start)
             out = np.empty((m, self.vocab_size), dtype=np.float32)
             for j in range(m):
-                out[j] = topk_row(self.topk_at(ids[:start + j + 1]), self.vocab_size)
+                top = seq[start + j + 1] if seq is not None else self.topk_at(ids[:start + j + 1])
+                if not top:
+                    raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities at position "
+                                       f"{start + j + 1}")
+                out[j] = topk_row(top, self.vocab_size)
             yield start, out
 
     def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:

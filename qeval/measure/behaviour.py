@@ -12,8 +12,10 @@ text similarity, budget exhaustion.
 - ROUGE-L F1 (``rouge-score``) and chrF (``sacrebleu``) of each answer against BF16's
   (Kurtic et al. 2024, arXiv:2411.02355 compare texts this way).
 - Budget exhaustion: answers that hit max_new_tokens before a stop token; for a model
-  with a thinking section (``<think>...</think>``), answers whose final part is empty
-  because thinking spent the budget.
+  with a thinking section, answers whose final part is empty because thinking spent the
+  budget. The thinking is inline (``<think>...</think>`` in the text) or, from a chat
+  server's reasoning parser, a field of its own (``reasoning`` / ``reasoning_content``:
+  :class:`qeval.engines.openai.ChatAnswer`), carried as a segment's ``reasoning``.
 """
 from __future__ import annotations
 
@@ -43,9 +45,15 @@ def split_thinking(text: str, open_tag: str = THINK_OPEN, close_tag: str = THINK
     return text[start:], "", True
 
 
-def thinking_exhausted(text: str, finished: bool) -> bool:
+def thinking_exhausted(text: str, finished: bool, reasoning: str | None = None) -> bool:
     """True when a thinking-model answer has no final part: the thinking section never
-    closed, or closed with nothing after it, and generation hit its budget."""
+    closed, or closed with nothing after it, and generation hit its budget.
+
+    ``reasoning``: the thinking a server returned apart from the answer (None: none was;
+    the thinking, if any, is inline in ``text``). With it, ``text`` is the final part (a
+    null ``content`` read as ``""``)."""
+    if reasoning is not None:
+        return bool(reasoning.strip()) and not finished and not text.strip()
     _, final, has = split_thinking(text)
     return has and not finished and not final.strip()
 
@@ -100,7 +108,8 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
     Args:
         tier_segments: one dict per answered turn: ``item`` (suite/id), ``turn``,
             ``answer_ids``, ``text``, ``finished``, ``checks`` (list of bool, or None for a
-            check that timed out).
+            check that timed out); optional ``reasoning``, thinking a server returned apart
+            from ``text`` (see :func:`thinking_exhausted`).
         ref_segments: the reference's segments keyed by ``(item, turn)``.
     Returns:
         dict with pass_rate, pass_ci_low/high, n_checks, flips_pass_to_fail,
@@ -143,8 +152,8 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
         "flips_pass_to_fail": p2f, "flips_fail_to_pass": f2p,
         "flip_rate": (p2f + f2p) / compared if compared else None,
         "budget_exhausted_rate": sum(not s["finished"] for s in tier_segments) / n if n else None,
-        "thinking_exhausted_rate": (sum(thinking_exhausted(s["text"], s["finished"]) for s in tier_segments) / n
-                                    if n else None),
+        "thinking_exhausted_rate": (sum(thinking_exhausted(s["text"], s["finished"], s.get("reasoning"))
+                                        for s in tier_segments) / n if n else None),
         "rouge_l": rl, "chrf": chrf,
         "first_divergence_mean": float(np.mean(divs)) if divs else None,
         "identical_rate": identical / len(hyps) if hyps else None,
