@@ -33,7 +33,7 @@ are installed.
 from __future__ import annotations
 
 import ctypes
-import os
+import _ctypes  # dlclose: ctypes has no public unload
 import platform
 import re
 import sys
@@ -215,11 +215,14 @@ def _score(path: Path) -> int:
     """llama.cpp's ``ggml_backend_score()`` of a variant module (dlopen runs none of its
     kernels: the score lives in the ``-feats`` object built without the variant's flags)."""
     lib = ctypes.CDLL(str(path))
-    fn = getattr(lib, "ggml_backend_score", None)
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn())
+    try:
+        fn = getattr(lib, "ggml_backend_score", None)
+        if fn is None:
+            return 0
+        fn.restype = ctypes.c_int
+        return int(fn())
+    finally:  # unloaded again (as ggml_backend_load_best does); the chosen one is loaded by ggml
+        _ctypes.dlclose(lib._handle)
 
 
 def _ggml(lib_dir: Path) -> Any:
@@ -306,6 +309,11 @@ def load_backends(llama_cpp_dir: Path, *, amx_ok: bool | None = None,
     sel = Selection()
     if not mods:
         sel.variant = "built-in"
+        ggml = _ggml(llama_cpp_dir / "lib")
+        if int(ggml.ggml_backend_reg_count()) == 0:  # GGML_BACKEND_DL with one CPU module, no variants
+            one = [d / "libggml-cpu.so" for d in dirs if (d / "libggml-cpu.so").is_file()]
+            if one and ggml.ggml_backend_load(str(one[0]).encode()):
+                sel.variant, sel.path = "single module", str(one[0])
         _SELECTION = sel
         return sel
     ggml = _ggml(llama_cpp_dir / "lib")
