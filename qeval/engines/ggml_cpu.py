@@ -225,8 +225,26 @@ def _score(path: Path) -> int:
         _ctypes.dlclose(lib._handle)
 
 
+def _libggml_path(lib_dir: Path) -> Path:
+    """The ``libggml`` file llama.cpp's ``libllama`` runs with. The wheel holds copies, not
+    links (``libggml.so``, ``libggml.so.0``, ...): a copy opened by another name would be a
+    second library with a registry of its own, so take the one already mapped into this
+    process (``libllama``'s ``DT_NEEDED`` ``libggml.so.0``), else that name."""
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            f = Path(line.split(None, 5)[-1]) if line.count(" ") >= 5 else None
+            if f is not None and f.parent == lib_dir and f.name.startswith("libggml.so"):
+                return f
+    except OSError:
+        pass
+    for name in ("libggml.so.0", "libggml.so"):
+        if (lib_dir / name).exists():
+            return lib_dir / name
+    return lib_dir / "libggml.so"
+
+
 def _ggml(lib_dir: Path) -> Any:
-    lib = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    lib = ctypes.CDLL(str(_libggml_path(lib_dir.resolve())))
     lib.ggml_backend_load.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_load.restype = ctypes.c_void_p
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
