@@ -78,10 +78,10 @@ def _llama() -> Any:
     import llama_cpp  # optional: the qeval[gguf] extra
     with _LOCK:
         if not _BACKEND_READY:
+            _LOG_CB = _make_log_callback()
+            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))  # first: ggml logs the backend it loads
             ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent)  # before llama.cpp's load_all
             llama_cpp.llama_backend_init()
-            _LOG_CB = _make_log_callback()
-            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
             _BACKEND_READY = True
     return llama_cpp
 
