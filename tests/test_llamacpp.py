@@ -154,7 +154,8 @@ def _run_variant(tiny, flags: str) -> dict:
     import sys
     repo = Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, "-c", _VARIANT_RUN, str(tiny["f16"]), flags, json.dumps(tiny["ids"][:24])],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(repo)))
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(repo)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])))
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -4 would be SIGILL
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
