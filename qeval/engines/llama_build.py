@@ -11,7 +11,7 @@ It does what ``CMAKE_ARGS=... pip install llama-cpp-python`` does, with two chan
    instruction-set family (``GGML_BACKEND_DL=ON``, ``GGML_CPU_ALL_VARIANTS=ON``: 14 on
    x86-64) and load the best one at run time. Each variant costs about 55 s of one core
    (measured on this project's 2-core machines; the whole variant-free rest of the
-   llama-cpp-python build is a few minutes), so all 14 would add 6 to 7 minutes to
+   llama-cpp-python build is a few minutes), so all 14 would add about 9 CPU minutes (some 5 minutes of wall time) to
    ``make setup`` on 2 cores. ``--variants auto`` keeps the families of the x86-64
    machines this project meets (:data:`qeval.engines.ggml_cpu.DEFAULT_VARIANTS`: the
    AVX2 baseline the portable build ran everywhere, and three AVX-512 ones), plus the
