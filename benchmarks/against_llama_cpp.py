@@ -21,6 +21,12 @@ Two checks on a finished qeval run folder:
    tokens from an empty cache (qeval's TTFT at depth d); its ``tg<n-1> @ d<d>`` is n - 1
    single-token decodes after a context of d tokens, the same positions qeval's
    ``(n - 1) / (t_last - t_first)`` times. Target: ratios within 5 %.
+   The same rounds also run the fastest llama-bench that runs on this machine (the
+   ``native`` flavour of :mod:`qeval.engines.llama_tools`: ``-march=native``, without
+   AMX where the CPU lists it and the kernel does not grant it; built once and cached,
+   only when this benchmark runs; ``--no-native`` leaves it out): the ``qeval/native``
+   column is qeval's figure over that build's, paired in the same round, and says what
+   qeval's choice of CPU variant (printed first) leaves on the table. Target: within 10 %.
 2. **KLD.** For each GGUF tier (and the reference tier as served, the noise floor): the
    KLD stored in the run against an independent float64 recomputation from raw logits
    over the same reference tokens: the reference model through transformers in the
@@ -31,10 +37,11 @@ Two checks on a finished qeval run folder:
 
     python benchmarks/against_llama_cpp.py RUN_DIR [--tiers gguf-q4_k_m] [--rounds 3]
                                              [--decode-tokens N] [--depths 256,1024]
-                                             [--skip-speed] [--skip-kld]
+                                             [--skip-speed] [--skip-kld] [--no-native]
 
-The first run builds llama.cpp's tools (10+ minutes on 2 cores; cached under
-``$QEVAL_CACHE/llama_tools``). A run folder for it: a copy of the default recipe with
+The first run builds llama.cpp's tools (about 5 minutes on 2 cores per flavour; cached
+under ``$QEVAL_CACHE/llama_tools``). Shortest mode (proves it runs, figures meaningless):
+``--rounds 1 --depths 64 --decode-tokens 8 --skip-kld``. A run folder for it: a copy of the default recipe with
 ``--tiers bf16,gguf-q4_k_m`` (the reference and floor come with bf16).
 
 GGUF tiers are the finished tiers whose engine opens GGUF files (the engine registry's
@@ -57,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SPEED_TARGET = 0.05
+NATIVE_TARGET = 0.10  # qeval's run-time CPU variant against the fastest build that runs here
 MIN_DECODE_TOKENS = 64  # default floor on new tokens: a decode window long enough to time
 KLD_TARGET = 0.02
 
@@ -151,17 +159,28 @@ def qeval_speed(engine_name: str, gguf: Path, prompts: dict[int, list[int]], *, 
 
 
 def speed_check(run_dir: Path, tier_names: list[str], rounds: int, decode_tokens: int | None = None,
-                depths: list[int] | None = None) -> list[dict]:
-    """Side-by-side speed of qeval and llama-bench for each GGUF tier; returns the rows printed."""
+                depths: list[int] | None = None, native: bool = True) -> list[dict]:
+    """Side-by-side speed of qeval, llama-bench built as qeval runs (same CPU variant) and,
+    with ``native``, the fastest llama-bench that runs here, for each GGUF tier; returns
+    the rows printed."""
     from transformers import AutoTokenizer
 
-    from qeval.engines.llama_tools import tool_path
+    from qeval.engines.llama_tools import cmake_args, tool_path
+    from qeval.engines.llamacpp import cpu_backend
     from qeval.measure.speed import depth_prompt_ids
     from qeval.run import child_env
 
     recipe, run, tiers, src = load(run_dir)
     env = child_env(recipe)  # what qeval's measure stage runs under (main() set it for this process too)
     bench = tool_path("llama-bench", log=lambda s: print(f"[llama_tools] {s}", flush=True))
+    cpu = cpu_backend()
+    print(f"qeval's llama.cpp CPU variant: {cpu['cpu_variant']} ({' '.join(cpu['instruction_sets'])}); "
+          f"llama-bench built with {' '.join(a for a in cmake_args() if 'GGML' in a and '=ON' in a)}", flush=True)
+    fastest = None
+    if native:
+        fastest = tool_path("llama-bench", flavor="native", log=lambda s: print(f"[llama_tools] {s}", flush=True))
+        print(f"fastest llama-bench here: {' '.join(a for a in cmake_args('native') if 'GGML' in a or 'FLAGS' in a)} "
+              f"({fastest.parent.parent.name})", flush=True)
     tok = AutoTokenizer.from_pretrained(src)
     depths = list(depths or recipe.speed.depths)
     prompts = {d: depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), d) for d in depths}
@@ -174,9 +193,12 @@ def speed_check(run_dir: Path, tier_names: list[str], rounds: int, decode_tokens
               f"batch 512, {n} new tokens, {rounds} rounds x {recipe.speed.repeats} repeats", flush=True)
         q: dict[int, dict] = {d: {"prefill_tokens_per_s": [], "decode_tokens_per_s": []} for d in depths}
         b: dict[int, dict] = {d: {"prefill_tokens_per_s": [], "decode_tokens_per_s": []} for d in depths}
+        nb: dict[int, dict] = {d: {"prefill_tokens_per_s": [], "decode_tokens_per_s": []} for d in depths}
         pair: dict[tuple[int, str], list[float]] = {}  # (depth, metric) -> qeval / llama-bench per round
+        npair: dict[tuple[int, str], list[float]] = {}  # (depth, metric) -> qeval / native llama-bench per round
         for r in range(rounds):  # per depth: qeval, then llama-bench, seconds apart
-            print(f"   round {r + 1}/{rounds}: per depth, qeval then llama-bench", flush=True)
+            print(f"   round {r + 1}/{rounds}: per depth, qeval then llama-bench"
+                  + (" then the native llama-bench" if fastest else ""), flush=True)
             for d in depths:
                 v = qeval_speed(t.engine, gguf, {d: prompts[d]}, threads=threads, kv_cache=t.kv_cache or "model",
                                 flash_attn=fa, decode_tokens=n, repeats=recipe.speed.repeats)[d]
@@ -186,10 +208,17 @@ def speed_check(run_dir: Path, tier_names: list[str], rounds: int, decode_tokens
                     q[d][k] += v[k]
                 for k in w:
                     b[d][k] += w[k]
+                x = llama_bench(fastest, gguf, threads=threads, flash_attn=fa, kv=kv, depths=[d], decode_tokens=n,
+                                repeats=recipe.speed.repeats, env=env)[d] if fastest else {}
+                for k in x:
+                    nb[d][k] += x[k]
                 for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
                     if v.get(k) and w.get(k):
                         pair.setdefault((d, k), []).append(statistics.median(v[k]) / statistics.median(w[k]))
-        print(f"   {'depth':>6} {'':8} {'qeval':>9} {'llama-bench':>12} {'pair ratio':>10}  {'stored run':>10}  rounds' ratios")
+                    if v.get(k) and x.get(k):
+                        npair.setdefault((d, k), []).append(statistics.median(v[k]) / statistics.median(x[k]))
+        print(f"   {'depth':>6} {'':8} {'qeval':>9} {'llama-bench':>12} {'pair ratio':>10}  {'stored run':>10}  rounds' ratios"
+              + ("\n   (native): the fastest llama-bench here, its pair ratio qeval/native" if fastest else ""))
         for d in depths:
             for k, label in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
                 mq = statistics.median(q[d][k]) if q[d][k] else None
@@ -204,6 +233,16 @@ def speed_check(run_dir: Path, tier_names: list[str], rounds: int, decode_tokens
                 print(f"   {d:>6} {label:8} {mq or float('nan'):9.2f} {mb or float('nan'):12.2f} "
                       f"{ratio or float('nan'):10.3f}  {stored or float('nan'):10.2f}  "
                       f"{within(ratio, SPEED_TARGET, own)}  {', '.join(f'{x:.3f}' for x in ratios)}", flush=True)
+                if fastest:
+                    mn = statistics.median(nb[d][k]) if nb[d][k] else None
+                    nr = npair.get((d, k), [])
+                    nratio = statistics.median(nr) if nr else None
+                    nown = (min(nb[d][k]) / mn, max(nb[d][k]) / mn) if mn else None
+                    rows[-1].update({"native_llama_bench": mn, "native_ratio": nratio, "native_round_ratios": nr,
+                                     "native_own_range": nown})
+                    print(f"   {'':>6} {'':8} {'':>9} {mn or float('nan'):12.2f} "
+                          f"{nratio or float('nan'):10.3f}  {'(native)':>10}  "
+                          f"{within(nratio, NATIVE_TARGET, nown)}  {', '.join(f'{x:.3f}' for x in nr)}", flush=True)
         print(f"   (stored run: the run folder's figure at the recipe's {recipe.speed.decode_tokens} new tokens)")
     return rows
 
@@ -261,6 +300,9 @@ def _llama_rows(gguf: Path, seqs, *, threads: int, flash_attn: bool, kv: str):
     """float64 log-probabilities of the answer rows from llama-cpp-python's high-level
     ``Llama`` (``logits_all``, ``eval`` of each whole sequence)."""
     import llama_cpp
+
+    from qeval.engines.llamacpp import cpu_backend
+    cpu_backend()  # ggml's backends loaded as qeval loads them (a variant build has none linked in)
     n_ctx = -(-max(len(s) for s, _ in seqs) // 256) * 256
     ktype = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[kv]
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
@@ -331,6 +373,7 @@ def main() -> None:
     ap.add_argument("--depths", default=None, help="comma-separated depths (default: the recipe's speed.depths)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-kld", action="store_true")
+    ap.add_argument("--no-native", action="store_true", help="leave out the native (fastest) llama-bench build")
     a = ap.parse_args()
     recipe, run, tiers, _ = load(a.run_dir)
     from qeval.run import child_env
@@ -345,7 +388,7 @@ def main() -> None:
           f"(1 min) on {os.cpu_count()} cores")
     if not a.skip_speed:
         speed_check(a.run_dir, [n for n in names if opens_gguf(ok[n])], a.rounds, a.decode_tokens,
-                    [int(x) for x in a.depths.split(",")] if a.depths else None)
+                    [int(x) for x in a.depths.split(",")] if a.depths else None, native=not a.no_native)
     if not a.skip_kld:
         ref = recipe.gate.reference
         extra = [ref] if ref in ok and ref not in names else []

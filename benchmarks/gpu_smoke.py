@@ -95,6 +95,9 @@ def machine_report() -> dict:
     info["torch"] = f"{torch.__version__} (CUDA {torch.version.cuda})"
     try:
         import llama_cpp
+
+        from qeval.engines.llamacpp import cpu_backend
+        info["llama.cpp CPU variant"] = cpu_backend()["cpu_variant"]  # loads ggml's backends as qeval does
         info["llama.cpp GPU offload"] = bool(llama_cpp.llama_supports_gpu_offload())
     except ImportError:
         info["llama.cpp GPU offload"] = "llama-cpp-python not installed"

@@ -962,6 +962,10 @@ class RunInfo(_Closed):
     recipe_fingerprint: str | None = None  # qeval.stages.recipe_fingerprint: --resume refuses another recipe
     lanes: int | None = None  # untimed stages run side by side, at most this many (qeval.pipeline)
     schedule: list[ScheduledStage] | None = None
+    # llama.cpp's CPU backend as the GGUF tiers ran it, one entry per distinct variant:
+    # {"cpu_variant": "zen4" | "built-in", "instruction_sets": [...], "devices": [...],
+    #  "amx_granted": bool | None, "tiers": [...]} (qeval.engines.ggml_cpu.describe)
+    llama_cpp: list[dict[str, Any]] | None = None
 
     @field_validator("recipe")
     @classmethod

@@ -208,7 +208,8 @@ class Runner(TierRunner):
                 self.write_run_json({"noise_floor": self.floor_stage()})
             self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
             results = self.executor.run_tiers(self, self.tiers, reference_failed)
-        self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat()})
+        self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat(),
+                             "llama_cpp": llama_cpp_backends(results)})
         return results
 
     def run_pipelined(self, lanes: int) -> dict[str, TierResult]:
@@ -299,6 +300,23 @@ class Runner(TierRunner):
         except (RuntimeError, QevalInputError) as e:
             self.on_event("run", "floor", f"noise floor not measured: {str(e).splitlines()[0]}")
             return NoiseFloorSummary(measured=False, why=f"the floor stage failed: {str(e).splitlines()[0]}")
+
+
+def llama_cpp_backends(results: dict[str, TierResult]) -> list[dict] | None:
+    """``run.json``'s ``llama_cpp``: the CPU variant and instruction sets llama.cpp ran
+    (each tier's ``runtime``, :func:`qeval.engines.llamacpp.warm_runtime`), one entry per
+    distinct variant with the tiers that ran it; None when no tier ran llama.cpp in process."""
+    seen: dict[tuple, dict] = {}
+    for name, r in results.items():
+        rt = r.runtime or {}
+        if not rt.get("cpu_variant"):
+            continue
+        key = (rt["cpu_variant"], tuple(rt.get("instruction_sets") or ()))
+        entry = seen.setdefault(key, {"cpu_variant": rt["cpu_variant"], "instruction_sets": list(key[1]),
+                                      "devices": rt.get("devices"), "amx_granted": rt.get("amx_granted"),
+                                      "tiers": []})
+        entry["tiers"].append(name)
+    return list(seen.values()) or None
 
 
 def floor_summary(floor: FloorStage) -> NoiseFloorSummary:

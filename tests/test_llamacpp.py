@@ -133,6 +133,67 @@ def tiny(tmp_path_factory):
         mp.undo()
 
 
+# A fresh process: the CPU variant is chosen once per process, before llama.cpp loads any.
+_VARIANT_RUN = r"""
+import json, sys
+from pathlib import Path
+import llama_cpp
+from qeval.engines import ggml_cpu
+if sys.argv[2] != "machine":  # a machine with only these cpuinfo flags
+    ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent, flags=frozenset(sys.argv[2].split(",")))
+from qeval.engines.llamacpp import LlamaCppEngine, warm_runtime
+rt = warm_runtime()
+eng = LlamaCppEngine(sys.argv[1], threads=1)
+g = eng.generate(json.loads(sys.argv[3]), 4, ignore_stop=True)
+print("RESULT " + json.dumps({"tokens": len(g.token_ids), **rt}))
+"""
+
+
+def _run_variant(tiny, flags: str) -> dict:
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", _VARIANT_RUN, str(tiny["f16"]), flags, json.dumps(tiny["ids"][:24])],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(repo)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])))
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -4 would be SIGILL
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_a_fresh_process_runs_the_cpu_variant_the_machine_supports_and_records_it(tiny):
+    from qeval.engines import ggml_cpu
+    r = _run_variant(tiny, "machine")
+    assert r["tokens"] == 4 and r["system_info"] and r["devices"] and r["devices"][0].startswith("CPU")
+    v = r["cpu_variant"]
+    assert "AVX2" in r["instruction_sets"] or v == "built-in" or not ggml_cpu.cpu_flags() >= {"avx2"}
+    if v == "built-in":  # llama-cpp-python built with its CPU backend linked in: nothing to choose
+        assert not r["variants"]
+        return
+    flags, amx = ggml_cpu.cpu_flags(), ggml_cpu.amx_granted()
+    assert set(ggml_cpu.VARIANT_FLAGS[v]) <= flags  # every instruction set of the variant is the machine's
+    assert amx or v not in ggml_cpu.AMX_VARIANTS and "AMX_INT8" not in r["instruction_sets"]
+    built = [c["variant"] for c in r["variants"]]
+    assert v == ggml_cpu.machine_variant(flags, amx, built)  # and it is the best of those built
+    assert ("AVX512" in r["instruction_sets"]) == ("avx512f" in ggml_cpu.VARIANT_FLAGS[v])
+
+
+@pytest.mark.slow
+def test_a_machine_without_avx512_still_runs_the_build(tiny):
+    from qeval.engines import ggml_cpu
+    r0 = _run_variant(tiny, "machine")
+    built = [c["variant"] for c in r0["variants"]]
+    if "haswell" not in built:
+        pytest.skip(f"this llama-cpp-python has no haswell variant (CPU variant {r0['cpu_variant']})")
+    if not ggml_cpu.cpu_flags() >= set(ggml_cpu.VARIANT_FLAGS["haswell"]):
+        pytest.skip("this machine has no AVX2")
+    r = _run_variant(tiny, ",".join(ggml_cpu.VARIANT_FLAGS["haswell"]))  # cpuinfo of an AVX2-only machine
+    assert r["tokens"] == 4 and r["cpu_variant"] == "haswell"
+    assert "AVX2" in r["instruction_sets"] and "AVX512" not in r["instruction_sets"]
+    assert all(c["excluded"] for c in r["variants"] if c["variant"] != "haswell")
+
+
 def _kld(p_logp: np.ndarray, q_logp: np.ndarray) -> np.ndarray:
     return (np.exp(p_logp) * (p_logp - q_logp)).sum(-1)
 

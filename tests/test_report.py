@@ -278,6 +278,24 @@ def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
     assert "fell back" not in other
 
 
+def test_the_table_names_the_cpu_variant_llama_cpp_ran(tmp_path):
+    """A GGUF row whose runtime records llama.cpp's CPU variant shows it beside the backend
+    (markdown and CSV); a row without one shows the backend alone."""
+    import csv as _csv
+    d = tmp_path / "run_synthetic"
+    shutil.copytree(FIXTURE, d)
+    isa = ["AVX", "AVX2", "F16C", "FMA", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"]
+    _edit_tier(d, "q4_k_m", lambda t: setattr(t, "runtime", {"libraries": ["llama_cpp 0.3.36"], "cpu_variant": "zen4",
+                                                             "instruction_sets": isa}))
+    out = rebuild_outputs(d)
+    md = out.table_md.read_text()
+    assert "| llama.cpp-cpu (zen4) |" in next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m |"))
+    assert "(zen4)" not in next(ln for ln in md.splitlines() if ln.startswith("| q4_k_m-kv8 |"))
+    rows = {r["tier"]: r for r in _csv.DictReader(out.table_csv.open())}
+    assert rows["q4_k_m"]["cpu_variant"] == "zen4" and rows["q4_k_m"]["cpu_instruction_sets"] == " ".join(isa)
+    assert rows["q4_k_m"]["backend"] == "llama.cpp-cpu" and rows["int8"]["cpu_variant"] == ""
+
+
 # ---- load sweep: table, plots, overload ladder, plan beside the formula --------------------
 
 def _sweep(users_ok: int, base_tps: float, refuse_at: int | None = None) -> dict:

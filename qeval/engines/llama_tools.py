@@ -5,9 +5,18 @@ qeval measures GGUF tiers through llama-cpp-python; llama.cpp's ``llama-bench``,
 (``benchmarks/against_llama_cpp.py``, serving checks). None of them ships in the
 llama-cpp-python wheel, and a system llama.cpp would be another version, so they are built
 here from ``vendor/llama.cpp`` of the llama-cpp-python sdist of the *installed* version
-(fetched through pip as :mod:`qeval.engines.gguf_convert` does), with the same portable
-CMake flags the Makefile gives llama-cpp-python (``LLAMA_CMAKE_ARGS``: the portable CPU
-flags, and the CUDA ones when the installed llama-cpp-python offloads to a GPU).
+(fetched through pip as :mod:`qeval.engines.gguf_convert` does). Two flavours:
+
+* ``qeval`` (the default): the instruction sets of the CPU variant qeval's
+  llama-cpp-python runs on this machine (:func:`qeval.engines.ggml_cpu.load_backends`:
+  ``zen4`` -> AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16), so the tools run the kernels the
+  GGUF tiers run; the portable AVX2 flags when llama-cpp-python has its CPU backend
+  built in. Plus the CUDA flags when the installed llama-cpp-python offloads to a GPU.
+* ``native``: ``-march=native`` (``GGML_NATIVE=ON``), the fastest build that runs here,
+  without AMX where the CPU lists it and the kernel does not grant it
+  (:func:`qeval.engines.ggml_cpu.amx_granted`; a ``-march=native`` llama-bench died with
+  SIGILL in ``tinygemm_kernel_amx`` on such a machine): ``benchmarks/against_llama_cpp.py``
+  compares qeval with it.
 
 Cache layout (``$QEVAL_CACHE``, default ``~/.cache/qeval``)::
 
@@ -16,8 +25,8 @@ Cache layout (``$QEVAL_CACHE``, default ``~/.cache/qeval``)::
     llama_tools/<version>-<flags hash>/build.json   version, cmake arguments, seconds
 
 All three tools come from one CMake build (static, so the binaries need no library path),
-made only when :func:`tool_path` or :func:`build_tools` is called (never at install or test
-time): about 10 to 15 minutes on 2 cores. Concurrent callers wait on a file lock instead of
+made only when :func:`tool_path` or :func:`build_tools` is called (a recipe with a
+llama-server tier, a benchmark; never at install or test time): about 5 minutes on 2 cores. Concurrent callers wait on a file lock instead of
 building twice. ``QEVAL_LLAMA_CMAKE_ARGS`` replaces the portable flags (e.g.
 ``-DGGML_CUDA=on`` on a CUDA machine); a different set of flags is a different cache entry.
 
@@ -45,18 +54,23 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..paths import cache_root
+from . import ggml_cpu
 from .gguf_convert import download_sdist, llama_cpp_version
 
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 """The tool names :func:`tool_path` accepts (CMake target names, also the binary names)."""
 
-# Must equal the Makefile's LLAMA_CPU_FLAGS (tests/test_measure_truth.py checks it): the
-# tools should run the same kernels llama-cpp-python runs.
+# The Makefile's LLAMA_CPU_FLAGS (tests/test_llama_tools.py checks it): llama-cpp-python
+# with ggml's CPU variants as modules, one chosen at run time (qeval.engines.ggml_cpu).
+VARIANTS_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF"
+# The tools' flags when llama-cpp-python has its CPU backend built in (the build before
+# run-time variants): portable AVX2.
 PORTABLE_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
                        "-DGGML_F16C=ON -DGGML_AVX512=OFF")
 # The Makefile's LLAMA_CUDA_FLAGS (CUDA=1), added when the installed llama-cpp-python offloads to a GPU.
 CUDA_CMAKE_ARGS = "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native"
 CMAKE_ARGS_ENV = "QEVAL_LLAMA_CMAKE_ARGS"
+FLAVORS = ("qeval", "native")
 
 # Fixed for every build: a static Release build of the tools only, with no network at build
 # time (no curl, no web UI download) and no tests or examples.
@@ -67,23 +81,59 @@ _FIXED_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA
 _MARKER = ".qeval-complete"
 
 
-def _gpu_build() -> bool:
-    """Whether the installed llama-cpp-python was built with GPU offload (a CUDA build)."""
+def _installed() -> tuple[str, bool]:
+    """The CPU variant the installed llama-cpp-python runs here (``built-in`` for a build
+    without variant modules; ``none`` when llama-cpp-python is missing) and whether it
+    offloads to a GPU (a CUDA build). Loads ggml's backends the way qeval's GGUF engine
+    does, so llama.cpp's own loader never runs first."""
     try:
         import llama_cpp  # optional dependency (extra 'gguf'); only to mirror its build
-        return bool(llama_cpp.llama_supports_gpu_offload())
+        sel = ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent)
+        return str(sel.variant), bool(llama_cpp.llama_supports_gpu_offload())
     except (ImportError, AttributeError, OSError):
-        return False
+        return "none", False
 
 
-def cmake_args() -> list[str]:
+def _gpu_build() -> bool:
+    """Whether the installed llama-cpp-python was built with GPU offload (a CUDA build)."""
+    return _installed()[1]
+
+
+def native_cmake_args(flags: frozenset[str] | None = None, amx_ok: bool | None = None) -> list[str]:
+    """CPU flags of the ``native`` flavour: ``-DGGML_NATIVE=ON`` (``-march=native``), and where
+    the CPU lists AMX that the kernel does not grant, the AMX instruction sets switched off
+    in the compiler (GCC and Clang give an explicit ``-mno-*`` precedence over ``-march``)."""
+    flags = ggml_cpu.cpu_flags() if flags is None else flags
+    amx_ok = ggml_cpu.amx_granted() if amx_ok is None else amx_ok
+    out = ["-DGGML_NATIVE=ON"]
+    if set(ggml_cpu.AMX_FLAGS) & set(flags) and not amx_ok:
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        out += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
+                "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return out
+
+
+def cmake_args(flavor: str = "qeval") -> list[str]:
     """The CMake arguments of a tools build: the fixed ones, then ``$QEVAL_LLAMA_CMAKE_ARGS``
-    (shell-split) or the Makefile's: :data:`PORTABLE_CMAKE_ARGS`, plus
-    :data:`CUDA_CMAKE_ARGS` when the installed llama-cpp-python offloads to a GPU."""
+    (shell-split) when set, else the flavour's CPU flags (module notes) plus
+    :data:`CUDA_CMAKE_ARGS` when the installed llama-cpp-python offloads to a GPU.
+
+    Raises:
+        ValueError: an unknown flavour.
+    """
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown tools flavour {flavor!r}: expected one of {', '.join(FLAVORS)}")
     user = os.environ.get(CMAKE_ARGS_ENV)
-    if user is None:
-        user = PORTABLE_CMAKE_ARGS + (" " + CUDA_CMAKE_ARGS if _gpu_build() else "")
-    return list(_FIXED_ARGS) + shlex.split(user)
+    if user is not None:
+        return list(_FIXED_ARGS) + shlex.split(user)
+    variant, gpu = _installed()
+    if flavor == "native":
+        cpu = native_cmake_args()
+    elif variant in ggml_cpu.VARIANT_OPTIONS:
+        cpu = ggml_cpu.variant_cmake_args(variant)
+    else:
+        cpu = shlex.split(PORTABLE_CMAKE_ARGS)
+    return list(_FIXED_ARGS) + cpu + (shlex.split(CUDA_CMAKE_ARGS) if gpu else [])
 
 
 def _cache() -> Path:
@@ -170,7 +220,7 @@ def ensure_source(version: str | None = None, log: Callable[[str], None] = print
 
 
 def build_tools(version: str | None = None, log: Callable[[str], None] = print,
-                timeout: float = 3600.0, jobs: int | None = None) -> Path:
+                timeout: float = 3600.0, jobs: int | None = None, flavor: str = "qeval") -> Path:
     """Build (when missing) llama-bench, llama-batched-bench and llama-server in one CMake
     build of the vendored source of llama-cpp-python ``version`` (default: installed);
     returns the folder whose ``bin/`` holds them.
@@ -178,13 +228,14 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
     Args:
         timeout: seconds for configure plus build (s).
         jobs: parallel compile jobs (default: ``os.cpu_count()``).
+        flavor: ``qeval`` (the kernels qeval's GGUF tiers run) or ``native`` (module notes).
 
     Raises:
         RuntimeError: the sdist fetch, CMake configure or the build failed (the last log
             lines in the message); nothing is left in the cache folder.
     """
     version = version or llama_cpp_version()
-    args = cmake_args()
+    args = cmake_args(flavor)
     out = tools_dir(version, args)
     if _tools_present(out):
         return out
@@ -195,7 +246,7 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
         out.parent.mkdir(parents=True, exist_ok=True)
         jobs = jobs or os.cpu_count() or 1
         log(f"building {', '.join(TOOLS)} from llama-cpp-python {version}'s llama.cpp "
-            f"({' '.join(args[len(_FIXED_ARGS):])}); 10+ minutes on 2 cores")
+            f"({' '.join(args[len(_FIXED_ARGS):])}); minutes on 2 cores")
         t0 = time.time()
         with tempfile.TemporaryDirectory(prefix=f"{out.name}-", dir=out.parent) as td:
             build = Path(td) / "build"
@@ -220,7 +271,7 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
             for t in TOOLS:
                 shutil.copy2(build / "bin" / t, stage / "bin" / t)
             info = {"llama_cpp_python": version, "cmake_args": args, "seconds": round(time.time() - t0, 1),
-                    "tools": list(TOOLS), "source": str(src)}
+                    "tools": list(TOOLS), "source": str(src), "flavor": flavor}
             (stage / "build.json").write_text(json.dumps(info, indent=1) + "\n")
             (stage / _MARKER).write_text("ok\n")
             shutil.rmtree(out, ignore_errors=True)
@@ -229,12 +280,13 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
     return out
 
 
-def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = print) -> Path:
+def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = print, flavor: str = "qeval") -> Path:
     """Path of llama.cpp tool ``name`` (one of :data:`TOOLS`) matching the installed
     llama-cpp-python, built on first call (see :func:`build_tools`).
 
     Args:
         build: when False, never build: a missing tool raises FileNotFoundError.
+        flavor: ``qeval`` or ``native`` (module notes).
 
     Raises:
         ValueError: ``name`` is not in :data:`TOOLS`.
@@ -243,11 +295,11 @@ def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = pri
     """
     if name not in TOOLS:
         raise ValueError(f"unknown llama.cpp tool {name!r}: expected one of {', '.join(TOOLS)}")
-    folder = tools_dir()
+    folder = tools_dir(args=cmake_args(flavor))
     if not _tools_present(folder):
         if not build:
             raise FileNotFoundError(f"{name} is not built yet ({folder}); run python -m qeval.engines.llama_tools --build")
-        folder = build_tools(log=log)
+        folder = build_tools(log=log, flavor=flavor)
     return folder / "bin" / name
 
 
@@ -258,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="*", metavar="TOOL", help=f"print these tools' paths ({', '.join(TOOLS)})")
     ap.add_argument("--build", action="store_true", help="build when missing and print every tool's path")
     ap.add_argument("--version", dest="llama_version", help="llama-cpp-python version (default: installed)")
+    ap.add_argument("--flavor", choices=FLAVORS, default="qeval",
+                    help="qeval: the CPU kernels qeval's GGUF tiers run; native: -march=native (no AMX where "
+                         "the kernel refuses it)")
     a = ap.parse_args(argv)
     if not (a.build or a.names):
         ap.error("give --build or tool names")
@@ -265,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown tool {bad[0]!r}: expected one of {', '.join(TOOLS)}")
     try:
-        folder = build_tools(a.llama_version, log=lambda s: print(s, file=sys.stderr))
+        folder = build_tools(a.llama_version, log=lambda s: print(s, file=sys.stderr), flavor=a.flavor)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

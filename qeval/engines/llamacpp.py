@@ -51,6 +51,7 @@ from ..errors import TierUnavailable
 from .gguf_convert import llama_cpp_version
 from ..osutil import stderr_fd_to
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
+from . import ggml_cpu
 
 # llama.cpp quantize types that refuse to run without an importance matrix
 # (tools/quantize/quantize.cpp: "Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or
@@ -66,15 +67,21 @@ _LAST_LEVEL = 1
 
 
 def _llama() -> Any:
-    """``llama_cpp`` imported, the backend initialised once, and qeval's log callback set
-    (llama.cpp's info chatter off; errors to stderr; capture for quantize)."""
+    """``llama_cpp`` imported, ggml's backends loaded (the CPU variant this machine may run:
+    :func:`qeval.engines.ggml_cpu.load_backends`), the backend initialised once, and qeval's
+    log callback set (llama.cpp's info chatter off; errors to stderr; capture for quantize).
+
+    Raises:
+        RuntimeError: the build has CPU variant modules and none may run here.
+    """
     global _BACKEND_READY, _LOG_CB
     import llama_cpp  # optional: the qeval[gguf] extra
     with _LOCK:
         if not _BACKEND_READY:
-            llama_cpp.llama_backend_init()
             _LOG_CB = _make_log_callback()
-            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+            llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))  # first: ggml logs the backend it loads
+            ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent)  # before llama.cpp's load_all
+            llama_cpp.llama_backend_init()
             _BACKEND_READY = True
     return llama_cpp
 
@@ -98,14 +105,25 @@ def _make_log_callback() -> Any:
 _LOG_CB: Any = None  # the ctypes callback, kept alive for the life of the process
 
 
+def cpu_backend() -> dict:
+    """Which CPU kernels llama.cpp runs in this process: ``{"cpu_variant": "zen4" |
+    "built-in", "instruction_sets": [...], "devices": [...], "variants": [...], ...}``
+    (:func:`qeval.engines.ggml_cpu.describe`, after the backends are loaded)."""
+    L = _llama()
+    return ggml_cpu.describe(Path(L.__file__).resolve().parent)
+
+
 def warm_runtime() -> dict:
     """Import llama-cpp-python and initialise llama.cpp's backends (what
     :class:`LlamaCppEngine` does first), without a model; the measure stage calls it before
-    its memory baseline. Returns ``{"libraries": [...], "system_info": str}``."""
+    its memory baseline. Returns ``{"libraries": [...], "system_info": str}`` (llama.cpp's
+    ``llama_print_system_info``) plus :func:`cpu_backend`'s keys (the CPU variant and the
+    instruction sets that run)."""
     L = _llama()
     info = L.llama_print_system_info()
     return {"libraries": [f"llama_cpp {llama_cpp_version()}"],
-            "system_info": info.decode("utf-8", "replace").strip() if isinstance(info, bytes) else str(info)}
+            "system_info": info.decode("utf-8", "replace").strip() if isinstance(info, bytes) else str(info),
+            **cpu_backend()}
 
 
 # ---- ftypes and quantization -------------------------------------------------------------

@@ -368,7 +368,13 @@ class OpenAIEngine:
         """What runs in this process: httpx and the source tokenizer's library (the model and
         its runtime live in the server process, measured there)."""
         import httpx  # start-up time: only served tiers talk HTTP
-        return {"libraries": [f"httpx {httpx.__version__}"], "in_process": "HTTP client only"}
+        out = {"libraries": [f"httpx {httpx.__version__}"], "in_process": "HTTP client only"}
+        serve = (options.server or {}).get("serve") or {}
+        if serve.get("server") == "llama-server":  # built here (untimed) when missing, not in the timed load
+            t0 = time.time()
+            tool_path("llama-server", log=lambda m: print(f"[qeval] {m}", flush=True))
+            out["kernel_build_seconds"] = round(time.time() - t0, 1)
+        return out
 
     @classmethod
     def open(cls, fmt: str, path: Path | None, options: EngineOptions) -> "OpenAIEngine":

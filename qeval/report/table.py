@@ -445,6 +445,18 @@ def _load(r: Row) -> Cell:
     return "", raw
 
 
+def _backend(r) -> tuple[str, dict]:
+    """The engine's backend, with llama.cpp's CPU variant where one ran
+    (``llama.cpp-cpu (zen4)``; the row's ``runtime.cpu_variant``, qeval.engines.ggml_cpu);
+    CSV adds ``cpu_variant`` and ``cpu_instruction_sets``."""
+    rt = r.t.runtime or {}
+    variant = rt.get("cpu_variant")
+    isa = rt.get("instruction_sets")
+    text = str(r.t.backend or "-") + (f" ({variant})" if variant else "")
+    return text, {"backend": r.t.backend, "cpu_variant": variant,
+                  "cpu_instruction_sets": " ".join(isa) if isa else None}
+
+
 #: Every column of the tier table, in order (CSV fields follow the same order).
 COLUMNS: tuple[Column, ...] = (
     Column("tier", lambda r: (r.name, {"tier": r.name}), "build"),
@@ -453,7 +465,7 @@ COLUMNS: tuple[Column, ...] = (
            "build", numeric=True),
     Column("bits/w", lambda r: (_f(r.v("bits_per_weight"), ".2f"), {"bits_per_weight": r.v("bits_per_weight")}),
            "build", html_header="bits/weight", numeric=True),
-    Column("backend", lambda r: (str(r.t.backend or "-"), {"backend": r.t.backend}), "build"),
+    Column("backend", lambda r: _backend(r), "build"),
     Column("KV cache", lambda r: (str(r.t.kv_cache or "-"), {"kv_cache": r.t.kv_cache}), "build", md=False),
     Column("attention, KV", _attention, "build", html_header="attention path, KV type (as run)"),
     Column("KV B/token", lambda r: (_f(r.v("kv_bytes_per_token"), ",.0f"),
