@@ -783,6 +783,7 @@ class RunInfo(_Closed):
     recipe_fingerprint: str | None = None  # qeval.stages.recipe_fingerprint: --resume refuses another recipe
     lanes: int | None = None  # untimed stages run side by side, at most this many (qeval.pipeline)
     schedule: list[ScheduledStage] | None = None
+    tiers_run: list[str] | None = None  # `qeval run --tiers`: the tiers asked to run (None: all); the gate judges these
 
     @field_validator("recipe")
     @classmethod
