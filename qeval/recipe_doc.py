@@ -84,32 +84,42 @@ def _doc_attributes(cls: type) -> dict[str, str]:
     return out
 
 
+def _rst(text: str) -> str:
+    """Docstring markup as Markdown: ``x`` and :role:`x` become `x`."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return re.sub(r"``([^`]+)``", r"`\1`", text)
+
+
 def _one_line(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return _rst(" ".join(text.split())).replace("|", "\\|")
 
 
 def _summary(cls: type) -> str:
     """The class docstring before its ``Attributes:`` section, as one paragraph per block."""
     doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
     doc = doc.split("Attributes:", 1)[0].strip()
-    return "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n") if p.strip())
+    return "\n\n".join(_rst(" ".join(p.split())) for p in doc.split("\n\n") if p.strip())
+
+
+def _num(v: Any) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
 
 
 def _bounds(meta: list) -> str:
     parts = []
     for m in meta:
         if isinstance(m, annotated_types.Gt):
-            parts.append(f"> {m.gt:g}")
+            parts.append(f"> {_num(m.gt)}")
         elif isinstance(m, annotated_types.Ge):
-            parts.append(f">= {m.ge:g}")
+            parts.append(f">= {_num(m.ge)}")
         elif isinstance(m, annotated_types.Lt):
-            parts.append(f"< {m.lt:g}")
+            parts.append(f"< {_num(m.lt)}")
         elif isinstance(m, annotated_types.Le):
-            parts.append(f"<= {m.le:g}")
+            parts.append(f"<= {_num(m.le)}")
         elif isinstance(m, annotated_types.MinLen) and m.min_length:
-            parts.append(f"at least {m.min_length}")
+            parts.append(f"length >= {m.min_length}")
         elif isinstance(m, annotated_types.MaxLen):
-            parts.append(f"at most {m.max_length}")
+            parts.append(f"length <= {m.max_length}")
     return ", ".join(parts)
 
 
@@ -164,7 +174,12 @@ def _default(f: FieldInfo) -> str:
 
 
 def _field_type(f: FieldInfo, links: dict[type, str]) -> str:
-    t = _type(f.annotation, links)
+    args = typing.get_args(f.annotation)
+    if typing.get_origin(f.annotation) is list and args and typing.get_origin(args[0]) is typing.Annotated \
+            and any(isinstance(a, type) and issubclass(a, TierSpec) for a in typing.get_args(typing.get_args(args[0])[0])):
+        t = "list of [tiers](#tiers)"  # the union of every method's spec
+    else:
+        t = _type(f.annotation, links)
     bound = _bounds(list(f.metadata))
     return t + (f" {bound}" if bound else "")
 
@@ -177,6 +192,9 @@ def _table(cls: type[BaseModel], links: dict[type, str], skip: tuple[str, ...] =
         if name in skip:
             continue
         text = f.description or attrs.get(name) or ""
+        nested = [m for n, m in _nested_models(cls) if n == name]
+        if not text and nested and nested[0] in links:
+            text = f"the section [{nested[0].__name__}](#{links[nested[0]]}) below"
         if not text and missing is not None:
             missing.append(f"{where}{name}")
         rows.append(f"| `{name}` | {_field_type(f, links)} | {_default(f)} | {_one_line(text) or '-'} |")
@@ -232,10 +250,16 @@ def generate(missing: list[str] | None = None) -> str:
         lines += _table(model, links, missing=missing, where=f"{path}.")
         lines.append("")
     # tiers: the fields every tier has, then each method's own
-    lines += [f"## {tier_title}", "", _summary(TierSpec), "",
-              "Fields every tier takes:", ""]
+    for name, model in _nested_models(TierSpec):
+        links[model] = _anchor(f"tiers[].{name}")
+    lines += [f"## {tier_title}", "",
+              "Each tier is a `name`, a `method` (which builds its artifact) and that method's fields below; "
+              "every tier also takes these:", ""]
     common = set(TierSpec.model_fields)
-    lines += _table(TierSpec, links, missing=missing, where="tiers[].")
+    table = _table(TierSpec, links, missing=missing, where="tiers[].")
+    methods = " \\| ".join(f'"{m}"' for m in method_names())
+    table.insert(3, f"| `method` | {methods} | required | how the tier's artifact is built (its own fields below) |")
+    lines += table
     lines.append("")
     for spec in tier_specs():
         methods = [m for m in method_names() if get_method(m).spec is spec]  # type: ignore[union-attr]
