@@ -75,19 +75,24 @@ class RuleResult:
 
 @dataclass
 class CandidateVerdict:
-    """All rule results for one candidate tier."""
+    """All rule results for one candidate tier; ``not_run``: left out of the run by
+    ``--tiers`` (no rules checked, neither pass nor fail)."""
     tier: str
     status: str | None
     rules: list[RuleResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    not_run: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.rules)
+        """Every rule holds (a candidate that was not run has not passed)."""
+        return not self.not_run and all(r.passed for r in self.rules)
 
     @property
     def verdict(self) -> str:
-        """``"pass"`` or ``"fail"``."""
+        """``"pass"``, ``"fail"`` or ``"not run"`` (:data:`NOT_RUN`)."""
+        if self.not_run:
+            return NOT_RUN
         return "pass" if self.passed else "fail"
 
     @property
