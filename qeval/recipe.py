@@ -244,6 +244,9 @@ class SuiteSpec(_Strict):
                                 "max_new_tokens applies when smaller")
     limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="free-running behaviour on the first N items "
                               "only (long_context: the first N items for everything)")
+    fidelity_limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="teacher-forced fidelity (KLD, same "
+                                       "top token, PPL ratio) on the first N items only, answered by the reference; "
+                                       "null: every item. At least limit; not for long_context suites")
     depths: list[Annotated[int, Field(le=MAX_TOKENS)]] | None = Field(
         None, max_length=64, description="long_context only: document depths in tokens")
     fidelity_tokens: int = Field(256, gt=0, le=MAX_TOKENS, description="long_context only: teacher-forced KLD, "
@@ -253,6 +256,17 @@ class SuiteSpec(_Strict):
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return checked_name(v, "suite name")
+
+    @model_validator(mode="after")
+    def _fidelity_limit(self) -> "SuiteSpec":
+        if self.fidelity_limit is not None:
+            if self.kind == "long_context":
+                raise ValueError("fidelity_limit does not apply to long_context suites (limit takes the first N "
+                                 "items for everything)")
+            if self.limit is not None and self.limit > self.fidelity_limit:
+                raise ValueError(f"fidelity_limit ({self.fidelity_limit}) must be at least limit ({self.limit}): "
+                                 "the reference answers every item a tier answers")
+        return self
 
     @field_validator("depths")
     @classmethod
@@ -847,10 +861,16 @@ LONG_CONTEXT_SUITE_FIELDS = ("depths", "fidelity_tokens")
 
 def stable_suite_dict(suite: dict) -> dict:
     """A suite spec's dict (``model_dump(mode="json")``) as fingerprints and the reference
-    key hash it: :data:`LONG_CONTEXT_SUITE_FIELDS` dropped unless the suite is a long_context one."""
+    key hash it: :data:`LONG_CONTEXT_SUITE_FIELDS` dropped unless the suite is a long_context one,
+    and :data:`LATER_SUITE_DEFAULTS` while at their default."""
     if suite.get("kind") == "long_context":
-        return dict(suite)
-    return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS}
+        return {k: v for k, v in suite.items() if not (k in LATER_SUITE_DEFAULTS and v == LATER_SUITE_DEFAULTS[k])}
+    return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS
+            and not (k in LATER_SUITE_DEFAULTS and v == LATER_SUITE_DEFAULTS[k])}
+
+
+#: Suite fields added after fingerprints existed: left out of them while at their default.
+LATER_SUITE_DEFAULTS = {"fidelity_limit": None}
 
 
 #: ``quality`` fields added after fingerprints existed, with their defaults: left out of
