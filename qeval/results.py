@@ -966,6 +966,7 @@ class RunInfo(_Closed):
     # {"cpu_variant": "zen4" | "built-in", "instruction_sets": [...], "devices": [...],
     #  "amx_granted": bool | None, "tiers": [...]} (qeval.engines.ggml_cpu.describe)
     llama_cpp: list[dict[str, Any]] | None = None
+    tiers_run: list[str] | None = None  # `qeval run --tiers`: the tiers asked to run (None: all); the gate judges these
 
     @field_validator("recipe")
     @classmethod

@@ -98,6 +98,7 @@ class Runner(TierRunner):
                  executor: Executor | str | None = None, ray_address: str | None = None,
                  fresh: bool = False) -> None:
         super().__init__(recipe, run_dir, on_event, fresh=fresh)
+        self.subset = list(tiers) if tiers else None  # `--tiers`: recorded in run.json for the gate
         self.tiers = tiers or [t.name for t in recipe.tiers]
         if executor is None or isinstance(executor, str):
             executor = make_executor(executor, ray_address) if executor else \
@@ -121,6 +122,7 @@ class Runner(TierRunner):
             "threads": self.recipe.threads,
             "recipe_fingerprint": recipe_fingerprint(self.recipe_dict),
             "started_at": run.get("started_at") or datetime.now(timezone.utc).isoformat(),
+            "tiers_run": self.subset,
         })
         run.update(extra or {})
         info = RunInfo.model_validate(run)

@@ -233,6 +233,47 @@ def test_failed_tier_fails_even_without_rules_and_absent_candidate_fails():
     assert "no result" in rep.candidate("ghost").rules[0].message
 
 
+def test_subset_run_judges_only_the_candidates_asked_to_run():
+    """`qeval run --tiers bf16,cand`: a candidate left out (no result) is "not run", neither
+    pass nor fail; the verdict is over the judged ones; an asked-for candidate without a
+    result still fails closed."""
+    tiers = {"bf16": REF, "cand": CAND}
+    rules = {"max_kld_mean": 0.03}
+    rep = _gate(rules, tiers, candidates=["cand", "left-out"])
+    assert rep.exit_code() == 1  # no subset recorded: the missing candidate fails closed
+    sub = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": rules, "candidates": ["cand", "left-out"]},
+                        D, tiers_run=["bf16", "cand"])
+    assert [c.verdict for c in sub.candidates] == ["pass", "not run"]
+    left = sub.candidate("left-out")
+    assert left.not_run and not left.passed and left.rules == [] and left.notes == ["not run (--tiers)"]
+    assert [c.tier for c in sub.judged] == ["cand"] and sub.not_run == ["left-out"]
+    assert sub.passed and sub.exit_code() == 0
+    assert sub.verdict_line() == "gate: PASS over 1 of 2 candidates (not run, --tiers: left-out) (exit 0)"
+    d = json.loads(json.dumps(sub.to_dict()))
+    assert d["judged"] == 1 and d["not_run"] == ["left-out"] and d["candidates"][1]["verdict"] == "not run"
+    # asked to run, but no result: fails closed even in a subset run
+    ghost = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": rules,
+                                               "candidates": ["cand", "ghost", "left-out"]},
+                          D, tiers_run=["bf16", "cand", "ghost"])
+    assert [c.verdict for c in ghost.candidates] == ["pass", "fail", "not run"]
+    assert "no result" in ghost.candidate("ghost").rules[0].message
+    assert ghost.exit_code() == 1 and "FAIL over 2 of 3 candidates" in ghost.verdict_line()
+    # a failing judged candidate still fails the subset
+    bad = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": {"max_kld_mean": 0.01},
+                                             "candidates": ["cand", "left-out"]}, D, tiers_run=["bf16", "cand"])
+    assert bad.exit_code() == 1
+    # a left-out candidate whose result is in the folder (an earlier part of a resumed run) is judged
+    both = evaluate_gate(None, typed({**tiers, "left-out": CAND}), {"reference": "bf16", "rules": rules,
+                                                                    "candidates": ["cand", "left-out"]},
+                         D, tiers_run=["bf16", "cand"])
+    assert [c.verdict for c in both.candidates] == ["pass", "pass"]
+    # nothing judged (only the reference run): a gate that judges nothing does not pass
+    none = evaluate_gate(None, typed({"bf16": REF}), {"reference": "bf16", "rules": rules,
+                                                      "candidates": ["cand"]}, D, tiers_run=["bf16"])
+    assert none.judged == [] and not none.passed and none.exit_code() == 1
+    assert none.verdict_line().startswith("gate: FAIL over 0 of 1 candidates")
+
+
 def test_exit_code_and_dict_form():
     rep = _gate({"max_kld_mean": 0.03})
     assert rep.exit_code() == 0 and rep.passed

@@ -466,4 +466,4 @@ def test_disk_preflight_counts_the_long_context_log_probabilities():
     lc = next(s for s in r.suites if s.kind == "long_context")
     with_lc = reference_answer_tokens(r)
     r.suites = [s for s in r.suites if s.kind != "long_context"]
-    assert with_lc - reference_answer_tokens(r) == lc.limit * len(lc.depths) * lc.fidelity_tokens == 1024
+    assert with_lc - reference_answer_tokens(r) == lc.limit * len(lc.depths) * lc.fidelity_tokens == 128

@@ -8,7 +8,8 @@ import json
 from rich.console import Console
 
 from conftest import write_recipe
-from qeval.progress import RunProgress, estimate_remaining, planned_stages, read_history, write_history
+from qeval.progress import (RunProgress, estimate_left, estimate_remaining, eta_text, planned_stages, read_history,
+                            write_history)
 from qeval.recipe import load_recipe
 from qeval.results import RunLayout
 
@@ -46,10 +47,63 @@ def test_log_lines_and_history(tmp_path):
         p.stage_end("t", "measure", 10.0, True)
         p.stage_end("t", "quality", 7.5, False)
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    assert lines[0].split() == ["3.2", "s", "source", "(run)", "[1/3,", "0:00", "elapsed]"]
+    # source had no earlier time; measure had 12 s, quality none: a lower bound, and what it lacks
+    assert lines[0].split() == ["3.2", "s", "source", "(run)", "[1/3,", "0:00", "elapsed,", "at", "least", "0:12",
+                                "left", "(1", "stage", "not", "timed", "here", "before)]"]
     assert "measure t" in lines[1] and "[2/3" in lines[1]
     assert "FAILED quality t" in lines[2] and "[3/3" in lines[2]
     assert len(lines) == 3  # no spinner frames in a log
     assert read_history("r", hist) == {"t.measure": 10.0, "_run.source": 3.25, "t.quality": 7.5}
     hist.write_text("not json")
     assert read_history("r", hist) == {}  # a broken history file is no error
+
+
+def test_eta_from_a_synthetic_stage_history():
+    """The line's estimate from this machine's stage history: the full figure when every
+    stage to run has an earlier time, a lower bound naming how many lack one, and a plain
+    statement when none has."""
+    hist = {"_run.source": 30.0, "_run.env": 5.0, "_run.reference": 100.0, "_run.floor": 20.0,
+            "bf16.prepare": 1.0, "bf16.measure": 40.0, "bf16.load": 25.0, "bf16.quality": 60.0,
+            "awq.prepare": 900.0, "awq.measure": 50.0, "awq.load": 30.0, "awq.quality": 80.0}
+    todo = list(hist)
+    total = sum(hist.values())
+    assert estimate_left(todo, hist) == (total, [])
+    assert eta_text(todo, hist) == "about 22:21 left"  # 1341 s
+    # two lanes: measure and load (timed) alone, the rest two at a time
+    timed = 40.0 + 25.0 + 50.0 + 30.0 + 5.0
+    assert estimate_left(todo, hist, lanes=2)[0] == timed + (total - timed) / 2
+    # a running stage counts what is left of it, never below zero
+    assert estimate_left(["awq.prepare"], hist, running={"awq.prepare": 600.0})[0] == 300.0
+    assert estimate_left(["awq.prepare"], hist, running={"awq.prepare": 1200.0})[0] == 0.0
+    # a tier never run here: a lower bound from what is known, never another tier's times
+    more = todo + ["gptq.prepare", "gptq.measure"]
+    left, unknown = estimate_left(more, hist)
+    assert left == total and unknown == ["gptq.prepare", "gptq.measure"]
+    assert eta_text(more, hist) == "at least 22:21 left (2 stages not timed here before)"
+    assert estimate_remaining(more, hist) is None
+    # no history at all (a first run on this machine)
+    assert eta_text(todo, {}) == "time left unknown: no earlier run of this recipe on this machine"
+    assert eta_text([], hist) == "finishing"
+    assert eta_text(["awq.prepare"], {"awq.prepare": 4000.0}) == "about 1:06:40 left"
+
+
+def test_eta_in_the_log_follows_the_history_file(tmp_path):
+    """The progress display reads the history file of this recipe only and prints the
+    estimate on every finished stage's line."""
+    hist = tmp_path / "times.json"
+    write_history("r", {"a.measure": 100.0, "a.quality": 50.0}, hist)
+    write_history("other", {"b.measure": 999.0}, hist)
+    buf = io.StringIO()
+    with RunProgress(Console(file=buf, force_terminal=False, width=200), "r", ["a.measure", "a.quality"],
+                     history_file=hist) as p:
+        p.stage_end("a", "measure", 90.0, True)
+        p.stage_end("a", "quality", 55.0, True)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    assert lines[0].endswith("about 0:50 left]"), lines
+    assert lines[1].endswith("finishing]"), lines
+    assert read_history("r", hist) == {"a.measure": 90.0, "a.quality": 55.0}
+    buf = io.StringIO()
+    with RunProgress(Console(file=buf, force_terminal=False, width=200), "new", ["a.measure", "a.quality"],
+                     history_file=hist) as p:
+        p.stage_end("a", "measure", 1.0, True)
+    assert buf.getvalue().strip().endswith("time left unknown: no earlier run of this recipe on this machine]")

@@ -181,3 +181,29 @@ def test_no_hint_for_a_field_of_another_method():
     with pytest.raises(QevalInputError) as e:
         parse_recipe(text, "r.yaml")
     assert str(e.value) == "r.yaml:5: tiers[1].bits: unknown field"
+
+
+def test_fidelity_limit_cuts_the_items_the_reference_answers(tmp_path):
+    """``suites[].fidelity_limit``: the reference (and so every tier's fidelity) covers the
+    first N items; it must cover the behaviour ``limit``, has no meaning for long_context,
+    and leaves the fingerprints of recipes that do not set it as they were."""
+    from qeval.measure.quality import load_suites
+    from qeval.recipe import parse_recipe, stable_suite_dict
+    base = """name: r
+model: {source: /nonexistent/model}
+tiers: [{name: bf16, method: bf16}]
+suites:
+  - {name: lo, path: %s, kind: long_output, limit: 2%s}
+"""
+    suite = "builtin:long_output"
+    from qeval.data import builtin_path
+    n_items = len([ln for ln in builtin_path(suite).read_text().splitlines() if ln.strip()])
+    assert n_items > 3
+    r = parse_recipe(base % (suite, ", fidelity_limit: 3"), path=tmp_path / "r.yaml")
+    [(spec, items)] = load_suites(r)
+    assert spec.fidelity_limit == 3 and len(items) == 3
+    r_all = parse_recipe(base % (suite, ""), path=tmp_path / "r.yaml")
+    assert len(load_suites(r_all)[0][1]) == n_items
+    assert "fidelity_limit" not in stable_suite_dict(r_all.suites[0].model_dump(mode="json"))
+    with pytest.raises(QevalInputError, match="fidelity_limit .1. must be at least limit .2."):
+        parse_recipe(base % (suite, ", fidelity_limit: 1"), path=tmp_path / "r.yaml")

@@ -260,6 +260,38 @@ def test_terminal_gate_lines_name_a_failed_tier_once(tmp_path):
     assert code == 1
 
 
+def test_subset_run_reports_left_out_candidates_as_not_run(tmp_path):
+    """A run folder made with `--tiers` (run.json tiers_run) whose left-out candidates have
+    no result: the terminal, gate.json, JUnit and the report say "not run (--tiers)", the
+    verdict is over the judged candidates, and the exit code follows them."""
+    from qeval.report.outputs import build_outputs
+    d = tmp_path / "run_synthetic"
+    shutil.copytree(FIXTURE, d)
+    run = json.loads((d / "run.json").read_text())
+    run["recipe"]["gate"] = {**(run["recipe"].get("gate") or {}), "reference": "bf16",
+                             "candidates": ["int8", "q4_k_m", "gptq"], "rules": {}}
+    run["tiers_run"] = ["bf16", "q4_k_m"]
+    (d / "run.json").write_text(json.dumps(run))
+    for gone in ("int8", "gptq"):
+        (d / "tiers" / f"{gone}.json").unlink()
+    code, text = build_outputs(d, junit=d / "junit.xml")
+    assert code == 0, text
+    lines = text.splitlines()
+    assert lines[-1] == "gate: PASS over 1 of 3 candidates (not run, --tiers: int8, gptq) (exit 0)"
+    assert any(ln.split() == ["-", "int8", "--", "not", "run", "(--tiers)"] for ln in lines), text
+    doc = json.loads((d / "gate.json").read_text())
+    assert doc["passed"] is True and doc["judged"] == 1 and doc["not_run"] == ["int8", "gptq"]
+    root = ET.parse(d / "junit.xml").getroot()
+    assert root.get("failures") == "0" and root.get("skipped") == "2"
+    html = (d / "report.html").read_text()
+    assert "over 1 of 3 candidates" in html and "NOT RUN" in html
+    # the same folder without the subset recorded: the missing candidates fail closed
+    run.pop("tiers_run")
+    (d / "run.json").write_text(json.dumps(run))
+    code, text = build_outputs(d)
+    assert code == 1 and text.splitlines()[-1].startswith("gate: FAIL over 3 candidates")
+
+
 def test_gguf_fallbacks_are_named_in_the_table(tmp_path):
     """A "Q4_K_M" file whose tensors mostly fell back to Q5_0 says so in the notes; one
     without fallbacks says nothing."""

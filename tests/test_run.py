@@ -118,6 +118,25 @@ def test_gate_exit_code_follows_the_recipe(reference_run, tmp_path):
     assert "max_kld_mean" in (tmp_path / "j.xml").read_text()
 
 
+def test_tiers_subset_gate_judges_what_ran(tiny_llama, tmp_path):
+    """`qeval run --tiers bf16,bf16-kv8` of a three-tier recipe: run.json records the subset,
+    the left-out candidate is "not run (--tiers)", the verdict is over the one judged, exit 0;
+    `qeval gate` on the folder says the same."""
+    tiers = TIERS + "  - {name: bf16-b, method: bf16}\n"
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=tiers, suites=False, load=False,
+                          extra=GATE_SPEED)
+    p = _qeval("run", recipe, "--tiers", "bf16,bf16-kv8", "--out", tmp_path / "results", env=_env(tmp_path / "cache"))
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, (out[-2000:], err[-2000:])
+    run_dir = _run_dir(tmp_path / "results")
+    assert json.loads((run_dir / "run.json").read_text())["tiers_run"] == ["bf16", "bf16-kv8"]
+    assert not (run_dir / "tiers" / "bf16-b.json").exists()
+    assert "gate: PASS over 1 of 2 candidates (not run, --tiers: bf16-b) (exit 0)" in out
+    assert "bf16-b  -- not run (--tiers)" in out
+    g = subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(run_dir)], capture_output=True, text=True)
+    assert g.returncode == 0 and "PASS over 1 of 2 candidates" in g.stdout
+
+
 def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, extra=GATE_SPEED)
     p = _qeval("run", recipe, "--out", tmp_path / "results",

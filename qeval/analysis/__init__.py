@@ -79,7 +79,8 @@ def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict 
     pspec = validate_section(ParetoSpec, recipe.get("pareto"), "pareto")
     pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed)
     floor = noise_floor(run)
-    verdict = evaluate_gate(order_from, ordered, gate, depth, noise_floor=floor)
+    verdict = evaluate_gate(order_from, ordered, gate, depth, noise_floor=floor,
+                            tiers_run=run.tiers_run if run is not None else None)
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
                        quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,

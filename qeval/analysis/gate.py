@@ -11,6 +11,12 @@ Fail closed: a set rule whose figure is missing on the candidate (or, for a rela
 rule, on the reference), or whose tier did not finish, fails with a message naming what
 is missing. Figures that are not finite numbers count as missing.
 
+A run of a subset of tiers (``qeval run --tiers A,B``; ``run.json``'s ``tiers_run``) is
+judged over the candidates it was asked to run: a candidate left out, with no result in the
+run folder, is reported "not run (--tiers)" and is neither passed nor failed. A candidate
+that was asked to run and has no result still fails closed, and a gate that judges no
+candidate does not pass.
+
 Noise floor (:mod:`qeval.analysis.floor`): with a measured floor, a candidate whose KLD is
 within twice the floor gets the note "indistinguishable from the reference here" (in its
 ``notes`` and in the messages of its fidelity rules), and a ``max_kld_mean`` below the
@@ -40,6 +46,9 @@ from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, rule_below_floor
 #: Rule names in the order they are checked and reported (qeval.metrics.GATE_RULES).
 RULES: tuple[str, ...] = tuple(GATE_RULES)
 STATUS_RULE = "status"
+#: The verdict of a candidate left out of the run by ``--tiers`` (neither pass nor fail).
+NOT_RUN = "not run"
+NOT_RUN_WHY = "not run (--tiers)"
 
 
 @dataclass
@@ -66,19 +75,24 @@ class RuleResult:
 
 @dataclass
 class CandidateVerdict:
-    """All rule results for one candidate tier."""
+    """All rule results for one candidate tier; ``not_run``: left out of the run by
+    ``--tiers`` (no rules checked, neither pass nor fail)."""
     tier: str
     status: str | None
     rules: list[RuleResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    not_run: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.rules)
+        """Every rule holds (a candidate that was not run has not passed)."""
+        return not self.not_run and all(r.passed for r in self.rules)
 
     @property
     def verdict(self) -> str:
-        """``"pass"`` or ``"fail"``."""
+        """``"pass"``, ``"fail"`` or ``"not run"`` (:data:`NOT_RUN`)."""
+        if self.not_run:
+            return NOT_RUN
         return "pass" if self.passed else "fail"
 
     @property
@@ -106,14 +120,35 @@ class GateReport:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def judged(self) -> list[CandidateVerdict]:
+        """The candidates the gate judged (those not left out by ``--tiers``)."""
+        return [c for c in self.candidates if not c.not_run]
+
+    @property
+    def not_run(self) -> list[str]:
+        """Candidates left out of the run by ``--tiers``, in order."""
+        return [c.tier for c in self.candidates if c.not_run]
+
+    @property
     def passed(self) -> bool:
-        """True when there is at least one candidate and every candidate passes (a gate
-        that judges nothing does not pass)."""
-        return bool(self.candidates) and all(c.passed for c in self.candidates)
+        """True when the gate judged at least one candidate and every judged candidate
+        passes (a gate that judges nothing does not pass; candidates not run are not
+        judged)."""
+        judged = self.judged
+        return bool(judged) and all(c.passed for c in judged)
 
     def exit_code(self) -> int:
-        """0 when every candidate passes, 1 when any fails (qeval.errors exit codes)."""
+        """0 when every judged candidate passes, 1 when any fails or none was judged
+        (qeval.errors exit codes)."""
         return EXIT_OK if self.passed else EXIT_GATE_FAILED
+
+    def verdict_line(self) -> str:
+        """The one-line verdict: ``gate: PASS over 2 of 3 candidates (not run: int8)
+        (exit 0)``."""
+        n, total = len(self.judged), len(self.candidates)
+        over = f"over {n} candidate{'s' if n != 1 else ''}" if n == total else f"over {n} of {total} candidates"
+        skipped = f" (not run, --tiers: {', '.join(self.not_run)})" if self.not_run else ""
+        return f"gate: {'PASS' if self.passed else 'FAIL'} {over}{skipped} (exit {self.exit_code()})"
 
     def candidate(self, tier: str) -> CandidateVerdict:
         """The verdict for ``tier``; KeyError if it was not a candidate."""
@@ -136,6 +171,8 @@ class GateReport:
             "rules": dict(self.rules),
             "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
             "warnings": list(self.warnings),
+            "judged": len(self.judged),
+            "not_run": self.not_run,
             "candidates": [
                 {"tier": c.tier, "status": c.status, "verdict": c.verdict,
                  "failed_rules": [r.rule for r in c.failed_rules],
@@ -306,7 +343,8 @@ def _floor_notes(verdict: CandidateVerdict, cand: TierResult, floor: NoiseFloor 
 
 
 def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateSpec | dict | None,
-                  depth: int, noise_floor: NoiseFloor | None = None) -> GateReport:
+                  depth: int, noise_floor: NoiseFloor | None = None,
+                  tiers_run: list[str] | None = None) -> GateReport:
     """Judge every candidate tier against the gate's rules.
 
     Args:
@@ -317,10 +355,13 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         depth: depth in tokens for the memory and speed rules.
         noise_floor: the run's measured floor (:func:`qeval.analysis.floor.noise_floor`),
             for the "indistinguishable" notes and the below-floor warning; None: none.
+        tiers_run: the tiers the run was asked to run (``qeval run --tiers``; ``run.json``
+            ``tiers_run``); None: every tier. A candidate outside it with no result is
+            reported not run and not judged.
 
     Returns:
-        :class:`GateReport`. A candidate with no result file, or a status other than ``ok``,
-        fails its ``status`` check and every set rule (fail closed).
+        :class:`GateReport`. A candidate that was to run but has no result file, or has a
+        status other than ``ok``, fails its ``status`` check and every set rule (fail closed).
 
     Raises:
         QevalInputError: ``gate`` does not validate.
@@ -340,6 +381,9 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
     for name in names:
         cand = tiers.get(name)
         status = cand.status if cand else None
+        if cand is None and tiers_run is not None and name not in tiers_run:
+            report.candidates.append(CandidateVerdict(tier=name, status=None, notes=[NOT_RUN_WHY], not_run=True))
+            continue
         verdict = CandidateVerdict(tier=name, status=status)
         if cand is None:
             why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"

@@ -98,14 +98,15 @@ def continuation_ids(tokenizer: Any, system: str | None, user: str, answer_ids: 
 
 
 def load_suites(recipe) -> list[tuple[Any, list]]:
-    """``[(suite spec, items)]`` for every conversation suite in the recipe (items validated);
+    """``[(suite spec, items)]`` for every conversation suite in the recipe (items validated),
+    each cut to its ``fidelity_limit`` first items when set (the items the reference answers);
     long_context suites are run by :mod:`qeval.measure.long_context`."""
     out = []
     for s in recipe.suites:
         if s.kind == "long_context":
             continue
         items = load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
-        out.append((s, items))
+        out.append((s, items[: s.fidelity_limit] if s.fidelity_limit else items))
     return out
 
 

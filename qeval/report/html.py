@@ -109,7 +109,8 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
             if tail:  # the last lines of the failed stage's log (all of it: logs/<tier>.<stage>.log)
                 md += ["", "  ```", *[f"  {ln}" for ln in tail], "  ```"]
         md.append("")
-    md.append(f"Gate: {'PASS' if a.gate.passed else 'FAIL'} "
+    n, total = len(a.gate.judged), len(a.gate.candidates)
+    md.append(f"Gate: {'PASS' if a.gate.passed else 'FAIL'} over {n} of {total} candidates "
               f"({', '.join(f'{c.tier} {c.verdict}' for c in a.gate.candidates) or 'no candidates'}).")
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=tab.csv_fields, lineterminator="\n")
@@ -173,7 +174,11 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
     for c in a.gate.candidates:
         status_rule = next((r for r in c.rules if r.rule == "status"), None)
         not_run = status_rule.message if status_rule is not None and not status_rule.passed else None
-        cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict,
+        if c.not_run:
+            cands.append({"tier": c.tier, "status": "not run", "verdict": c.verdict, "cls": "skip", "failed": [],
+                          "rules": [], "not_run": None, "n_unjudged": 0, "notes": c.notes})
+            continue
+        cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict, "cls": c.verdict,
                       "failed": c.failed_rules, "rules": c.rules, "not_run": not_run,
                       "n_unjudged": len(c.rules) - 1, "notes": c.notes})
 
@@ -255,6 +260,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
         pareto_speed=a.pareto.speed,
         reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
+        gate_judged=len(a.gate.judged), gate_total=len(a.gate.candidates), gate_not_run=a.gate.not_run,
         unfinished=unfinished, slow=list(slow.values()), pareto=pareto_rows, rules=a.gate.rules,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
         ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",

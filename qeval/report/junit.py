@@ -5,7 +5,8 @@ candidate gets; a failing rule carries a ``<failure>`` with the rule's message a
 quality rule, the items that most explain it (:func:`qeval.report.review.offending_items`),
 so a CI system that renders JUnit shows what failed. A gate with no candidate gets one
 failing ``no_candidates`` case (a gate that judges nothing does not pass, and CI must not
-read an empty suite as green).
+read an empty suite as green). A candidate left out of the run by ``--tiers`` is one
+``<skipped>`` case (neither pass nor fail).
 ``classname`` is ``qeval.gate.<tier>``, ``name`` the rule.
 """
 from __future__ import annotations
@@ -41,19 +42,26 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate",
     """The gate verdict as a JUnit XML document (string, UTF-8 declaration included);
     ``offenders`` (:func:`gate_offenders`) adds a failing rule's worst items to its message."""
     offenders = offenders or {}
-    cases = [(c, r) for c in gate_report.candidates for r in c.rules]
-    if not gate_report.candidates:
+    cases: list[tuple[CandidateVerdict, RuleResult | None]] = [
+        (c, r) for c in gate_report.judged for r in c.rules]
+    if not gate_report.judged:
         cases = [(CandidateVerdict("none", None), RuleResult("no_candidates", False, None, None,
                                                               "the gate judged no candidate tier"))]
-    failures = sum(1 for _, r in cases if not r.passed)
+    cases += [(c, None) for c in gate_report.candidates if c.not_run]  # skipped: left out by --tiers
+    failures = sum(1 for _, r in cases if r is not None and not r.passed)
+    skipped = sum(1 for _, r in cases if r is None)
     root = ET.Element("testsuites", name=suite_name, tests=str(len(cases)), failures=str(failures),
-                      errors="0")
+                      errors="0", skipped=str(skipped))
     suite = ET.SubElement(root, "testsuite", name=suite_name, tests=str(len(cases)),
-                          failures=str(failures), errors="0", skipped="0")
+                          failures=str(failures), errors="0", skipped=str(skipped))
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="reference", value=gate_report.reference)
     ET.SubElement(props, "property", name="depth", value=str(gate_report.depth))
     for c, r in cases:
+        if r is None:
+            tc = ET.SubElement(suite, "testcase", classname=f"qeval.gate.{c.tier}", name="status", time="0")
+            ET.SubElement(tc, "skipped", message=c.notes[0] if c.notes else "not run")
+            continue
         tc = ET.SubElement(suite, "testcase", classname=f"qeval.gate.{c.tier}", name=r.rule, time="0")
         if not r.passed:
             worst = offenders.get((c.tier, r.rule), [])

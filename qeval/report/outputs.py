@@ -30,10 +30,13 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     outs = rebuild_outputs(run_dir, None, junit=junit or False)
     g = outs.gate
     lines = [outs.table_md.read_text(), "", f"gate (reference {g.reference}, depth {g.depth}):"]
-    if not g.candidates:
-        lines.append("  no candidates: a gate that judges nothing does not pass")
+    if not g.judged:
+        lines.append("  no candidate judged: a gate that judges nothing does not pass")
     lines += [f"  warning: {w}" for w in g.warnings]
     for c in g.candidates:
+        if c.not_run:
+            lines.append(f"  {'-':4} {c.tier}  -- {c.notes[0] if c.notes else 'not run'}")
+            continue
         judged = [r.message for r in c.failed_rules if not r.message.startswith("not judged")]
         unjudged = len(c.failed_rules) - len(judged)
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
@@ -58,7 +61,7 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     lines.append(f"report: {outs.report_html}")
     if outs.junit_xml:
         lines.append(f"junit: {outs.junit_xml}")
-    lines.append(f"gate: {'PASS' if g.passed else 'FAIL'} (exit {outs.exit_code()})")
+    lines.append(g.verdict_line())
     return outs.exit_code(), "\n".join(lines)
 
 

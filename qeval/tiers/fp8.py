@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
+from pydantic import Field
+
 from ..weight_formats import FP8_WEIGHT_ONLY, PerRow
 from .base import TierContext
 from .int8 import Int8Method, Int8Tier
@@ -24,7 +26,7 @@ from .int8 import Int8Method, Int8Tier
 class Fp8Tier(Int8Tier):
     """FP8 weight-only (float8_e4m3fn weights, per output channel) through torchao."""
     method: Literal["fp8"]  # type: ignore[assignment]
-    backend: Literal["torchao"] = "torchao"  # type: ignore[assignment]
+    backend: Literal["torchao"] = Field("torchao", description="torchao Float8WeightOnlyConfig")  # type: ignore[assignment]
 
 
 class Fp8Method(Int8Method):

@@ -52,7 +52,8 @@ def _ftypes() -> dict[str, int]:
 class GgufTier(TierSpec):
     """A llama.cpp GGUF file quantized to ``type`` (any llama.cpp ftype name, e.g. Q4_K_M)."""
     method: Literal["gguf"]
-    type: str = Field("Q4_K_M", min_length=1, max_length=64)
+    type: str = Field("Q4_K_M", min_length=1, max_length=64, description="llama.cpp file type (llama-quantize's "
+                      "name: Q4_K_M, Q8_0, Q5_K_S, F16, ...)")
     engine_fields: ClassVar[tuple[str, ...]] = TierSpec.engine_fields + ("flash_attn",)
     flash_attn: bool | None = Field(None, description="None: on for every GGUF tier on CUDA; on the CPU on only "
                                     "when kv_cache is int8 (llama.cpp needs it there)")

@@ -184,10 +184,13 @@ def _quant_layers(model: Any) -> list[Any]:
 class W4Tier(HfTierSpec):
     """Fields GPTQ and AWQ tiers share: ``bits``, ``group_size`` (weights per scale; -1 per
     output channel; ``auto`` picks one the model's layers allow), ``sym``, ``desc_act``."""
-    bits: Literal[2, 3, 4, 8] = 4
-    group_size: Annotated[int, Field(le=1 << 20)] | Literal["auto"] = 128
-    sym: bool = True
-    desc_act: bool = False
+    bits: Literal[2, 3, 4, 8] = Field(4, description="bits per weight")
+    group_size: Annotated[int, Field(le=1 << 20)] | Literal["auto"] = Field(
+        128, description="weights per scale and zero along the input features; -1: one group per output channel; "
+                         "auto: the largest power of two up to 128 dividing every layer's input features")
+    sym: bool = Field(True, description="symmetric quantization (no zero point)")
+    desc_act: bool = Field(False, description="GPTQ only: quantize columns in order of decreasing activation "
+                           "(act-order)")
 
     @field_validator("group_size")
     @classmethod
@@ -211,7 +214,9 @@ class AwqTier(W4Tier):
     forwards per layer, which torch's CPU bfloat16 GEMM runs about 6 times slower), else
     native. The algorithm (grid, duo scaling, clipping search) is gptqmodel's, unchanged."""
     method: Literal["awq"]
-    calibration_matmul: Literal["auto", "native", "float32"] = "auto"
+    calibration_matmul: Literal["auto", "native", "float32"] = Field(
+        "auto", description="how AWQ's calibration forwards compute bfloat16 linear layers: native, or float32 "
+                            "matmuls over the bfloat16 weights; auto: float32 on a CPU without a fast bfloat16 path")
 
 
 class _GptqModelMethod(TierMethod):

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from pydantic import Field
+
 from ..engines import get_engine
 from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
 from ..errors import QevalInputError
@@ -122,7 +124,8 @@ def _is_packed(t: Any) -> bool:
 class Int8Tier(HfTierSpec):
     """INT8 weight-only (W8A16). ``backend``: torchao ``Int8WeightOnlyConfig`` or bitsandbytes."""
     method: Literal["int8"]
-    backend: Literal["torchao", "bitsandbytes"] = "torchao"
+    backend: Literal["torchao", "bitsandbytes"] = Field("torchao", description="torchao Int8WeightOnlyConfig, or "
+                                                        "bitsandbytes LLM.int8() (a device its build supports)")
 
 
 class Int8Method(TierMethod):
