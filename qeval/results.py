@@ -781,7 +781,7 @@ class GateCandidate(_Closed):
     every rule's result and notes (e.g. within the noise floor)."""
     tier: str
     status: str | None = None
-    verdict: Literal["pass", "fail"]
+    verdict: Literal["pass", "fail", "not run"]  # "not run": left out by --tiers, neither pass nor fail
     failed_rules: list[str] = Field(default_factory=list)
     rules: list[GateRuleRow] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
@@ -844,6 +844,34 @@ class LadderRung(_Closed):
     saved_vs_first_pct: float | None = None
     quality_lost_vs_prev: float | None = None
     quality_lost_vs_first: float | None = None
+    requests_per_s_at_slo: float | None = None  # at the tier's own output length (analysis.capacity)
+    output_tokens_rel: float | None = None  # mean new tokens per answer / the reference's
+
+
+class RateRungRow(_Closed):
+    """One rung of the ladder in rates (:class:`qeval.analysis.ladder.RateRung`): the tier's
+    knee (req/s), the rate above which the service steps down to it, the first measured rate
+    above the knee, its quality (KLD nats, pass rate share, pass->fail flips) and what it
+    gives up against the first rung (positive = worse)."""
+    tier: str
+    knee_rps: float
+    from_rps: float | None = None
+    above_rps: float | None = None
+    kld_mean: float | None = None
+    pass_rate: float | None = None
+    flips_pass_to_fail: int | None = None
+    kld_given_up: float | None = None
+    pass_rate_given_up: float | None = None
+    flips_given_up: int | None = None
+
+
+class RateLadderSection(_Closed):
+    """``gate.json`` ``ladder.rates``: the rungs in the order a service steps down them, the
+    rate above which it refuses (req/s), members left out with why, and the sentence."""
+    steps: list[RateRungRow] = Field(default_factory=list)
+    refuse_above_rps: float | None = None
+    unplaced: dict[str, str] = Field(default_factory=dict)
+    text: str = ""
 
 
 class LadderSection(_Closed):
@@ -856,6 +884,7 @@ class LadderSection(_Closed):
     load_depth: int | None = None
     steps: list[LadderRung] = Field(default_factory=list)
     unplaced: dict[str, str] = Field(default_factory=dict)
+    rates: RateLadderSection | None = None
 
 
 class GateFile(_Closed):
@@ -871,6 +900,8 @@ class GateFile(_Closed):
     rules: dict[str, float] = Field(default_factory=dict)
     noise_floor: GateNoiseFloor | None = None
     warnings: list[str] = Field(default_factory=list)
+    judged: int | None = None  # candidates the gate judged (those --tiers asked for)
+    not_run: list[str] = Field(default_factory=list)  # candidates left out by --tiers
     candidates: list[GateCandidate] = Field(default_factory=list)
     quality_metric: str
     pareto: ParetoSection

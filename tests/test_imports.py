@@ -129,14 +129,14 @@ def test_function_level_imports_say_why():
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("qeval.cli",)),
     ("stages", ("qeval.run", "qeval.executors", "qeval.pipeline", "qeval.stages", "qeval.worker",
-                "qeval.quality_stages", "qeval.progress", "qeval.validate")),
+                "qeval.quality_stages", "qeval.progress", "qeval.validate", "qeval.recipe_doc")),
     ("report", ("qeval.report",)),
     ("analysis", ("qeval.analysis",)),
     ("recipe", ("qeval.recipe", "qeval.source")),
     ("tiers", ("qeval.tiers",)),
     ("engines", ("qeval.engines",)),
     ("measure", ("qeval.measure",)),
-    ("results", ("qeval.results", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
+    ("results", ("qeval.results", "qeval.results_load", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
     ("base", ("qeval.errors", "qeval.bounded", "qeval.hashing", "qeval.paths", "qeval.plugins", "qeval.osutil",
               "qeval.failures", "qeval.model_config", "qeval.weight_formats", "qeval.calibration", "qeval.data")),
 )

@@ -308,20 +308,22 @@ class RequestsAtSlo:
 def requests_per_s_at_slo(name: str, tier: TierResult | None, *, is_reference: bool = False) -> RequestsAtSlo | None:
     """Requests/s at the SLO at the tier's own output length (module docstring): the load
     point at ``load.users_at_slo`` streams, its measured requests/s divided by the tier's
-    output-length ratio against the reference. Reads the load section through
-    :func:`qeval.results.get_path` (dicts or typed points alike).
+    output-length ratio against the reference (the typed load section,
+    :class:`qeval.results_load.LoadSection`).
 
     Returns:
         None when the tier has no load sweep, no users at SLO (0 or missing) or no measured
         requests/s at that concurrency.
     """
-    users = finite(get_path(tier, "load", "users_at_slo"))
-    out = finite(get_path(tier, "load", "output_tokens"))
-    if tier is None or not users or not out:
+    load = tier.load if tier is not None else None
+    if load is None:
         return None
-    point = next((p for p in get_path(tier, "load", "points") or []
-                  if finite(get_path(p, "concurrency")) == users and get_path(p, "admitted") is not False), None)
-    rps = finite(get_path(point, "requests_per_s"))
+    users = finite(load.users_at_slo)
+    out = finite(load.output_tokens)
+    if not users or not out:
+        return None
+    point = next((p for p in load.points or [] if finite(p.concurrency) == users and p.admitted is not False), None)
+    rps = finite(point.requests_per_s) if point is not None else None
     if not rps:
         return None
     rel = finite(get_path(tier, "quality", "output_length", "mean_ratio"))
