@@ -127,7 +127,7 @@ def build_wheel(spec: str, cmake_args: str, variants: list[str] | None, *, pytho
             raise RuntimeError(f"pip download {spec} gave {len(sdists)} llama-cpp-python sdists")
         sdist = sdists[0]
         version = sdist.name[len("llama_cpp_python-"):-len(".tar.gz")]
-        key_src = json.dumps([sdist.name, cmake_args, variants, PATCH_VERSION])
+        key_src = json.dumps([sdist.name, " ".join(cmake_args.split()), variants, PATCH_VERSION])  # Makefile spacing never rebuilds
         out = root / f"{version}-{hashlib.sha256(key_src.encode()).hexdigest()[:12]}"
         wheels = sorted(out.glob("*.whl"))
         if wheels:
