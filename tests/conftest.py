@@ -222,3 +222,20 @@ def s3_storage_yaml(s3, prefix: str) -> str:
     """Recipe lines for ``storage: s3://qeval-test/<prefix>`` with the moto endpoint."""
     import json
     return f"storage: s3://{BUCKET}/{prefix}\nstorage_options: {json.dumps(s3[1])}\n"
+
+
+def tiny_gguf_module(tmp_path_factory, prefix: str):
+    """Generator body of a module-scoped ``tiny`` fixture: the tiny random llama with SmolLM2's
+    tokenizer and its F16 GGUF (:func:`build_tiny_gguf`) under its own cache, the shared
+    HF->GGUF converter kept."""
+    import os
+    from pathlib import Path
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp(prefix)
+    mp.setenv("QEVAL_CACHE", str(root / "cache"))
+    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
+        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
+    try:
+        yield build_tiny_gguf(root)
+    finally:
+        mp.undo()

@@ -8,19 +8,9 @@ import pytest
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny random llama with SmolLM2's tokenizer and its F16 GGUF (conftest.build_tiny_gguf)."""
-    import os
-    from pathlib import Path
-    from conftest import build_tiny_gguf
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("prefix")
-    mp.setenv("QEVAL_CACHE", str(root / "cache"))
-    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
-        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
-    try:
-        yield build_tiny_gguf(root)
-    finally:
-        mp.undo()
+    """The tiny random llama with SmolLM2's tokenizer and its F16 GGUF (conftest.tiny_gguf_module)."""
+    from conftest import tiny_gguf_module
+    yield from tiny_gguf_module(tmp_path_factory, "prefix")
 
 
 def _parts(ids: list[int]) -> tuple[list[int], list[list[int]]]:
