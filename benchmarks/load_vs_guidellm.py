@@ -206,7 +206,8 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
 # ---- the server --------------------------------------------------------------------------------
 
 def start_server(binary: Path, gguf: Path, *, threads: int, parallel: int, ctx: int, log: Path):
-    from qeval.engines.servers import ManagedServer, free_port, llama_server_command
+    from qeval.engines.servers import ManagedServer, free_port
+    from qeval.engines.servers.llama_server import llama_server_command
     port = free_port()
     cmd = llama_server_command(binary, gguf, port=port, threads=threads, parallel=parallel, ctx_size=ctx)
     return ManagedServer(cmd, port=port, log_path=log, name="llama-server").start(300)

@@ -123,6 +123,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens per speed request (default 64)")
     ap.add_argument("--output-tokens", type=int, help="new tokens per load request (default: the recipe's)")
     ap.add_argument("--requests-per-stream", type=int, help="default: the recipe's")
+    ap.add_argument("--server-args", default="",
+                    help="extra llama-server arguments, space-separated (e.g. '-b 128 -ub 128': the server "
+                         "prefills as many prompt tokens per step as the in-process scheduler's prefill_chunk)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -155,7 +158,7 @@ def main() -> None:
     log = Path(tempfile.mkdtemp(prefix="qeval-served-bench-")) / "server.log"
     served = OpenAIEngine.open("gguf", gguf, EngineOptions(
         device="cpu", threads=threads, kv_cache=kv, flash_attn=fa,
-        server={"serve": {"kind": "llama-server", "parallel": max(conc)}, "log": str(log), "tier": "benchmark",
+        server={"serve": {"kind": "llama-server", "parallel": max(conc), "args": args.server_args.split()}, "log": str(log), "tier": "benchmark",
                 "tokenizer": tok_dir, "check_texts": [],
                 "tokens": {"sequence": seq, "load_sequence": load_depth + out_tokens + 1}}))
     print(f"llama-server: {' '.join(served.server.cmd)}\n  log {log}", flush=True)

@@ -10,6 +10,9 @@ every tier's prepare, measure, load and quality as one dependency graph, and
 
 - starts untimed stages while fewer than ``lanes`` run (each with ``cores // lanes``
   threads), preferring them, since every one it finishes can unlock more;
+- runs alone, with every core, an untimed stage that scales with threads and loses more
+  beside another than pairing gains (a tier method's ``prepare_alone``: gptqmodel's GPTQ
+  and AWQ quantization);
 - starts a timed stage only when nothing else runs, and nothing beside it until it ends;
 - records in ``run.json`` ``schedule`` what ran when and beside what.
 
@@ -64,10 +67,16 @@ class _Step:
     start: float | None = None
     end: float | None = None
     threads: int = 1
+    exclusive: bool = False  # untimed, but run alone with every core (TierMethod.prepare_alone)
 
     @property
     def timed(self) -> bool:
         return self.stage in TIMED_STAGES
+
+    @property
+    def alone(self) -> bool:
+        """Nothing may run beside it: a timed stage, or an exclusive untimed one."""
+        return self.timed or self.exclusive
 
     @property
     def name(self) -> str:
@@ -97,7 +106,8 @@ class Pipeline:
         self.recipe = runner.recipe
         self.tiers = tiers
         self.lanes = max(1, lanes)
-        self.threads = max(1, (cores or os.cpu_count() or 1) // self.lanes)
+        self.cores = max(1, cores or os.cpu_count() or 1)
+        self.threads = max(1, self.cores // self.lanes)
         self.on_floor = on_floor
         self.expected = expected or {}
         self.steps: list[_Step] = []
@@ -112,8 +122,10 @@ class Pipeline:
         self.ref_step = self.floor_step = None
         prep: dict[str, _Step] = {}
         for tier in self.tiers:
-            if get_method(r.tier(tier).method) is not None:
+            method = get_method(r.tier(tier).method)
+            if method is not None:
                 prep[tier] = self._add(tier, "prepare", [])
+                prep[tier].exclusive = bool(getattr(method, "prepare_alone", False))
         if r.suites:
             ref_tier = r.gate.reference
             ref_method = get_method(r.tier(ref_tier).method)
@@ -213,7 +225,7 @@ class Pipeline:
                 order = {id(s): i for i, s in enumerate(ready)}
                 ready.sort(key=lambda s: (s.name not in self.expected, -self.expected.get(s.name, 0.0), order[id(s)]))
                 for s in ready:
-                    if running and (s.timed or any(x.timed for x in running)):
+                    if running and (s.alone or any(x.alone for x in running)):
                         continue
                     if not s.timed and len(running) >= self.lanes:
                         continue
@@ -221,7 +233,7 @@ class Pipeline:
                         continue  # untimed work first: it unlocks more and can pair up
                     if not self._start(s, done, running):
                         continue
-                    if s.timed:
+                    if s.alone:
                         break
                 self._finish_tiers(results)
                 if not running:
@@ -243,7 +255,7 @@ class Pipeline:
             s.state = "skipped"
             return False
         s.state, s.start = "running", time.time()
-        s.threads = self.recipe.threads if s.timed else self.threads
+        s.threads = self.recipe.threads if s.timed else self.cores if s.exclusive else self.threads
         running.append(s)
         fp = tier_fingerprint(self.runner.recipe_dict, s.tier) if s.tier != RUN_SCOPE else None
         self.runner.on_event(s.tier if s.tier != RUN_SCOPE else "run", s.stage, "starting")

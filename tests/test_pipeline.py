@@ -85,8 +85,9 @@ def test_timed_stages_run_alone_and_untimed_pair_up(recipe, tmp_path):
     assert all(r.status == STATUS_OK for r in results.values())
     assert list(results) == ["bf16", "gptq", "kv8", "int8"]
     for name, beside in runner.overlaps:  # at the moment each stage started
-        if name.split(".")[1] in TIMED_STAGES:
+        if name.split(".")[1] in TIMED_STAGES or name == "gptq.prepare":  # gptqmodel: alone (prepare_alone)
             assert not beside, f"{name} started beside {sorted(beside)}"
+            assert all(name not in b for _, b in runner.overlaps), f"a stage started beside {name}"
         else:
             assert not any(b.split(".")[1] in TIMED_STAGES for b in beside), (name, beside)
             assert len(beside) <= 1  # two lanes
@@ -95,6 +96,8 @@ def test_timed_stages_run_alone_and_untimed_pair_up(recipe, tmp_path):
     for s in sched.values():  # what run.json says ran beside what agrees with the rule
         if s.timed:
             assert s.beside == [] and s.threads == recipe.threads
+        elif s.tier == "gptq" and s.stage == "prepare":
+            assert s.beside == [] and s.threads == 2  # every core
         else:
             assert s.threads == 1
     assert len(floors) == 1 and floors[0].ok

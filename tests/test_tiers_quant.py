@@ -299,3 +299,35 @@ def test_w4_round_trip(method, tiny, tmp_path, monkeypatch):
     kd = _kld(_logprobs(deq.model, _ids()), got)
     print(f"KLD dequantized vs real kernel ({method}): {kd:.2e}")
     assert kd < 1e-3, kd  # issue 5: the two quality paths agree
+
+
+def test_awq_clip_search_off_changes_the_key_only_when_off(tiny):
+    m, ctx = get_method("awq"), _ctx(tiny)
+    on = m.key_fields(_spec("awq"), ctx)
+    assert "clip_search" not in on  # the default (clipping on) keeps earlier artifacts' keys
+    assert on == m.key_fields(_spec("awq", clip_search=True), ctx)
+    assert m.key_fields(_spec("awq", clip_search=False), ctx) == {**on, "clip_search": False}
+
+
+@pytest.mark.slow
+def test_awq_without_clip_search_never_searches_clipping(tiny, tmp_path, monkeypatch):
+    pytest.importorskip("gptqmodel")
+    from gptqmodel.looper import awq_processor
+    from qeval.tiers.gptq import awq_clip_search
+
+    monkeypatch.chdir(tmp_path)
+    original = awq_processor.AWQProcessor.__init__
+
+    def refuse(*a, **k):
+        raise AssertionError("the clipping search ran with clip_search: false")
+
+    monkeypatch.setattr(awq_processor.AWQProcessor, "_search_best_clip", refuse)
+    spec, ctx = _spec("awq", clip_search=False), _ctx(tiny)
+    art, info = _prepare("awq", spec, ctx, tmp_path)
+    assert info["clip_search"] is False
+    assert awq_processor.AWQProcessor.__init__ is original  # the constructor is restored after
+    eng = get_method("awq").load(spec, ctx, art)
+    kld = _kld(_ref_logprobs(tiny), _logprobs(eng.model, _ids()))
+    assert 0 < kld < 0.05, kld  # the scale search alone still quantizes well
+    with awq_clip_search(True):  # on: nothing is wrapped
+        assert awq_processor.AWQProcessor.__init__ is original

@@ -129,7 +129,9 @@ class TierMethod:
     ``transient_dtype_copies`` (source-sized copies written while building, then deleted:
     gptqmodel's offload folder, GGUF's 16-bit intermediate). ``needs_calibration``:
     it reads the recipe's calibration text. ``has_dequantized``: :meth:`load_dequantized`
-    gives a dense model for quality on slow kernels.
+    gives a dense model for quality on slow kernels. ``prepare_alone``: its :meth:`prepare`
+    scales with threads and slows far more beside other work than pairing gains, so the
+    pipelined executor (:mod:`qeval.pipeline`) runs it alone with every core.
 
     ``needs_artifact`` False means the tier serves the source checkpoint as it is (bf16).
     ``artifact_format`` is the format of what :meth:`prepare` writes (``hf``: a
@@ -147,6 +149,7 @@ class TierMethod:
     needs_artifact: bool = True
     needs_calibration: bool = False
     has_dequantized: bool = False
+    prepare_alone: bool = False
 
     # -- engines --------------------------------------------------------------------------
     def loaders(self) -> dict[str, Callable[[Any, TierContext, Path | None], Any]]:

@@ -212,11 +212,57 @@ class AwqTier(W4Tier):
     their bfloat16 linear layers (:class:`qeval.engines.bf16_matmul.float32_linear_calls`).
     ``auto``: float32 matmuls on a CPU without a fast bfloat16 path (the search is 20 block
     forwards per layer, which torch's CPU bfloat16 GEMM runs about 6 times slower), else
-    native. The algorithm (grid, duo scaling, clipping search) is gptqmodel's, unchanged."""
+    native. The algorithm (grid, duo scaling, clipping search) is gptqmodel's, unchanged.
+
+    ``clip_search``: AWQ's second search (the paper's weight clipping, section 3.3), on by
+    default. In gptqmodel 7.6 it is the costly part on CPU: for every linear but q/k it
+    tries 20 clipping ratios over 512 sampled calibration tokens per output-channel batch
+    (``AWQProcessor._compute_best_clip``, ``n_grid=20``, ``n_sample_token=512``, neither
+    settable), as element-wise tensors, not matmuls: about 30 minutes for SmolLM2-135M on
+    2 cores whatever the calibration size. Off keeps the activation-aware scale search and
+    skips clipping (AutoAWQ's ``apply_clip=False``; gptqmodel has the same attribute,
+    ``AWQProcessor.apply_clip``, but no option that sets it, so qeval sets it on the
+    processor it builds: :func:`awq_clip_search`)."""
     method: Literal["awq"]
+    clip_search: bool = Field(True, description="AWQ's weight-clipping search after the scale search (the "
+                              "paper's method; off skips it: much faster on CPU, usually a little less accurate)")
     calibration_matmul: Literal["auto", "native", "float32"] = Field(
         "auto", description="how AWQ's calibration forwards compute bfloat16 linear layers: native, or float32 "
                             "matmuls over the bfloat16 weights; auto: float32 on a CPU without a fast bfloat16 path")
+
+
+@contextlib.contextmanager
+def awq_clip_search(enabled: bool):
+    """Within the block, gptqmodel's AWQ processors run the clipping search or not.
+
+    gptqmodel 7.6 sets ``AWQProcessor.apply_clip = True`` in its ``__init__`` and exposes
+    no setting (read in ``gptqmodel/looper/awq_processor.py``; ``QuantizeConfig`` has none,
+    unlike AutoAWQ's ``quantize(apply_clip=...)``), so the constructor is wrapped for the
+    block's length and restored after. ``enabled=True`` changes nothing.
+
+    Raises:
+        RuntimeError: gptqmodel's ``AWQProcessor`` has no ``apply_clip`` attribute any more
+            (a gptqmodel release changed it: the option would silently do nothing).
+    """
+    if enabled:
+        yield
+        return
+    from gptqmodel.looper import awq_processor  # optional: the qeval[quant] extra
+
+    cls = awq_processor.AWQProcessor
+    if "apply_clip" not in cls.__init__.__code__.co_names and not hasattr(cls, "apply_clip"):
+        raise RuntimeError("gptqmodel's AWQProcessor no longer has apply_clip: clip_search: false cannot be applied")
+    original = cls.__init__
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.apply_clip = False
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
 
 
 class _GptqModelMethod(TierMethod):
@@ -229,6 +275,9 @@ class _GptqModelMethod(TierMethod):
     transient_dtype_copies = 1.0  # gptqmodel's offload folder (finished layers), deleted after
     needs_calibration = True
     has_dequantized = True
+    # side by side at one thread each, GPTQ and AWQ estimated 13 and 128 minutes where each
+    # alone at two threads took about 2 and 9 (2-core machine, 2026-12-01: qeval.pipeline)
+    prepare_alone = True
 
     def check_at_validate(self, checkpoint: Path | None) -> bool:
         return checkpoint is not None  # the group size is checked against the config's layers
@@ -261,6 +310,7 @@ class _GptqModelMethod(TierMethod):
                 "format": self._format(), "quant_backend": self._quant_backend(ctx.device),
                 "calibration": dict(ctx.calibration_fields),
                 **({"calibration_matmul": "float32"} if self._calibration_matmul(spec, ctx) == "float32" else {}),
+                **({"clip_search": False} if not getattr(spec, "clip_search", True) else {}),
                 "library": {"gptqmodel": lib_version("gptqmodel"), "transformers": lib_version("transformers"),
                             "torch": lib_version("torch")}}
 
@@ -327,7 +377,10 @@ class _GptqModelMethod(TierMethod):
             matmul = self._calibration_matmul(spec, ctx)
             ctx.log(f"{self.method}: quantizing with {len(calib)} calibration rows ({n_tok} tokens), "
                     f"bits {spec.bits}, group {group}, calibration matmuls {matmul}")
-            with (float32_linear_calls() if matmul == "float32" else contextlib.nullcontext()):
+            clip = bool(getattr(spec, "clip_search", True)) if self.quant_method == "awq" else True
+            if not clip:
+                ctx.log(f"{self.method}: clipping search off (clip_search: false)")
+            with (float32_linear_calls() if matmul == "float32" else contextlib.nullcontext()), awq_clip_search(clip):
                 gm.quantize(calib, batch_size=1, backend=BACKEND(self._quant_backend(ctx.device)))
             quant_s = time.time() - t0
             gm.save(str(out_dir))
@@ -337,6 +390,7 @@ class _GptqModelMethod(TierMethod):
         return {"quant_seconds": quant_s, "group_size": group, "bits": spec.bits,
                 "backend": f"gptqmodel:{self._quant_backend(ctx.device)}",
                 "calibration_rows": len(calib), "calibration_tokens": n_tok, "calibration_matmul": matmul,
+                **({"clip_search": clip} if self.quant_method == "awq" else {}),
                 "library": {"gptqmodel": gptqmodel.__version__}}
 
     # -- runtime -------------------------------------------------------------------------
