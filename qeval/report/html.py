@@ -37,7 +37,7 @@ from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_te
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
 from .table import (LOAD_HEADERS, RATE_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table,
-                    markdown_table, rate_caption, rate_table, tier_table)
+                    markdown_table, rate_caption, rate_table, tier_table, workload_markdown)
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
 DEFAULT_USERS = 8
@@ -100,6 +100,7 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
             md += [f"Rate ladder: {a.ladder.rates.text()}.", ""]
         for n, why in (a.ladder.rates.unplaced.items() if a.ladder.rates is not None else ()):
             md.append(f"- `{n}` not on the rate ladder: {why}")
+    md += workload_markdown(a.tiers)
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
