@@ -154,6 +154,26 @@ def test_a_cell_beyond_the_engines_kv_pool_is_not_admitted(tiny, llama):
     assert [p["admitted"] for p in pts] == [True, False] and "KV pool of 50" in pts[1]["reason"]
 
 
+def test_hf_long_prompt_steps_per_chunk_size(tiny_llama):
+    from transformers import AutoTokenizer
+    from qeval.engines.hf import HFEngine, load_hf_model
+    from qeval.results_load import InterferenceSection
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = tok("Quantization trades memory for accuracy. The quick brown fox jumps over the lazy dog. " * 12,
+              add_special_tokens=False)["input_ids"]
+    eng = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+    streams = [ids[0:12], ids[20:32]]
+    alone = [eng.generate(p, 12, ignore_stop=True).token_ids for p in streams]
+    out = interference_sweep(eng, streams, ids[:100], chunk_sizes=[16], before_tokens=3, after_tokens=2)
+    sec = InterferenceSection.model_validate(out)
+    assert [(r.chunk_size, r.long_steps, r.steps) for r in sec.rows] == [(None, 1, 6), (16, 7, 12)]
+    assert all(r.n_gaps == 2 * r.long_steps for r in sec.rows)
+    from qeval.engines.hf_interference import serve_with_long_prompt
+    run = serve_with_long_prompt(eng, streams, ids[:100], chunk_size=None, before_tokens=3, after_tokens=2)
+    assert run.long_first_token == eng.generate(ids[:100], 1, ignore_stop=True).token_ids[0]
+    assert [t for t in run.stream_tokens] == [a[1:1 + run.steps] for a in alone]  # the long prefill changes none
+
+
 def test_interference_not_measured_where_the_engine_has_no_step_loop():
     eng = SimpleNamespace(name="openai", capabilities=SimpleNamespace(serve="qeval.engines.openai_load:serve_closed_loop"))
     out = interference_sweep(eng, [[1, 2, 3]], [4] * 50, chunk_sizes=[16])

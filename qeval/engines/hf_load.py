@@ -38,6 +38,7 @@ from ..measure.arrivals import WaitingQueue, WallClock
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
 from ..measure.openloop import OpenLoopRun
 from .hf import cache_nbytes
+from .hf_interference import serve_with_long_prompt  # noqa: F401 - the interference loop beside the serve one
 
 
 def _check(concurrency: int, output_tokens: int, requests_per_stream: int, prefill_chunk: int) -> None:
