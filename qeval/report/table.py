@@ -850,14 +850,23 @@ def grid_caption(tiers: dict[str, TierResult]) -> str | None:
             "`qeval plan RUN_DIR` puts its prediction beside each cell.")
 
 
+def workload_sections(tiers: dict[str, TierResult]) -> list[dict]:
+    """The workload tables the run has: ``key`` (prefix | interference | grid), ``title``,
+    ``caption``, ``headers``, ``rows``."""
+    out = []
+    for key, title, rows, headers, caption in (
+            ("prefix", "Load: shared prefix", prefix_table(tiers), PREFIX_HEADERS, prefix_caption(tiers)),
+            ("interference", "Load: a long prompt landing mid-decode", interference_table(tiers),
+             INTERFERENCE_HEADERS, interference_caption(tiers)),
+            ("grid", "Load: context x concurrency", grid_table(tiers), GRID_HEADERS, grid_caption(tiers))):
+        if rows:
+            out.append({"key": key, "title": title, "caption": caption or "", "headers": headers, "rows": rows})
+    return out
+
+
 def workload_markdown(tiers: dict[str, TierResult]) -> list[str]:
     """The workload tables as Markdown lines (empty when the run has none)."""
     md: list[str] = []
-    for title, rows, headers, caption in (
-            ("Load: shared prefix", prefix_table(tiers), PREFIX_HEADERS, prefix_caption(tiers)),
-            ("Load: a long prompt landing mid-decode", interference_table(tiers), INTERFERENCE_HEADERS,
-             interference_caption(tiers)),
-            ("Load: context x concurrency", grid_table(tiers), GRID_HEADERS, grid_caption(tiers))):
-        if rows:
-            md += [f"## {title}", "", caption or "", "", markdown_table(headers, rows)]
+    for w in workload_sections(tiers):
+        md += [f"## {w['title']}", "", w["caption"], "", markdown_table(w["headers"], w["rows"])]
     return md
