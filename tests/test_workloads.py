@@ -203,6 +203,10 @@ def test_report_tables_and_plan_grid_check_on_a_synthetic_section():
     assert [r[3] for r in grid_table(tiers)] == ["yes", "no"]
     md = "\n".join(workload_markdown(tiers))
     assert "## Load: shared prefix" in md and "## Load: context x concurrency" in md
+    from qeval.report import plots
+    for fn in (plots.prefix_ttft_png, plots.interference_png, plots.grid_heatmap_png):
+        assert fn(tiers)[:8] == b"\x89PNG\r\n\x1a\n", fn.__name__
+    assert plots.grid_heatmap_png({}) is None
     checks = grid_vs_formula(tiers, overhead_bytes=2**28, max_context=256)
     # 256 + 16 = 272 tokens is beyond a 256-token model: the formula admits neither cell, the run admitted c=1
     assert [c.predicted_admitted for c in checks] == [False, False] and [c.admitted for c in checks] == [True, False]

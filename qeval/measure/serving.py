@@ -299,7 +299,8 @@ def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], lon
 
     Returns:
         a dict of :class:`qeval.results_load.InterferenceSection`'s fields; ``not_measured``
-        says why when the engine has no interference loop or refuses the prompt.
+        says why when the engine has no interference loop, or refuses the prompt or fails
+        (the runs before it are kept; the load stage goes on).
     """
     from .interference import interference_stats
     out: dict[str, Any] = {"prompt_tokens": len(long_prompt), "streams": len(stream_prompts),
@@ -316,8 +317,8 @@ def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], lon
         try:
             run = fn(engine, stream_prompts, long_prompt, chunk_size=chunk, before_tokens=before_tokens,
                      after_tokens=after_tokens)
-        except (ValueError, NotAdmitted, *_oom_types()) as e:
-            out["not_measured"] = f"{e.__class__.__name__}: {e}"[:300]
+        except (ValueError, RuntimeError, NotAdmitted, *_oom_types()) as e:  # the tier's other load figures stand
+            out["not_measured"] = f"{'unchunked' if chunk is None else f'chunk {chunk}'}: {e.__class__.__name__}: {e}"[:300]
             break
         st = interference_stats(run.stream_times, run.arrival_s, run.first_token_s).to_dict()
         for k in ("window_start_s", "window_end_s"):
