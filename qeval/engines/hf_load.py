@@ -31,6 +31,7 @@ produces the tokens it produces alone (tests/test_load.py, float32).
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Sequence
 
@@ -230,7 +231,6 @@ def _cache_bytes(mgr: Any) -> int | None:
 
 def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
             pad_id: int, prefix: list[int] | None = None, shared_prefix: int = 0) -> LoadRun:
-    import copy
     import torch  # start-up time: torch loads only in stage processes
 
     model, dev, kw = engine.model, engine.device, engine._cache_kw

@@ -24,6 +24,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 from .arrivals import arrival_times
+from .interference import interference_stats
 from .load import NotAdmitted, PromptFor, Slo, admission, distinct_prompts, not_admitted_point, point_stats, summarize
 from .openloop import knee, not_run_point, rate_point_stats, stop_reason, sweep_rates
 
@@ -302,7 +303,6 @@ def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], lon
         says why when the engine has no interference loop, or refuses the prompt or fails
         (the runs before it are kept; the load stage goes on).
     """
-    from .interference import interference_stats
     out: dict[str, Any] = {"prompt_tokens": len(long_prompt), "streams": len(stream_prompts),
                            "stream_depth": max((len(p) for p in stream_prompts), default=0), "rows": [],
                            "not_measured": None}
