@@ -433,7 +433,8 @@ def interference_png(tiers: dict[str, TierResult]) -> bytes | None:
 
 def grid_heatmap_png(tiers: dict[str, TierResult]) -> bytes | None:
     """Users at SLO per depth as a heat map: one row per tier with a grid, one column per
-    depth; each cell says the number (0: none met the SLO)."""
+    depth; each cell says the number (0: none met the SLO; grey "not admitted": the KV pool
+    held no cell of that depth)."""
     grids = {n: t.load.grid for n, t in tiers.items() if t.load is not None and t.load.grid is not None}
     if not grids:
         return None
@@ -441,17 +442,25 @@ def grid_heatmap_png(tiers: dict[str, TierResult]) -> bytes | None:
     names = list(grids)
     import numpy as np  # start-up time: only the report draws
     vals = np.full((len(names), len(depths)), np.nan)
+    label = [["-"] * len(depths) for _ in names]
     for i, n in enumerate(names):
         for g in grids[n].depths:
-            if g.users_at_slo is not None:
-                vals[i, depths.index(g.depth)] = g.users_at_slo
+            j = depths.index(g.depth)
+            if not any(p.admitted for p in g.points):
+                label[i][j] = "not admitted"
+            elif g.users_at_slo is not None:
+                vals[i, j] = g.users_at_slo
+                label[i][j] = f"{g.users_at_slo}"
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
-    im = ax.imshow(np.nan_to_num(vals, nan=0.0), cmap="viridis", aspect="auto", vmin=0)
+    top = float(np.nanmax(vals)) if np.isfinite(vals).any() else 1.0
+    im = ax.imshow(np.ma.masked_invalid(vals), cmap="viridis", aspect="auto", vmin=0, vmax=max(top, 1.0))
+    ax.set_facecolor("#dddddd")  # no figure (not admitted, not measured): grey
     for i in range(len(names)):
         for j in range(len(depths)):
             v = vals[i, j]
-            ax.text(j, i, "-" if np.isnan(v) else f"{int(v)}", ha="center", va="center", color="w", fontsize=9)
+            dark = np.isnan(v) or v > 0.6 * max(top, 1.0)  # black text on grey and on the bright end
+            ax.text(j, i, label[i][j], ha="center", va="center", color="k" if dark else "w", fontsize=9)
     ax.set_xticks(range(len(depths)))
     ax.set_xticklabels([str(d) for d in depths])
     ax.set_yticks(range(len(names)))
