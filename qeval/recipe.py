@@ -237,9 +237,11 @@ class QueueSpec(_Strict):
 
 
 class InterferenceSpec(_Strict):
-    """One long prompt landing while streams decode (qeval.measure.interference): ``prompt_tokens``
-    of cold prefill arrive mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per
-    engine step, chunked prefill), and once unchunked (the whole prompt in one step)."""
+    """One long prompt landing while streams decode (qeval.measure.interference): ``streams``
+    streams decode prompts of the load depth; ``prompt_tokens`` of cold prefill arrive
+    mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per engine step, chunked
+    prefill), and once unchunked (the whole prompt in one step). In-process engines only; a
+    served tier records it as not measured."""
     prompt_tokens: int = Field(gt=0, le=MAX_TOKENS, description="tokens of the long prompt")
     streams: int = Field(2, gt=0, le=MAX_STREAMS, description="streams decoding when the long prompt arrives "
                          "(each a prompt of the load depth)")

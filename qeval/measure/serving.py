@@ -308,8 +308,10 @@ def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], lon
                            "not_measured": None}
     fn = interference_function(engine)
     if fn is None:
-        out["not_measured"] = (f"the {getattr(engine, 'name', 'engine')} engine has no loop that runs a long "
-                               "prompt beside decoding streams step by step")
+        name = getattr(engine, "name", "engine")
+        out["not_measured"] = (f"the {name} engine has no loop that runs a long prompt beside decoding streams "
+                               "step by step" + (" (a server schedules its own steps; its chunk size is its batch "
+                                                 "setting)" if name == "openai" else ""))
         return out
     for chunk in [None, *sorted(int(c) for c in chunk_sizes)]:
         progress(f"load: interference: {len(long_prompt)}-token prompt on {len(stream_prompts)} streams, "
