@@ -104,6 +104,14 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
         per = f"{ar.requests} requests" if ar.requests else f"{ar.duration_s:g} s"
         lines.append(f"arrivals {what}  {ar.process} (seed {ar.seed})  {per} per rate  queue {ld.queue.max_waiting} "
                      f"waiting, timeout {ld.queue.timeout_s:g} s  max error rate {ld.slo.max_error_rate:g}")
+    if ld.enabled and ld.shared_prefix_tokens:
+        lines.append(f"prefix   {ld.shared_prefix_tokens} shared tokens of {recipe.load_depth}  KV reuse {ld.prefix_cache}")
+    if ld.enabled and ld.interference is not None:
+        it = ld.interference
+        lines.append(f"stall    {it.prompt_tokens}-token prompt on {it.streams} decoding streams  unchunked and "
+                     f"chunks {it.chunk_sizes}")
+    if ld.enabled and ld.depths:
+        lines.append(f"grid     depths {ld.depths} x concurrency {ld.concurrency}")
     lines.append("tiers" + (f"    {len(only)} of {len(recipe.tiers)} (--tiers)" if only is not None else ""))
     width = max([16] + [len(t.name) for t in recipe.tiers])
     for t in recipe.tiers:

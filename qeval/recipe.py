@@ -237,10 +237,14 @@ class QueueSpec(_Strict):
 
 
 class InterferenceSpec(_Strict):
-    """One long prompt landing while streams decode (qeval.measure.interference): ``prompt_tokens``
-    of cold prefill arrive mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per
-    engine step, chunked prefill), and once unchunked (the whole prompt in one step)."""
+    """One long prompt landing while streams decode (qeval.measure.interference): ``streams``
+    streams decode prompts of the load depth; ``prompt_tokens`` of cold prefill arrive
+    mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per engine step, chunked
+    prefill), and once unchunked (the whole prompt in one step). In-process engines only; a
+    served tier records it as not measured."""
     prompt_tokens: int = Field(gt=0, le=MAX_TOKENS, description="tokens of the long prompt")
+    streams: int = Field(2, gt=0, le=MAX_STREAMS, description="streams decoding when the long prompt arrives "
+                         "(each a prompt of the load depth)")
     chunk_sizes: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] = Field(
         min_length=1, max_length=64, description="prefill chunk sizes (tokens per engine step) to compare")
 
@@ -263,6 +267,20 @@ class _LoadWorkloads(_Strict):
                                                        "prefix from a reused KV cache (on), prefill it per request "
                                                        "(off), or measure both")
     interference: InterferenceSpec | None = None
+    depths: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] | None = Field(
+        None, max_length=64, description="context x concurrency grid: the closed loop at each of these depths "
+        "(prompt tokens) and each concurrency; a cell the KV pool cannot hold is recorded as not admitted")
+
+    @field_validator("depths")
+    @classmethod
+    def _grid_depths(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("depths must list at least one depth")
+        if len(set(v)) != len(v):
+            raise ValueError("depths must be distinct")
+        return sorted(v)
 
     @field_validator("prefix_cache", mode="before")
     @classmethod

@@ -75,6 +75,10 @@ class LoadPoint(_LoadModel):
     kv_pool_bytes: Count | None = Field(None, description="KV bytes the engine allocated for the point")
     steps: Count | None = Field(None, description="forward passes")
     details: dict[str, Any] = Field(default_factory=dict, description="engine extras (context size, batch size)")
+    prompt_tokens: Count | None = Field(None, description="prompt tokens of all requests (None in older runs)")
+    cached_prompt_tokens: Count | None = Field(None, description="prompt tokens served from a reused prefix's KV "
+                                               "cache (None: not counted)")
+    prefix_hit_rate: float | None = Field(None, description="cached_prompt_tokens / prompt_tokens")
 
 
 class RatePoint(_LoadModel):
@@ -153,6 +157,85 @@ class ArrivalsSection(_LoadModel):
                       key=lambda p: p.rate_rps or 0.0)
 
 
+class PrefixRun(_LoadModel):
+    """The closed loop served with a shared prefix, the prefix's KV reused (``reuse``) or
+    prefilled per request: one point per concurrency."""
+    reuse: bool = Field(description="True: the prefix's KV cache reused across requests")
+    how: str | None = Field(None, description="how the engine reused it (sequence copy, cache copy, "
+                            "cache_prompt, prefix caching) or served it fresh")
+    users_at_slo: Count | None = Field(None, description="largest concurrency meeting the SLO")
+    prompt_tokens: Count | None = Field(None, description="prompt tokens over every point's requests")
+    cached_prompt_tokens: Count | None = Field(None, description="of them served from the cache (None: not counted)")
+    hit_rate: float | None = Field(None, description="cached_prompt_tokens / prompt_tokens")
+    points: list[LoadPoint] = Field(default_factory=list, description="one per concurrency, ascending")
+
+    def point(self, concurrency: int) -> LoadPoint | None:
+        """The point at ``concurrency`` streams, or None."""
+        return next((p for p in self.points if p.concurrency == concurrency), None)
+
+
+class PrefixSection(_LoadModel):
+    """Shared-prefix workload (the recipe's ``load.shared_prefix_tokens``): every request is
+    the same prefix + its own part (depth tokens in all)."""
+    shared_prefix_tokens: Count = Field(description="tokens of the shared prefix")
+    depth: Count = Field(description="prompt tokens per request, prefix included")
+    runs: list[PrefixRun] = Field(default_factory=list, description="with and/or without reuse")
+    not_measured: str | None = Field(None, description="why a mode the recipe asked for was not measured")
+
+    def run(self, reuse: bool) -> PrefixRun | None:
+        """The run with (``reuse`` True) or without reuse, or None."""
+        return next((r for r in self.runs if r.reuse is reuse), None)
+
+
+class InterferenceRow(_LoadModel):
+    """One long prompt at one chunk size (qeval.measure.interference: the window is the long
+    request's arrival -> its first token)."""
+    chunk_size: Count | None = Field(description="prompt tokens of the long prompt per step; None: unchunked")
+    window_s: float = Field(description="arrival -> first token of the long prompt, s")
+    long_ttft_s: float = Field(description="the long request's TTFT, s")
+    streams: Count = Field(description="running streams with a gap in the window")
+    n_gaps: Count = Field(description="their inter-token gaps overlapping the window")
+    max_gap_s: float | None = Field(None, description="largest inter-token gap in the window, s")
+    itl_p50_s: float | None = Field(None, description="median gap in the window, s")
+    itl_p99_s: float | None = Field(None, description="99th percentile gap in the window, s")
+    baseline_tokens_per_s: float | None = Field(None, description="the streams' decode rate before the window")
+    window_tokens_per_s: float | None = Field(None, description="their decode rate inside the window")
+    lost_tokens_per_s: float | None = Field(None, description="baseline - window decode tokens/s")
+    lost_tokens: float | None = Field(None, description="lost tokens/s x window, tokens")
+    steps: Count | None = Field(None, description="engine steps of the timed loop")
+    long_steps: Count | None = Field(None, description="steps that held tokens of the long prompt")
+
+
+class InterferenceSection(_LoadModel):
+    """N streams decoding, one long prompt arriving (the recipe's ``load.interference``)."""
+    prompt_tokens: Count = Field(description="tokens of the long prompt")
+    streams: Count = Field(description="streams decoding when it arrives")
+    stream_depth: Count | None = Field(None, description="prompt tokens of each running stream")
+    rows: list[InterferenceRow] = Field(default_factory=list, description="unchunked first, then by chunk size")
+    not_measured: str | None = Field(None, description="why it was not measured on this tier, one line")
+
+
+class GridDepth(_LoadModel):
+    """The closed loop at one depth of the context x concurrency grid (``load.depths``)."""
+    depth: Count = Field(description="prompt tokens per request")
+    users_at_slo: Count | None = Field(None, description="largest concurrency meeting the SLO at this depth")
+    points: list[LoadPoint] = Field(default_factory=list, description="one cell per concurrency: admitted and "
+                                    "measured, or not admitted with the reason")
+
+
+class GridSection(_LoadModel):
+    """Context x concurrency in one KV pool: each cell admitted against the pool (the engine's
+    context size, or the memory budget after the weights) or not, with the reason."""
+    pool_tokens: Count | None = Field(None, description="KV cells of the engine's pool (a server's context "
+                                      "size); None: the pool is sized per point")
+    depths: list[GridDepth] = Field(default_factory=list, description="ascending depth")
+
+    def cell(self, depth: int, concurrency: int) -> LoadPoint | None:
+        """The cell at ``depth`` and ``concurrency``, or None."""
+        d = next((g for g in self.depths if g.depth == depth), None)
+        return d and next((p for p in d.points if p.concurrency == concurrency), None)
+
+
 class LoadSection(_LoadModel):
     """A tier's ``load`` section: the closed-loop sweep's figures and points, the open-loop
     ``arrivals`` (None when the recipe has none), or ``error`` with no points when the
@@ -181,6 +264,11 @@ class LoadSection(_LoadModel):
     held_bytes: Count | None = Field(None, description="bytes the loaded engine held before the sweep")
     points: list[LoadPoint] = Field(default_factory=list, description="closed-loop points, ascending concurrency")
     arrivals: ArrivalsSection | None = Field(None, description="the open-loop sweep (None without load.arrivals)")
+    prefix: PrefixSection | None = Field(None, description="shared-prefix workload (None without "
+                                         "load.shared_prefix_tokens)")
+    interference: InterferenceSection | None = Field(None, description="a long prompt landing mid-decode (None "
+                                                     "without load.interference)")
+    grid: GridSection | None = Field(None, description="context x concurrency grid (None without load.depths)")
 
     def point(self, concurrency: int) -> LoadPoint | None:
         """The closed-loop point at ``concurrency`` streams, or None."""

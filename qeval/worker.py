@@ -41,7 +41,7 @@ from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
-from .measure.serving import load_sweep, rate_sweep, serve_function
+from .measure.serving import grid_sweep, interference_sweep, load_sweep, prefix_sweep, rate_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
 from .quality_stages import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .recipe import Recipe, validation_error
@@ -114,9 +114,12 @@ def served_tokens(recipe, max_context: int | None) -> dict:
     """What a served tier's server must hold (tokens): ``sequence``, the deepest speed
     prompt plus its decode and at least 2048 for the suites' conversations (at most the
     model's context); ``load_sequence``, one load request (0 without a load stage);
-    ``model``, the model's context."""
+    ``model``, the model's context. The load request is the longest of the load depth, the
+    grid's depths (``load.depths``) and the long interference prompt."""
     n = max(max(recipe.speed.depths) + recipe.speed.decode_tokens + 1, 2048)
-    load = recipe.load_depth + recipe.load.output_tokens + 1 if recipe.load.enabled else 0
+    ld = recipe.load
+    deepest = max([recipe.load_depth, *(ld.depths or []), *([ld.interference.prompt_tokens] if ld.interference else [])])
+    load = deepest + ld.output_tokens + 1 if ld.enabled else 0
     return {"sequence": min(n, max_context) if max_context else n, "load_sequence": load, "model": max_context}
 
 
@@ -323,11 +326,24 @@ def kv_budget_bytes(recipe, env, device: str, held_bytes: int | None) -> tuple[f
     return budget - (held_bytes or 0), src
 
 
+def _reuse_how(engine) -> str:
+    """How ``engine`` reuses a shared prefix's KV cache, one line for the load section."""
+    if engine.name == "openai":
+        dialect = getattr(getattr(engine, "client", None), "dialect", "")
+        return {"llama.cpp": "llama-server cache_prompt: true (a slot keeps its cached prompt)",
+                "vllm": "vLLM --enable-prefix-caching"}.get(dialect, "the server's prompt cache")
+    if engine.name == "llamacpp":
+        return "prefix prefilled once into its own sequence, copied into each request's (llama_memory_seq_cp)"
+    return "prefix prefilled once, its cache deep-copied per batch"
+
+
 def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     """In a fresh process: load the artifact and serve the concurrency sweep (closed loop,
     batched) at the load depth; per point TTFT/ITL/e2e percentiles (s), aggregate decode
     tokens/s, requests/s, peak memory and KV bytes; users at SLO, goodput, batching gain
-    (qeval.measure.load)."""
+    (qeval.measure.load). Then the recipe's workloads: a shared prefix with and/or without
+    reuse (``load.shared_prefix_tokens``), a long prompt landing mid-decode
+    (``load.interference``) and the context x concurrency grid (``load.depths``)."""
     from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     device = pick_device(recipe.device)
@@ -335,6 +351,9 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     ctx = tier_context(recipe, run_dir, device)
+    ld = recipe.load
+    if ld.shared_prefix_tokens and ld.prefix_cache != "off":  # vLLM: prefix caching on in this stage's server
+        ctx.served_tokens["prefix_caching"] = 1
     layout = RunLayout(run_dir)
     prep = read_stage(layout, tier, "prepare")
     meas = read_stage(layout, tier, "measure")
@@ -354,15 +373,28 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     env = read_stage(layout, RUN_SCOPE, "env")
     budget, budget_src = kv_budget_bytes(recipe, env, engine_device, held)
     src = read_stage(layout, RUN_SCOPE, "source")
-    ld = recipe.load
     depth = recipe.load_depth
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     base = depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), max(4 * depth, 4096))
-    out = load_sweep(engine, distinct_prompts(base, depth), concurrency=ld.concurrency, depth=depth,
-                     output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
-                     prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
-                     kv_bytes_per_token=meas.memory.kv_bytes_per_token,
-                     kv_budget_bytes=budget, max_context=src.max_context, progress=_progress)
+    pool_tokens = engine.kv_pool_tokens() if hasattr(engine, "kv_pool_tokens") else None
+    common = dict(concurrency=ld.concurrency, output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
+                  prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
+                  kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget,
+                  max_context=src.max_context, pool_tokens=pool_tokens, progress=_progress)
+    out = load_sweep(engine, distinct_prompts(base, depth), depth=depth, **common)
+    if ld.depths:  # the grid: the main sweep is its cell row at the load depth
+        out["grid"] = grid_sweep(engine, lambda d: distinct_prompts(base, d), depths=ld.depths,
+                                 measured={depth: dict(out)}, **common)
+    if ld.shared_prefix_tokens:
+        modes = {"on": [True], "off": [False], "both": [False, True]}[ld.prefix_cache]
+        out["prefix"] = prefix_sweep(engine, base, depth=depth, prefix_tokens=ld.shared_prefix_tokens, modes=modes,
+                                     how=_reuse_how(engine), **common)
+    if ld.interference is not None:
+        it = ld.interference
+        fresh = distinct_prompts(base, depth)
+        out["interference"] = interference_sweep(
+            engine, [fresh(2000 + s, 0) for s in range(it.streams)], distinct_prompts(base, it.prompt_tokens)(3000, 0),
+            chunk_sizes=it.chunk_sizes, progress=_progress)
     if ld.arrivals is not None:  # the open loop: the same prompts' source, fresh prompts per point
         ar, q = ld.arrivals, ld.queue
         out["arrivals"] = rate_sweep(

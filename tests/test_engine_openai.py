@@ -660,6 +660,47 @@ def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_a
     assert leftovers == []
 
 
+def _records_by_request(run) -> dict[tuple[int, int], list[int]]:
+    """``(stream, k) -> token ids`` of a closed loop's records (a stream's records in order)."""
+    seen: dict[int, int] = {}
+    out = {}
+    for r in sorted(run.requests, key=lambda r: (r.stream, r.start_s)):
+        k = seen.get(r.stream, 0)
+        seen[r.stream] = k + 1
+        out[(r.stream, k)] = list(r.token_ids)
+    return out
+
+
+@pytest.mark.slow
+def test_llama_server_cache_prompt_reuses_the_prefix_with_the_same_tokens(served, tmp_path):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.engines.openai import OpenAIEngine
+    from qeval.engines.openai_load import serve_closed_loop
+    from qeval.measure.serving import prefixed_prompts
+    pf = prefixed_prompts(served["ids"], 56, 40)
+    local = LlamaCppEngine(served["f16"], threads=1)
+    try:
+        fresh = {(0, k): local.generate(pf(0, k), 6, ignore_stop=True).token_ids for k in range(3)}
+    finally:
+        local.close()
+    eng = OpenAIEngine.open("gguf", served["f16"], _options(
+        serve={"kind": "llama-server", "parallel": 1, "ctx_size": 512}, log=str(tmp_path / "server.log"), tier="t",
+        tokenizer=str(served["src"])))
+    try:
+        assert eng.kv_pool_tokens() == 512
+        kw = dict(concurrency=1, output_tokens=6, requests_per_stream=3, shared_prefix=40)
+        off = serve_closed_loop(eng, pf, reuse_prefix=False, **kw)
+        eng.clear_kv_pool("test")
+        on = serve_closed_loop(eng, pf, reuse_prefix=True, **kw)
+    finally:
+        eng.close()
+    by = _records_by_request
+    assert by(off) == fresh and by(on) == fresh
+    assert off.cached_prompt_tokens == 0
+    # the first request found an empty slot; the next two found the prefix there (the server's own count)
+    assert on.cached_prompt_tokens is not None and on.cached_prompt_tokens >= 2 * 40
+
+
 @pytest.mark.slow
 def test_top_k_kld_from_llama_server_agrees_with_the_full_vocabulary_kld(served, tmp_path):
     """The server's top-20 log-probabilities are llama.cpp's own, and the top-k KLD estimate

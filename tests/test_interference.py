@@ -82,6 +82,89 @@ def test_llamacpp_long_prompt_steps_per_chunk_size(tiny):
         eng.close()
 
 
+# ---- the load stage: interference per chunk size, the context x concurrency grid -------------
+
+def test_prefix_sweep_and_interference_and_grid_make_a_typed_load_section(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.measure.load import Slo, distinct_prompts
+    from qeval.measure.serving import grid_sweep, interference_sweep, prefix_sweep
+    from qeval.results_load import LoadSection
+    ids = tiny["ids"]
+    llama = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        common = dict(concurrency=[1, 2], output_tokens=4, requests_per_stream=1, prefill_chunk=16, slo=Slo(60.0, 60.0),
+                      max_context=llama.n_ctx_train)
+        pre = prefix_sweep(llama, ids, depth=48, prefix_tokens=32, modes=[False, True], how="seq copy", **common)
+        it = interference_sweep(llama, [ids[0:12], ids[20:29]], (ids * 2)[:100], chunk_sizes=[40, 16],
+                                before_tokens=3, after_tokens=2)
+        # depth 2048 + 4 new tokens is beyond the tiny model's context of 2048: not admitted, never run
+        grid = grid_sweep(llama, lambda d: distinct_prompts(ids, d), depths=[2048, 24], **common)
+    finally:
+        llama.close()
+    sec = LoadSection.model_validate({"depth": 48, "prefix": pre, "interference": it, "grid": grid})
+    on, off = sec.prefix.run(True), sec.prefix.run(False)
+    assert on.hit_rate == pytest.approx(32 / 48) and off.hit_rate == 0.0 and on.cached_prompt_tokens == 3 * 32
+    assert [p.prefix_hit_rate for p in on.points] == [pytest.approx(32 / 48)] * 2 and on.how == "seq copy"
+    rows = sec.interference.rows
+    assert [r.chunk_size for r in rows] == [None, 16, 40] and sec.interference.not_measured is None
+    assert [r.long_steps for r in rows] == [1, 7, 3]  # unchunked: the whole 100-token prompt in one step
+    assert all(r.n_gaps == 2 * r.long_steps and r.max_gap_s is not None for r in rows)
+    assert [g.depth for g in sec.grid.depths] == [24, 2048]
+    assert all(p.admitted for p in sec.grid.depths[0].points)
+    deep = sec.grid.cell(2048, 2)
+    assert not deep.admitted and "beyond the model's context of 2048" in deep.reason and deep.requests_not_admitted == 2
+    assert sec.grid.depths[1].users_at_slo == 0
+
+
+def test_a_cell_beyond_the_engines_kv_pool_is_not_admitted(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.measure.load import Slo, admission, distinct_prompts
+    from qeval.measure.serving import grid_sweep
+    # llama-server's pool: --ctx-size cells all slots share
+    why = admission(concurrency=2, depth=24, output_tokens=4, kv_bytes_per_token=None, max_context=2048,
+                    kv_budget_bytes=None, pool_tokens=50)
+    assert why and "2 x (depth 24 + output_tokens 4) = 56 tokens is beyond the engine's KV pool of 50" in why
+    llama = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        grid = grid_sweep(llama, lambda d: distinct_prompts(tiny["ids"], d), depths=[24],
+                          concurrency=[1, 2],
+                          output_tokens=4, requests_per_stream=1, prefill_chunk=16, slo=Slo(60.0, 60.0),
+                          pool_tokens=50)
+    finally:
+        llama.close()
+    pts = grid["depths"][0]["points"]
+    assert [p["admitted"] for p in pts] == [True, False] and "KV pool of 50" in pts[1]["reason"]
+
+
+def test_hf_long_prompt_steps_per_chunk_size(tiny_llama):
+    from transformers import AutoTokenizer
+    from qeval.engines.hf import HFEngine, load_hf_model
+    from qeval.measure.serving import interference_sweep
+    from qeval.results_load import InterferenceSection
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = tok("Quantization trades memory for accuracy. The quick brown fox jumps over the lazy dog. " * 12,
+              add_special_tokens=False)["input_ids"]
+    eng = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+    streams = [ids[0:12], ids[20:32]]
+    alone = [eng.generate(p, 12, ignore_stop=True).token_ids for p in streams]
+    out = interference_sweep(eng, streams, ids[:100], chunk_sizes=[16], before_tokens=3, after_tokens=2)
+    sec = InterferenceSection.model_validate(out)
+    assert [(r.chunk_size, r.long_steps, r.steps) for r in sec.rows] == [(None, 1, 6), (16, 7, 12)]
+    assert all(r.n_gaps == 2 * r.long_steps for r in sec.rows)
+    from qeval.engines.hf_interference import serve_with_long_prompt
+    run = serve_with_long_prompt(eng, streams, ids[:100], chunk_size=None, before_tokens=3, after_tokens=2)
+    assert run.long_first_token == eng.generate(ids[:100], 1, ignore_stop=True).token_ids[0]
+    assert [t for t in run.stream_tokens] == [a[1:1 + run.steps] for a in alone]  # the long prefill changes none
+
+
+def test_interference_not_measured_where_the_engine_has_no_step_loop():
+    from types import SimpleNamespace
+    from qeval.measure.serving import interference_sweep
+    eng = SimpleNamespace(name="openai", capabilities=SimpleNamespace(serve="qeval.engines.openai_load:serve_closed_loop"))
+    out = interference_sweep(eng, [[1, 2, 3]], [4] * 50, chunk_sizes=[16])
+    assert out["rows"] == [] and "openai engine has no loop" in out["not_measured"]
+
+
 # ---- the recipe fields -------------------------------------------------------------------
 
 _RECIPE = "name: x\nmodel: {source: /tmp}\ntiers: [{name: bf16, method: bf16}]\nspeed: {depths: [64, 128]}\n"

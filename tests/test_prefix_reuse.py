@@ -1,6 +1,7 @@
 """Prefix KV reuse on both in-process engines (tiny models): a request served from a reused
-shared prefix produces the same greedy tokens as a fresh prefill of the whole prompt, and
-the prompt tokens served from the cache are counted."""
+shared prefix produces the same greedy tokens as a fresh prefill of the whole prompt, alone
+(the primitives) and in the load stage's closed loops, and the prompt tokens served from the
+cache are counted."""
 from __future__ import annotations
 
 import pytest
@@ -81,6 +82,66 @@ def test_hf_reused_prefix_gives_the_fresh_prefill_tokens(tiny_llama):
     again = [pc.generate(own, 8, reuse=False) for own in owns]
     assert got == fresh and again == fresh
     assert pc.stats.cached_share == pytest.approx(120 / (2 * 120 + 2 * 22))
+
+
+# ---- the load stage's closed loops with a shared prefix -----------------------------------
+
+def _by_request(run) -> dict[tuple[int, int], list[int]]:
+    """``(stream, k) -> token ids`` of a closed loop's records (a stream's records in order)."""
+    seen: dict[int, int] = {}
+    out = {}
+    for r in sorted(run.requests, key=lambda r: (r.stream, r.start_s)):
+        k = seen.get(r.stream, 0)
+        seen[r.stream] = k + 1
+        out[(r.stream, k)] = list(r.token_ids)
+    return out
+
+
+def test_prefixed_prompts_share_the_prefix_and_differ_after_it():
+    from qeval.measure.serving import prefixed_prompts
+    pf = prefixed_prompts(list(range(1, 300)), 50, 40)
+    a, b, c = pf(0, 0), pf(0, 1), pf(1, 0)
+    assert len(a) == 50 and a[:40] == b[:40] == c[:40] and len({tuple(a), tuple(b), tuple(c)}) == 3
+    with pytest.raises(ValueError, match="shared prefix"):
+        prefixed_prompts([1, 2, 3], 40, 40)
+
+
+def test_llamacpp_closed_loop_reused_prefix_gives_fresh_prefill_tokens(tiny):
+    from qeval.engines.llamacpp import LlamaCppEngine
+    from qeval.engines.llamacpp_load import serve_closed_loop
+    from qeval.measure.serving import prefixed_prompts
+    llama = LlamaCppEngine(tiny["f16"], threads=1)
+    try:
+        pf = prefixed_prompts(tiny["ids"], 56, 40)
+        kw = dict(concurrency=2, output_tokens=6, requests_per_stream=2, prefill_chunk=16, shared_prefix=40)
+        off = serve_closed_loop(llama, pf, reuse_prefix=False, **kw)
+        on = serve_closed_loop(llama, pf, reuse_prefix=True, **kw)
+        fresh = {(s, k): llama.generate(pf(s, k), 6, ignore_stop=True).token_ids for s in range(2) for k in range(2)}
+        assert _by_request(off) == fresh and _by_request(on) == fresh
+        assert off.cached_prompt_tokens == 0 and on.cached_prompt_tokens == 4 * 40
+        assert on.details["kv_unified"] is True and off.details["kv_unified"] is False
+        assert on.steps < off.steps  # only the own parts (16 tokens, one chunk each) were prefilled
+    finally:
+        llama.close()
+
+
+def test_hf_closed_loop_reused_prefix_gives_fresh_prefill_tokens(tiny_llama):
+    from transformers import AutoTokenizer
+    from qeval.engines.hf import HFEngine, load_hf_model
+    from qeval.engines.hf_load import serve_closed_loop
+    from qeval.measure.serving import prefixed_prompts
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = tok("Quantization trades memory for accuracy. The quick brown fox jumps over the lazy dog. " * 12,
+              add_special_tokens=False)["input_ids"]
+    eng = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
+    pf = prefixed_prompts(ids, 48, 32)
+    kw = dict(concurrency=2, output_tokens=5, requests_per_stream=2, prefill_chunk=16, shared_prefix=32)
+    off = serve_closed_loop(eng, pf, reuse_prefix=False, **kw)
+    on = serve_closed_loop(eng, pf, reuse_prefix=True, **kw)
+    fresh = {(s, k): eng.generate(pf(s, k), 5, ignore_stop=True).token_ids for s in range(2) for k in range(2)}
+    assert _by_request(off) == fresh and _by_request(on) == fresh
+    assert off.scheduling == on.scheduling == "static"
+    assert off.cached_prompt_tokens == 0 and on.cached_prompt_tokens == 4 * 32
 
 
 # ---- the recipe fields -------------------------------------------------------------------

@@ -276,6 +276,99 @@ def load_vs_formula(tiers: dict[str, TierResult], overhead_bytes: int = DEFAULT_
 
 
 @dataclass
+class GridCheck:
+    """The capacity formulas' prediction beside one measured cell of the context x
+    concurrency grid (the load section's ``grid``).
+
+    Attributes:
+        tier, depth, concurrency: the cell.
+        context: tokens per sequence at its fullest (depth + output tokens).
+        predicted_admitted: the formula says it fits: ``context <= max_context`` (when
+            known) and weights + overhead + N x context x KV bytes/token <= the run's memory
+            budget (the load section's KV budget + what the loaded engine held).
+        admitted: what the run did.
+        reason: the run's reason when it did not admit the cell.
+        predicted_bytes, measured_peak_bytes, memory_error_pct: as :class:`LoadCheck`.
+        bound_tokens_per_s, measured_tokens_per_s, share_of_bound: as :class:`LoadCheck`.
+        wrong: one line saying where the prediction was wrong and by how much (None: right).
+    """
+    tier: str
+    depth: int
+    concurrency: int
+    context: int
+    predicted_admitted: bool | None
+    admitted: bool
+    reason: str | None
+    predicted_bytes: float | None
+    measured_peak_bytes: float | None
+    memory_error_pct: float | None
+    bound_tokens_per_s: float | None
+    measured_tokens_per_s: float | None
+    share_of_bound: float | None
+    wrong: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def grid_vs_formula(tiers: dict[str, TierResult], overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                    bandwidth_bytes_per_s: float | None = None, max_context: int | None = None,
+                    tolerance_pct: float = 25.0) -> list[GridCheck]:
+    """The formulas' prediction for every cell of every tier's context x concurrency grid,
+    beside what the run measured (:class:`GridCheck`).
+
+    A prediction is wrong when it admits a cell the run did not (or the reverse), or when
+    the predicted memory is more than ``tolerance_pct`` % from the measured peak; ``wrong``
+    says which and by how much. Memory formula: weights + overhead + N x (depth + output
+    tokens) x KV bytes/token (vLLM, arXiv:2309.06180 §2; :func:`max_sequences`).
+
+    Args:
+        tiers: ``{tier name: tier result}``; uses ``memory.weight_bytes``,
+            ``memory.kv_bytes_per_token`` and ``load`` (output_tokens, kv_budget_bytes,
+            held_bytes, grid).
+        max_context: the model's context (tokens), or None (not predicted).
+
+    Returns:
+        one :class:`GridCheck` per cell, in tier, depth, concurrency order.
+    """
+    out: list[GridCheck] = []
+    for name, t in tiers.items():
+        load = t.load if t is not None else None
+        if t is None or t.status != STATUS_OK or load is None or load.grid is None:
+            continue
+        w = finite(get_path(t, "memory", "weight_bytes"))
+        kv = finite(get_path(t, "memory", "kv_bytes_per_token"))
+        budget = finite(load.kv_budget_bytes)
+        budget = budget + (finite(load.held_bytes) or 0) if budget is not None else None
+        for g in load.grid.depths:
+            ctx = int(g.depth) + int(load.output_tokens or 0)
+            for p in g.points:
+                n = p.concurrency
+                pred = w + overhead_bytes + n * ctx * kv if w and kv else None
+                fits = None
+                if pred is not None and budget is not None:
+                    fits = pred <= budget
+                if max_context is not None and ctx > max_context:
+                    fits = False
+                meas = finite(p.peak_bytes) if p.admitted else None
+                err = 100.0 * (pred - meas) / meas if pred is not None and meas else None
+                bound = decode_bound(bandwidth_bytes_per_s, w, kv, ctx, n) if bandwidth_bytes_per_s and w and kv \
+                    else None
+                got = finite(p.decode_tokens_per_s) if p.admitted else None
+                wrong = None
+                if fits is not None and fits != p.admitted:
+                    wrong = (f"predicted {'admitted' if fits else 'not admitted'}, the run "
+                             f"{'admitted it' if p.admitted else 'did not: ' + str(p.reason or '')}"
+                             + (f" (formula {pred / GIB:.2f} GiB vs budget {budget / GIB:.2f} GiB)"
+                                if pred is not None and budget is not None else ""))
+                elif err is not None and abs(err) > tolerance_pct:
+                    wrong = f"memory formula {err:+.0f}% from the measured peak"
+                out.append(GridCheck(name, int(g.depth), n, ctx, fits, bool(p.admitted), p.reason, pred, meas, err,
+                                     bound, got, got / bound if got and bound else None, wrong))
+    return out
+
+
+@dataclass
 class RequestsAtSlo:
     """Requests/s a tier serves at the SLO at its own output length.
 

@@ -39,7 +39,8 @@ from ..recipe import Tier
 from ..results import STATUS_OK, RunInfo, TierResult, get_path
 from ..tiers import get_method
 from ..weight_formats import FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format
-from .capacity import DEFAULT_OVERHEAD_BYTES, LoadCheck, decode_bound, load_vs_formula, max_context, max_sequences
+from .capacity import (DEFAULT_OVERHEAD_BYTES, GridCheck, LoadCheck, decode_bound, grid_vs_formula, load_vs_formula,
+                       max_context, max_sequences)
 from .gpus import GpuSpec
 from .pareto import GIB, finite
 
@@ -155,6 +156,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     load_checks: list[LoadCheck] = field(default_factory=list)
     knees: list[MeasuredKnee] = field(default_factory=list)
+    grid_checks: list[GridCheck] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "params": self.params, "run_dir": self.run_dir,
@@ -166,7 +168,8 @@ class Plan:
                 "efficiency_default": list(self.efficiency_default),
                 "rows": [r.to_dict() for r in self.rows], "notes": list(self.notes),
                 "load_checks": [c.to_dict() for c in self.load_checks],
-                "knees": [k.to_dict() for k in self.knees]}
+                "knees": [k.to_dict() for k in self.knees],
+                "grid_checks": [g.to_dict() for g in self.grid_checks]}
 
 
 # ---- which tiers --------------------------------------------------------------------------------
@@ -458,7 +461,10 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                 context=int(context), users=int(users), efficiency_default=eff, rows=rows, notes=notes,
                 load_checks=load_vs_formula(results or {}, overhead_bytes,  # the run's machine, not the target
                                             finite(run.bandwidth_bytes_per_s) if run else None),
-                knees=measured_knees(results or {}))
+                knees=measured_knees(results or {}),
+                grid_checks=grid_vs_formula(results or {}, overhead_bytes,
+                                            finite(run.bandwidth_bytes_per_s) if run else None,
+                                            shape.max_position if shape else None))
 
 
 def _run_tier_specs(run: RunInfo | None, results: dict[str, TierResult]) -> list[Any]:
@@ -581,8 +587,32 @@ def plan_markdown(plan: Plan) -> str:
     out += ["| " + " | ".join(cells) + " |" for cells in rows]
     out += [""] + plan_legend(plan)
     out += load_check_lines(plan)
+    out += grid_check_lines(plan)
     out += knee_lines(plan)
     return "\n".join(out)
+
+
+def grid_check_lines(plan: Plan) -> list[str]:
+    """The run's context x concurrency grid, each cell beside the formulas' prediction, and
+    where the prediction was wrong and by how much (empty without a grid)."""
+    checks = plan.grid_checks
+    if not checks:
+        return []
+    out = ["", "context x concurrency (the run's grid, on the run's machine) beside the formulas: admitted = "
+           f"weights + overhead {_gb(plan.overhead_bytes)} + N x context x KV B/token within the run's memory "
+           "budget", "",
+           "| tier | depth | streams N | predicted | measured | memory formula | measured peak | decode bound tok/s | "
+           "measured tok/s | where the prediction was wrong |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        pred = "-" if c.predicted_admitted is None else ("admitted" if c.predicted_admitted else "not admitted")
+        meas = "admitted" if c.admitted else f"not admitted: {(c.reason or '').replace('|', '/')[:120]}"
+        out.append(f"| {c.tier} | {c.depth} | {c.concurrency} | {pred} | {meas} | {_gb(c.predicted_bytes)} | "
+                   f"{_gb(c.measured_peak_bytes)} | {_tok(c.bound_tokens_per_s)} | {_tok(c.measured_tokens_per_s)} | "
+                   f"{(c.wrong or 'right').replace('|', '/')} |")
+    n_wrong = sum(1 for c in checks if c.wrong)
+    out += ["", f"the prediction was wrong in {n_wrong} of {len(checks)} cells"]
+    return out
 
 
 def knee_lines(plan: Plan) -> list[str]:

@@ -31,6 +31,7 @@ produces the tokens it produces alone (tests/test_load.py, float32).
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ from ..measure.arrivals import WaitingQueue, WallClock
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
 from ..measure.openloop import OpenLoopRun
 from .hf import cache_nbytes
+from .hf_interference import serve_with_long_prompt  # noqa: F401 - the interference loop beside the serve one
 
 
 def _check(concurrency: int, output_tokens: int, requests_per_stream: int, prefill_chunk: int) -> None:
@@ -62,7 +64,8 @@ def kv_tokens_peak(records: Sequence[RequestRecord]) -> int:
 def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
                       requests_per_stream: int, prefill_chunk: int = 256, scheduling: str = "auto",
                       kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
-                      max_context: int | None = None, pad_id: int = 0) -> LoadRun:
+                      max_context: int | None = None, pad_id: int = 0, shared_prefix: int = 0,
+                      reuse_prefix: bool = False) -> LoadRun:
     """Serve ``concurrency`` closed-loop streams with a :class:`qeval.engines.hf.HFEngine`.
 
     Args:
@@ -74,9 +77,15 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         kv_budget_bytes: the most bytes the KV cache may take; None: not checked.
         max_context: tokens per sequence the model takes; None: not checked.
         pad_id: the id left padding uses (masked out; any valid id).
+        shared_prefix: every prompt starts with the same this many tokens; the point runs
+            in static batches (both modes alike, so they compare).
+        reuse_prefix: with ``shared_prefix``, the prefix is prefilled once for a batch of
+            ``concurrency`` rows (untimed: a system prompt already cached) and every batch
+            starts from a ``copy.deepcopy`` of that cache (:mod:`qeval.engines.hf_prefix`'s
+            rule), prefilling only the requests' own parts.
 
     Returns:
-        :class:`~qeval.measure.load.LoadRun`.
+        :class:`~qeval.measure.load.LoadRun` (``cached_prompt_tokens`` with ``shared_prefix``).
 
     Raises:
         NotAdmitted: a sequence beyond ``max_context``, or the KV cache of the point beyond
@@ -97,6 +106,12 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
                           f"GiB exceeds the KV budget of {max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
     if scheduling not in ("auto", "continuous", "static"):
         raise ValueError(f"scheduling {scheduling!r}: expected auto, continuous or static")
+    if shared_prefix:
+        prefix = prompts[(0, 0)][:shared_prefix]
+        if any(p[:shared_prefix] != prefix or len(p) <= shared_prefix for p in prompts.values()):
+            raise ValueError(f"every prompt must start with the same {shared_prefix} tokens and have its own part")
+        return _static(engine, prompts, concurrency, output_tokens, requests_per_stream, prefill_chunk, pad_id,
+                       prefix=prefix if reuse_prefix else None, shared_prefix=shared_prefix)
     want_cb = scheduling == "continuous" or (scheduling == "auto" and engine.kv_cache == "model")
     error = None
     if want_cb:
@@ -215,7 +230,7 @@ def _cache_bytes(mgr: Any) -> int | None:
 # ---- static batches over one transformers cache -------------------------------------------
 
 def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: int, prefill_chunk: int,
-            pad_id: int) -> LoadRun:
+            pad_id: int, prefix: list[int] | None = None, shared_prefix: int = 0) -> LoadRun:
     import torch  # start-up time: torch loads only in stage processes
 
     model, dev, kw = engine.model, engine.device, engine._cache_kw
@@ -225,12 +240,27 @@ def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: 
     kv_peak = 0
     with torch.inference_mode():
         _static_batch(engine, [prompts[(0, 0)][:16]], 2, min(prefill_chunk, 16), pad_id)  # warm-up
+        held = None
+        if prefix:  # the shared prefix for n rows, once, before the clock starts
+            held = engine.new_cache()
+            x = torch.tensor([prefix] * n, dtype=torch.long, device=engine.device)
+            for c0 in range(0, len(prefix), prefill_chunk):
+                model(input_ids=x[:, c0:c0 + prefill_chunk], **{kw: held}, use_cache=True, logits_to_keep=1)
+        cached = 0
         t0 = time.perf_counter()
         now = 0.0
         for k in range(per_stream):
             batch = [prompts[(s, k)] for s in range(n)]
             start = now
-            out = _static_batch(engine, batch, output_tokens, prefill_chunk, pad_id, t0)
+            if held is not None:
+                own = [p[len(prefix):] for p in batch]
+                if len({len(p) for p in own}) != 1:
+                    raise ValueError("a reused prefix needs own parts of one length per batch (no padding)")
+                out = _static_batch(engine, own, output_tokens, prefill_chunk, pad_id, t0,
+                                    cache=copy.deepcopy(held), offset=len(prefix))
+                cached += n * len(prefix)
+            else:
+                out = _static_batch(engine, batch, output_tokens, prefill_chunk, pad_id, t0)
             times, toks, cache, step_info = out
             for s in range(n):
                 records.append(RequestRecord(s, len(batch[s]), start, list(times), [row[s] for row in toks]))
@@ -243,14 +273,17 @@ def _static(engine: Any, prompts: dict, n: int, output_tokens: int, per_stream: 
     duration = max(r.token_times_s[-1] for r in records)
     return LoadRun(concurrency=n, scheduling="static", requests=records, duration_s=duration,
                    kv_bytes_peak=kv_peak or None, kv_pool_bytes=None, decode_step_tokens=dec_tokens,
-                   decode_step_s=dec_s, steps=steps,
+                   decode_step_s=dec_s, steps=steps, cached_prompt_tokens=cached if shared_prefix else None,
                    details={"engine": "qeval static batches (transformers cache)", "prefill_chunk": prefill_chunk,
                             "kv_cache": engine.kv_cache})
 
 
 def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefill_chunk: int, pad_id: int,
-                  t0: float | None = None) -> tuple[list[float], list[list[int]], Any, tuple[int]]:
+                  t0: float | None = None, cache: Any = None,
+                  offset: int = 0) -> tuple[list[float], list[list[int]], Any, tuple[int]]:
     """One static batch: left-padded prefill in ``prefill_chunk`` columns, then greedy decode.
+    ``cache``: a cache already holding ``offset`` tokens of every row (a reused shared
+    prefix, no padding); ``batch`` then holds the rows' next tokens, of one length.
     Returns (times since ``t0`` of each step's tokens, tokens per step [step][row], the cache,
     (forward passes,))."""
     import torch  # start-up time: torch loads only in stage processes
@@ -263,14 +296,18 @@ def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefi
     for i, p in enumerate(batch):
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    if offset:
+        mask = torch.ones((n, offset + width), dtype=torch.long)
+        pos = torch.arange(offset, offset + width, dtype=torch.long).expand(n, width)
+    else:
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
     ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-    cache = engine.new_cache()
+    cache = engine.new_cache() if cache is None else cache
     forwards = 0
     out = None
     for c0 in range(0, width, prefill_chunk):
         c1 = min(c0 + prefill_chunk, width)
-        out = model(input_ids=ids[:, c0:c1], attention_mask=mask[:, :c1], position_ids=pos[:, c0:c1],
+        out = model(input_ids=ids[:, c0:c1], attention_mask=mask[:, :offset + c1], position_ids=pos[:, c0:c1],
                     **{kw: cache}, use_cache=True, logits_to_keep=1)
         forwards += 1
     nxt = out.logits[:, -1].argmax(-1)

@@ -41,6 +41,7 @@ import numpy as np
 from ..measure.arrivals import Request, WaitingQueue, WallClock
 from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
 from ..measure.openloop import OpenLoopRun
+from .llamacpp_interference import serve_with_long_prompt  # noqa: F401 - the interference loop beside the serve one
 
 _CTX_ROUND = 256  # llama.cpp pads the per-sequence context to 256 cells (GGML_PAD(n_ctx_seq, 256))
 
@@ -66,7 +67,7 @@ class _Stream:
 def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
                       requests_per_stream: int, prefill_chunk: int = 256,
                       kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
-                      max_context: int | None = None) -> LoadRun:
+                      max_context: int | None = None, shared_prefix: int = 0, reuse_prefix: bool = False) -> LoadRun:
     """Serve ``concurrency`` closed-loop streams from one llama.cpp context.
 
     Args:
@@ -81,10 +82,17 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         kv_bytes_per_token, max_context: taken for the common serve signature
             (:func:`qeval.measure.serving.load_sweep`) and not used: the pool's size comes from
             llama.cpp's own context and the model's training context.
+        shared_prefix: every prompt starts with the same this many tokens.
+        reuse_prefix: with ``shared_prefix``, the prefix is prefilled once (untimed: a system
+            prompt already cached, as a server holds it) into its own sequence of a unified KV
+            cache, and every request's sequence starts as a copy of it
+            (``llama_memory_seq_cp``, metadata only on a unified cache, as
+            :mod:`qeval.engines.llamacpp_prefix`): only its own part is prefilled.
 
     Returns:
         :class:`~qeval.measure.load.LoadRun` (scheduling "continuous"); ``details`` holds
-        ``n_ctx``, ``n_ctx_seq``, ``n_batch``, ``kv_unified``.
+        ``n_ctx``, ``n_ctx_seq``, ``n_batch``, ``kv_unified``; ``cached_prompt_tokens`` with
+        ``shared_prefix`` (0 without reuse).
 
     Raises:
         NotAdmitted: a sequence would exceed the model's training context, the KV pool
@@ -102,21 +110,45 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         if not p:
             raise ValueError("every prompt needs at least one token")
         engine._check_ids(p)
+    prefix = prompts[(0, 0)][:shared_prefix] if shared_prefix else []
+    if shared_prefix and any(p[:shared_prefix] != prefix or len(p) <= shared_prefix for p in prompts.values()):
+        raise ValueError(f"every prompt must start with the same {shared_prefix} tokens and have its own part")
+    reuse = bool(prefix) and reuse_prefix
     ctx, batch, info = _open_context(engine, max(len(p) for p in prompts.values()) + output_tokens, concurrency,
-                                     prefill_chunk, kv_budget_bytes)
+                                     prefill_chunk, kv_budget_bytes, prefix_tokens=len(prefix) if reuse else 0)
     n_ctx, n_ctx_seq, n_batch, pool, kv_per_token = (info[k] for k in ("n_ctx", "n_ctx_seq", "n_batch", "pool",
                                                                         "kv_per_token"))
     vocab = engine.vocab_size
     try:
         mem = L.llama_get_memory(ctx)
+        pseq = concurrency  # the prefix's own sequence (reuse only)
+        if reuse:  # the system prompt, prefilled once before the clock starts
+            for c0 in range(0, len(prefix), n_batch):
+                part = prefix[c0:c0 + n_batch]
+                for j, t in enumerate(part):
+                    _put(batch, j, t, c0 + j, pseq, False)
+                batch.n_tokens = len(part)
+                if L.llama_decode(ctx, batch) != 0:
+                    raise NotAdmitted(f"llama_decode refused the {len(prefix)}-token shared prefix (n_ctx {n_ctx})")
+            L.llama_synchronize(ctx)
+        cached = 0
         streams = [_Stream(i) for i in range(concurrency)]
         records: list[RequestRecord] = []
         kv_peak = steps = dec_tokens = 0
         dec_s = 0.0
+
+        def begin(s: _Stream, k: int, now: float) -> None:
+            nonlocal cached
+            s.begin(prompts[(s.idx, k)], now)
+            if reuse:
+                L.llama_memory_seq_cp(mem, pseq, s.idx, -1, -1)
+                s.fed = s.pos = len(prefix)
+                cached += len(prefix)
+
         t0 = time.perf_counter()
         prev = 0.0  # end of the previous step (s since t0): a step's time includes building its batch
         for s in streams:
-            s.begin(prompts[(s.idx, 0)], 0.0)
+            begin(s, 0, 0.0)
         while True:
             active = [s for s in streams if not s.done]
             if not active:
@@ -137,15 +169,18 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
                 records.append(RequestRecord(s.idx, len(s.prompt), s.start, s.times, s.toks))
                 L.llama_memory_seq_rm(mem, s.idx, -1, -1)
                 if s.k + 1 < requests_per_stream:
-                    s.begin(prompts[(s.idx, s.k + 1)], now)
+                    begin(s, s.k + 1, now)
                 else:
                     s.done = True
         duration = max((r.token_times_s[-1] for r in records), default=0.0)
+        if reuse:  # the shared prefix's cells are held once however many streams use them
+            kv_peak = max(0, kv_peak - (concurrency - 1) * len(prefix))
         return LoadRun(concurrency=concurrency, scheduling="continuous", requests=records, duration_s=duration,
                        kv_bytes_peak=int(round(kv_peak * kv_per_token)), kv_pool_bytes=pool,
                        decode_step_tokens=dec_tokens, decode_step_s=dec_s, steps=steps,
+                       cached_prompt_tokens=cached if shared_prefix else None,
                        details={"n_ctx": int(L.llama_n_ctx(ctx)), "n_ctx_seq": n_ctx_seq, "n_batch": n_batch,
-                                "kv_unified": False, "prefill_chunk": prefill_chunk})
+                                "kv_unified": reuse, "prefill_chunk": prefill_chunk})
     finally:
         L.llama_batch_free(batch)
         L.llama_free(ctx)
@@ -281,9 +316,12 @@ def _decode_step(L: Any, ctx: Any, batch: Any, active: Sequence[_Stream], prefil
     return outputs, logits.argmax(axis=1).tolist(), bool(waiting)
 
 def _open_context(engine: Any, longest: int, n_seq: int, prefill_chunk: int,
-                  kv_budget_bytes: float | None) -> tuple[Any, Any, dict]:
+                  kv_budget_bytes: float | None, prefix_tokens: int = 0) -> tuple[Any, Any, dict]:
     """A llama.cpp context of ``n_seq`` sequences of ``longest`` tokens each (padded to 256
     cells) and a batch of ``n_seq + prefill_chunk`` tokens, warmed up and cleared.
+    ``prefix_tokens`` > 0: one more sequence (index ``n_seq``) for a shared prefix and a
+    unified KV cache (every sequence draws on one pool: a copied prefix shares its cells),
+    ``n_seq`` x the per-sequence cells + the prefix's.
     Returns ``(ctx, batch, info)``; the caller frees both.
 
     Raises:
@@ -294,7 +332,7 @@ def _open_context(engine: Any, longest: int, n_seq: int, prefill_chunk: int,
     if longest > engine.n_ctx_train:
         raise NotAdmitted(f"{longest} tokens per sequence is beyond the model's context of {engine.n_ctx_train}")
     n_ctx_seq = -(-longest // _CTX_ROUND) * _CTX_ROUND
-    n_ctx = n_ctx_seq * n_seq
+    n_ctx = n_ctx_seq * n_seq + (-(-prefix_tokens // _CTX_ROUND) * _CTX_ROUND if prefix_tokens else 0)
     kv_per_token = engine.kv_bytes_per_token_analytic()
     pool = int(round(kv_per_token * n_ctx))
     if kv_budget_bytes is not None and pool > kv_budget_bytes:
@@ -304,11 +342,12 @@ def _open_context(engine: Any, longest: int, n_seq: int, prefill_chunk: int,
     cp = L.llama_context_default_params()
     cp.n_ctx = n_ctx
     cp.n_batch = cp.n_ubatch = n_batch
-    cp.n_seq_max = n_seq
+    cp.n_seq_max = n_seq + (1 if prefix_tokens else 0)
     cp.n_threads = cp.n_threads_batch = engine.threads
     cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if engine.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.type_k = cp.type_v = engine.type_kv
-    cp.kv_unified = False  # llama.cpp's default (common.h): each sequence owns n_ctx / n_seq_max cells
+    # llama.cpp's default (common.h): each sequence owns n_ctx / n_seq_max cells; a shared prefix: one pool
+    cp.kv_unified = bool(prefix_tokens)
     cp.embeddings = False
     ctx = L.llama_init_from_model(engine._model, cp)
     if not ctx:

@@ -759,6 +759,14 @@ class OpenAIEngine:
         """No weight bytes from the server (the tier's stored artifact gives them)."""
         return MemoryInfo(0, None, self.device, {"backend": self.backend})
 
+    def kv_pool_tokens(self) -> int | None:
+        """KV cells every sequence shares on a managed llama-server (``--ctx-size`` with
+        ``--kv-unified``): a load point needing more is not admitted. None elsewhere (vLLM
+        sizes its pool from GPU memory and admits requests itself; an endpoint is unknown)."""
+        if self.kind is None or self.launch is None or self.kind.kind != "llama-server":
+            return None
+        return int(self.kind.context_tokens(self.serve, self.launch))
+
     def peak_counter(self) -> Any:
         """The peak-memory counter of this tier (:meth:`reset`/:meth:`read`/``kind``): the
         managed server's, started before the server (its baseline) and summed over the

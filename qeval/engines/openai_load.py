@@ -37,7 +37,7 @@ REFUSED_STATUS = (429, 503)
 def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, output_tokens: int,
                       requests_per_stream: int, prefill_chunk: int = 256,
                       kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
-                      max_context: int | None = None) -> LoadRun:
+                      max_context: int | None = None, shared_prefix: int = 0, reuse_prefix: bool = False) -> LoadRun:
     """Serve ``concurrency`` closed-loop streams against ``engine``'s server.
 
     Args:
@@ -68,6 +68,14 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
     lock = threading.Lock()
     go = threading.Barrier(concurrency + 1)
     t0 = [0.0]
+    cached: list[int | None] = []
+
+    def body(ids: list[int], s: int, k: int) -> dict:
+        b = client.body(ids, output_tokens, stream=True, ignore_eos=True,
+                        cache_prompt=bool(shared_prefix and reuse_prefix))
+        if shared_prefix and not reuse_prefix and client.dialect == "vllm":
+            b["cache_salt"] = f"qeval-{s}-{k}-{time.perf_counter_ns()}"  # no block shared with another request
+        return b
 
     def stream(s: int) -> None:
         go.wait()
@@ -76,11 +84,13 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
             start = time.perf_counter() - t0[0]
             toks: list[int] = []
             times: list[float] = []
+            hit: int | None = None
             try:
-                for t, chunk in client.stream(client.body(ids, output_tokens, stream=True, ignore_eos=True)):
+                for t, chunk in client.stream(body(ids, s, k)):
                     got = chunk_token_ids(chunk)
                     toks += got
                     times += [t - t0[0]] * len(got)
+                    hit = cached_tokens(chunk, hit)
             except BaseException as e:  # noqa: BLE001 - reported to the caller below
                 with lock:
                     errors.append(e)
@@ -91,6 +101,7 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
                 return
             with lock:
                 records.append(RequestRecord(s, len(ids), start, times, toks))
+                cached.append(hit)
 
     threads = [threading.Thread(target=stream, args=(s,), daemon=True, name=f"qeval-stream-{s}")
                for s in range(concurrency)]
@@ -107,8 +118,19 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
             raise NotAdmitted(f"the server refused a request at concurrency {concurrency}: {str(e)[:200]}")
         raise e
     duration = max((r.token_times_s[-1] for r in records), default=0.0)
+    n_cached = sum(c for c in cached if c is not None) if shared_prefix and all(c is not None for c in cached) \
+        else None
     return LoadRun(concurrency=concurrency, scheduling="server", requests=records, duration_s=duration,
-                   details={"dialect": client.dialect, "server": engine.backend})
+                   cached_prompt_tokens=n_cached, details={"dialect": client.dialect, "server": engine.backend})
+
+
+def cached_tokens(chunk: dict, previous: int | None = None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a completion chunk (the OpenAI
+    field; llama-server fills it from its slot's reused cells, vLLM with
+    ``--enable-prompt-tokens-details``), else ``previous``."""
+    details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+    got = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(got) if isinstance(got, (int, float)) and not isinstance(got, bool) else previous
 
 
 class _TimedOut(Exception):

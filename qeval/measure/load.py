@@ -113,6 +113,9 @@ class LoadRun:
         decode_step_s: seconds spent in those steps.
         steps: forward passes (``llama_decode`` calls / ``model.forward`` calls).
         details: engine extras (context size, batch size, ...).
+        cached_prompt_tokens: prompt tokens served from a reused prefix's KV cache (not
+            prefilled again), over all requests; None when the engine did not say (a fresh
+            prompt workload, or a server that does not report it).
     """
     concurrency: int
     scheduling: str
@@ -124,6 +127,7 @@ class LoadRun:
     decode_step_s: float = 0.0
     steps: int = 0
     details: dict = field(default_factory=dict)
+    cached_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -156,7 +160,9 @@ def point_stats(run: LoadRun, slo: Slo | None = None) -> dict:
         ``requests``, ``requests_not_admitted`` (0), ``output_tokens``, ``duration_s``,
         ``decode_tokens_per_s``, ``requests_per_s``, ``ttft_s`` / ``itl_s`` (p50, p95, p99),
         ``e2e_s`` (p50, p95), ``tpot_mean_s``, ``decode_step_tokens_per_s``,
-        ``kv_bytes_peak``, ``kv_pool_bytes``, ``steps``, and with an SLO ``meets_slo``,
+        ``kv_bytes_peak``, ``kv_pool_bytes``, ``steps``, ``prompt_tokens`` (all requests'),
+        ``cached_prompt_tokens`` and ``prefix_hit_rate`` (cached / prompt tokens; None when
+        the engine did not count), and with an SLO ``meets_slo``,
         ``goodput_tokens_per_s`` and ``slo_attainment`` (share of requests meeting it).
 
     Raises:
@@ -184,7 +190,12 @@ def point_stats(run: LoadRun, slo: Slo | None = None) -> dict:
                                      if run.decode_step_s > 0 and run.decode_step_tokens else None),
         "kv_bytes_peak": run.kv_bytes_peak, "kv_pool_bytes": run.kv_pool_bytes,
         "steps": run.steps, "details": dict(run.details),
+        "prompt_tokens": sum(int(r.prompt_tokens) for r in reqs),
+        "cached_prompt_tokens": None if run.cached_prompt_tokens is None else int(run.cached_prompt_tokens),
     }
+    n_prompt = out["prompt_tokens"]
+    out["prefix_hit_rate"] = (out["cached_prompt_tokens"] / n_prompt
+                              if out["cached_prompt_tokens"] is not None and n_prompt else None)
     if slo is not None:
         good = [r for r in reqs if meets_request_slo(r, slo)]
         out["goodput_tokens_per_s"] = sum(len(r.token_ids) for r in good) / dur if dur > 0 else None
@@ -232,7 +243,8 @@ def batching_gain(points: Sequence[dict]) -> dict[str, float | None]:
 
 
 def admission(*, concurrency: int, depth: int, output_tokens: int, kv_bytes_per_token: float | None,
-              max_context: int | None, kv_budget_bytes: float | None) -> str | None:
+              max_context: int | None, kv_budget_bytes: float | None,
+              pool_tokens: int | None = None) -> str | None:
     """Why a point cannot be admitted, or None when it fits.
 
     Args:
@@ -243,8 +255,14 @@ def admission(*, concurrency: int, depth: int, output_tokens: int, kv_bytes_per_
         max_context: the model's context (tokens per sequence); None: not checked.
         kv_budget_bytes: bytes the KV pool may take (memory budget - weights - overhead);
             None: not checked.
+        pool_tokens: KV cells the engine's pool holds for all sequences together (a
+            server's context size, e.g. llama-server ``--ctx-size`` with ``--kv-unified``);
+            None: not checked.
     """
     per_seq = int(depth) + int(output_tokens)
+    if pool_tokens is not None and concurrency * per_seq > pool_tokens:
+        return (f"{concurrency} x (depth {depth} + output_tokens {output_tokens}) = {concurrency * per_seq} tokens "
+                f"is beyond the engine's KV pool of {pool_tokens} tokens (its context size)")
     if max_context is not None and per_seq > max_context:
         return (f"depth {depth} + output_tokens {output_tokens} = {per_seq} tokens per sequence is beyond "
                 f"the model's context of {max_context}")

@@ -24,7 +24,8 @@ import inspect
 from typing import Any, Callable, Sequence
 
 from .arrivals import arrival_times
-from .load import NotAdmitted, PromptFor, Slo, admission, not_admitted_point, point_stats, summarize
+from .interference import interference_stats
+from .load import NotAdmitted, PromptFor, Slo, admission, distinct_prompts, not_admitted_point, point_stats, summarize
 from .openloop import knee, not_run_point, rate_point_stats, stop_reason, sweep_rates
 
 
@@ -58,7 +59,8 @@ def _oom_types() -> tuple[type, ...]:
 def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int], depth: int, output_tokens: int,
                requests_per_stream: int, prefill_chunk: int, slo: Slo | None, peak: Any = None,
                kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
-               max_context: int | None = None, progress: Callable[[str], None] = lambda s: None) -> dict:
+               max_context: int | None = None, shared_prefix: int = 0, reuse_prefix: bool = False,
+               pool_tokens: int | None = None, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Measure every concurrency (ascending) on ``engine``.
 
     Args:
@@ -69,6 +71,11 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
         kv_budget_bytes: bytes the KV cache may take (the memory budget less what the loaded
             engine holds); None: not checked.
         max_context: the model's context (tokens per sequence).
+        shared_prefix: > 0: every prompt starts with the same ``shared_prefix`` tokens (a
+            system prompt); the serve function gets ``shared_prefix`` and ``reuse_prefix``
+            (True: serve the prefix from a reused KV cache; False: prefill it per request).
+        pool_tokens: KV cells of the engine's shared pool (a server's context size); a
+            point needing more is not admitted (None: not checked).
 
     Returns:
         the tier's ``load`` section: ``depth``, ``output_tokens``, ``requests_per_stream``,
@@ -87,7 +94,7 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
     for c in sorted(set(int(x) for x in concurrency)):
         why = admission(concurrency=c, depth=depth, output_tokens=output_tokens,
                         kv_bytes_per_token=kv_bytes_per_token, max_context=max_context,
-                        kv_budget_bytes=kv_budget_bytes)
+                        kv_budget_bytes=kv_budget_bytes, pool_tokens=pool_tokens)
         if why:
             progress(f"load: concurrency {c} not admitted: {why}")
             points.append(not_admitted_point(c, requests_per_stream, why))
@@ -98,11 +105,12 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
         with (pool_phase(f"load at concurrency {c}") if pool_phase is not None else nullcontext()) as pool:
             if peak is not None:
                 peak.reset()
+            extra = {"shared_prefix": int(shared_prefix), "reuse_prefix": bool(reuse_prefix)} if shared_prefix else {}
             try:
                 run = serve(engine, prompt_for, concurrency=c, output_tokens=output_tokens,
                             requests_per_stream=requests_per_stream, prefill_chunk=prefill_chunk,
                             kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
-                            max_context=max_context)
+                            max_context=max_context, **extra)
             except NotAdmitted as e:
                 run, why = None, str(e)
             except _oom_types() as e:
@@ -221,3 +229,125 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
 def _served(serve: Callable[..., Any]) -> bool:
     """The open-loop function takes ``max_in_flight`` (the served client)."""
     return "max_in_flight" in inspect.signature(serve).parameters
+
+
+def prefixed_prompts(base: Sequence[int], depth: int, prefix_tokens: int) -> PromptFor:
+    """``prompt_for(stream, k)``: the same ``prefix_tokens`` tokens (cut from the middle of
+    ``base``, tiled) followed by a distinct own part of ``depth - prefix_tokens`` tokens
+    (:func:`qeval.measure.load.distinct_prompts`): a shared system prompt and fresh questions.
+
+    Raises:
+        ValueError: ``prefix_tokens`` not in ``1 .. depth - 1``, or an empty ``base``.
+    """
+    if not 0 < prefix_tokens < depth:
+        raise ValueError(f"a shared prefix of {prefix_tokens} tokens needs 1 .. {depth - 1} (depth {depth})")
+    ids = [int(t) for t in base]
+    if not ids:
+        raise ValueError("prefixed_prompts needs a non-empty base")
+    tiled = ids * (prefix_tokens // len(ids) + 2)
+    prefix = tiled[len(ids) // 2:len(ids) // 2 + prefix_tokens]
+    own = distinct_prompts(ids, depth - prefix_tokens)
+
+    def prompt_for(stream: int, k: int) -> list[int]:
+        return prefix + list(own(stream, k))
+    return prompt_for
+
+
+def prefix_sweep(engine: Any, base: Sequence[int], *, depth: int, prefix_tokens: int, modes: Sequence[bool],
+                 how: str | None = None, **sweep: Any) -> dict:
+    """The closed loop with a shared prefix, once per mode of ``modes`` (True: the prefix's
+    KV reused; False: prefilled per request), each a :func:`load_sweep` over the same
+    concurrencies (``sweep``: its other arguments).
+
+    Returns:
+        a dict of :class:`qeval.results_load.PrefixSection`'s fields: per run its points,
+        users at SLO, prompt tokens, those served from the cache and the hit rate (cached /
+        prompt tokens, None where the engine did not count).
+    """
+    progress = sweep.get("progress") or (lambda s: None)
+    runs = []
+    for reuse in modes:
+        progress(f"load: shared prefix of {prefix_tokens} tokens, {'reused' if reuse else 'prefilled per request'}")
+        out = load_sweep(engine, prefixed_prompts(base, depth, prefix_tokens), depth=depth,
+                         shared_prefix=prefix_tokens, reuse_prefix=reuse, **sweep)
+        pts = [p for p in out["points"] if p.get("admitted")]
+        n_prompt = sum(int(p.get("prompt_tokens") or 0) for p in pts)
+        cached = [p.get("cached_prompt_tokens") for p in pts]
+        n_cached = sum(int(c) for c in cached) if cached and all(c is not None for c in cached) else None
+        runs.append({"reuse": bool(reuse), "how": (how if reuse else "prefilled per request"),
+                     "users_at_slo": out.get("users_at_slo"), "prompt_tokens": n_prompt,
+                     "cached_prompt_tokens": n_cached,
+                     "hit_rate": n_cached / n_prompt if n_cached is not None and n_prompt else None,
+                     "points": out["points"]})
+    return {"shared_prefix_tokens": int(prefix_tokens), "depth": int(depth), "runs": runs}
+
+
+def interference_function(engine: Any) -> Callable[..., Any] | None:
+    """``serve_with_long_prompt`` of the module that holds the engine's closed-loop serve
+    function (None: the engine has no interference loop)."""
+    target = engine.capabilities.serve
+    if target is None:
+        return None
+    return getattr(importlib.import_module(target.partition(":")[0]), "serve_with_long_prompt", None)
+
+
+def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], long_prompt: Sequence[int], *,
+                       chunk_sizes: Sequence[int], before_tokens: int = 4, after_tokens: int = 4,
+                       progress: Callable[[str], None] = lambda s: None) -> dict:
+    """One long prompt landing on ``len(stream_prompts)`` decoding streams, unchunked (the
+    whole prompt in one engine step) and at each of ``chunk_sizes`` (tokens per step), with
+    the stall figures of :func:`qeval.measure.interference.interference_stats` per run.
+
+    Returns:
+        a dict of :class:`qeval.results_load.InterferenceSection`'s fields; ``not_measured``
+        says why when the engine has no interference loop, or refuses the prompt or fails
+        (the runs before it are kept; the load stage goes on).
+    """
+    out: dict[str, Any] = {"prompt_tokens": len(long_prompt), "streams": len(stream_prompts),
+                           "stream_depth": max((len(p) for p in stream_prompts), default=0), "rows": [],
+                           "not_measured": None}
+    fn = interference_function(engine)
+    if fn is None:
+        name = getattr(engine, "name", "engine")
+        out["not_measured"] = (f"the {name} engine has no loop that runs a long prompt beside decoding streams "
+                               "step by step" + (" (a server schedules its own steps; its chunk size is its batch "
+                                                 "setting)" if name == "openai" else ""))
+        return out
+    for chunk in [None, *sorted(int(c) for c in chunk_sizes)]:
+        progress(f"load: interference: {len(long_prompt)}-token prompt on {len(stream_prompts)} streams, "
+                 f"{'unchunked' if chunk is None else f'{chunk} tokens per step'}")
+        try:
+            run = fn(engine, stream_prompts, long_prompt, chunk_size=chunk, before_tokens=before_tokens,
+                     after_tokens=after_tokens)
+        except (ValueError, RuntimeError, NotAdmitted, *_oom_types()) as e:  # the tier's other load figures stand
+            out["not_measured"] = f"{'unchunked' if chunk is None else f'chunk {chunk}'}: {e.__class__.__name__}: {e}"[:300]
+            break
+        st = interference_stats(run.stream_times, run.arrival_s, run.first_token_s).to_dict()
+        for k in ("window_start_s", "window_end_s"):
+            st.pop(k)
+        out["rows"].append({"chunk_size": chunk, **st, "steps": int(run.steps), "long_steps": int(run.long_steps)})
+    return out
+
+
+def grid_sweep(engine: Any, prompts_at: Callable[[int], PromptFor], *, depths: Sequence[int],
+               measured: dict[int, dict] | None = None, pool_tokens: int | None = None, **sweep: Any) -> dict:
+    """The context x concurrency grid: :func:`load_sweep` at each of ``depths`` over the same
+    concurrencies, every cell admitted against the KV pool (the model's or the engine's
+    context, ``pool_tokens``, and the KV budget) or recorded as not admitted with the reason.
+
+    Args:
+        prompts_at: ``depth -> prompt_for`` (fresh prompts of that depth).
+        measured: ``{depth: load_sweep output}`` already run (the main sweep's depth), reused.
+        sweep: the other :func:`load_sweep` arguments (concurrency, output_tokens, ...).
+
+    Returns:
+        a dict of :class:`qeval.results_load.GridSection`'s fields.
+    """
+    rows = []
+    for d in sorted(int(x) for x in depths):
+        out = (measured or {}).get(d)
+        if out is None:
+            out = load_sweep(engine, prompts_at(d), depth=d, pool_tokens=pool_tokens, **sweep)
+        pts = [dict(p, details={**(p.get("details") or {}), "depth": d}) for p in out["points"]]
+        rows.append({"depth": d, "users_at_slo": out.get("users_at_slo"), "points": pts})
+    return {"pool_tokens": pool_tokens, "depths": rows}

@@ -37,7 +37,7 @@ from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_te
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
 from .table import (LOAD_HEADERS, RATE_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table,
-                    markdown_table, rate_caption, rate_table, tier_table)
+                    markdown_table, rate_caption, rate_table, tier_table, workload_markdown, workload_sections)
 
 DEFAULT_BUDGET_BYTES = 24 * GIB
 DEFAULT_USERS = 8
@@ -100,6 +100,7 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
             md += [f"Rate ladder: {a.ladder.rates.text()}.", ""]
         for n, why in (a.ladder.rates.unplaced.items() if a.ladder.rates is not None else ()):
             md.append(f"- `{n}` not on the rate ladder: {why}")
+    md += workload_markdown(a.tiers)
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
@@ -144,6 +145,20 @@ def write_tables(run_dir: str | Path, recipe_dict: dict | None = None) -> tuple[
 
 
 # ---- HTML ---------------------------------------------------------------------------------
+
+def _workloads(a: RunAnalysis) -> list[dict]:
+    """The workload sections of the report (table, caption, plot), those the run has."""
+    png = {"prefix": (plots.prefix_ttft_png, "TTFT p95 against concurrent streams: the shared prefix's KV reused "
+                      "(solid) or prefilled per request (dashed)."),
+           "interference": (plots.interference_png, "The running streams' largest inter-token gap and ITL p99 in "
+                            "the window a long prefill spans, per prefill chunk size."),
+           "grid": (plots.grid_heatmap_png, "Users at SLO at each depth, per tier.")}
+    out = []
+    for w in workload_sections(a.tiers):
+        fn, cap = png[w["key"]]
+        out.append(dict(w, src=_data_uri(fn(a.tiers)), plot_caption=cap))
+    return out
+
 
 def _data_uri(png: bytes | None) -> str | None:
     return None if png is None else "data:image/png;base64," + base64.b64encode(png).decode("ascii")
@@ -266,6 +281,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",
         load_rows=load_table(a.tiers), load_headers=LOAD_HEADERS, load_caption=load_caption(a.tiers) or "",
         load_plots=load_plots, rate_rows=rate_table(a.tiers), rate_headers=RATE_HEADERS,
+        workloads=_workloads(a),
         rate_caption=rate_caption(a.tiers) or "", rate_plots=rate_plots,
         rate_ladder=a.ladder.rates.text() if a.ladder.rates is not None else "",
         rate_unplaced=dict(a.ladder.rates.unplaced) if a.ladder.rates is not None else {},

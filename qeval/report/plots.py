@@ -358,3 +358,114 @@ def long_context_png(tiers: dict[str, TierResult], depths: list[int], reference:
     axes[1].set_title("Fidelity at depth: KLD vs depth", fontsize=10)
     axes[0].legend(fontsize=7, loc="best")
     return _png(fig)
+
+
+# ---- the workloads: shared prefix, interference, context x concurrency grid ----------------
+
+def prefix_ttft_png(tiers: dict[str, TierResult]) -> bytes | None:
+    """TTFT p95 (s) against concurrency (log2) per tier with a shared-prefix workload: solid
+    line with the prefix's KV reused, dashed with it prefilled per request."""
+    names = list(tiers)
+    fig = None
+    for i, (name, t) in enumerate(tiers.items()):
+        pre = t.load.prefix if t.load is not None else None
+        if pre is None:
+            continue
+        for run in pre.runs:
+            pts = [(p.concurrency, p.ttft_s.p95) for p in run.points if p.admitted and p.ttft_s and p.ttft_s.p95
+                   is not None]
+            if not pts:
+                continue
+            if fig is None:
+                fig = _figure()
+                ax = fig.add_subplot(1, 1, 1)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", color=_color(names.index(name)),
+                    linestyle="-" if run.reuse else "--",
+                    label=f"{name}: {'reused' if run.reuse else 'prefilled'}"
+                          + (f" ({run.hit_rate:.0%} from cache)" if run.reuse and run.hit_rate is not None else ""))
+    if fig is None:
+        return None
+    xs = sorted({int(x) for line in ax.get_lines() for x in line.get_xdata()})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("concurrent streams (closed loop)")
+    ax.set_ylabel("TTFT p95 (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title("TTFT with a shared prefix: reused (solid) vs prefilled per request (dashed)", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def interference_png(tiers: dict[str, TierResult]) -> bytes | None:
+    """The running streams' largest inter-token gap (left) and ITL p99 (right) in the window
+    a long prefill spans, per prefill chunk size (x: unchunked, then ascending chunks), one
+    line per tier that measured it."""
+    names = list(tiers)
+    rows = {n: t.load.interference.rows for n, t in tiers.items()
+            if t.load is not None and t.load.interference is not None and t.load.interference.rows}
+    if not rows:
+        return None
+    from matplotlib.figure import Figure  # start-up time: only the report draws
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up time: only the report draws
+    labels = ["unchunked"] + [str(c) for c in sorted({r.chunk_size for rs in rows.values() for r in rs
+                                                       if r.chunk_size is not None})]
+    fig = Figure(figsize=(_SIZE[0] * 1.4, _SIZE[1]), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    for i, (what, key) in enumerate((("largest gap in the window (s)", "max_gap_s"),
+                                     ("ITL p99 in the window (s)", "itl_p99_s"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for name, rs in rows.items():
+            pts = [(labels.index("unchunked" if r.chunk_size is None else str(r.chunk_size)), getattr(r, key))
+                   for r in rs if getattr(r, key) is not None]
+            ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", label=name,
+                    color=_color(names.index(name)))
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels)
+        ax.set_xlabel("long prompt's prefill chunk (tokens per step)")
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def grid_heatmap_png(tiers: dict[str, TierResult]) -> bytes | None:
+    """Users at SLO per depth as a heat map: one row per tier with a grid, one column per
+    depth; each cell says the number (0: none met the SLO; grey "not admitted": the KV pool
+    held no cell of that depth)."""
+    grids = {n: t.load.grid for n, t in tiers.items() if t.load is not None and t.load.grid is not None}
+    if not grids:
+        return None
+    depths = sorted({g.depth for grid in grids.values() for g in grid.depths})
+    names = list(grids)
+    import numpy as np  # start-up time: only the report draws
+    vals = np.full((len(names), len(depths)), np.nan)
+    label = [["-"] * len(depths) for _ in names]
+    for i, n in enumerate(names):
+        for g in grids[n].depths:
+            j = depths.index(g.depth)
+            if not any(p.admitted for p in g.points):
+                label[i][j] = "not admitted"
+            elif g.users_at_slo is not None:
+                vals[i, j] = g.users_at_slo
+                label[i][j] = f"{g.users_at_slo}"
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    top = float(np.nanmax(vals)) if np.isfinite(vals).any() else 1.0
+    im = ax.imshow(np.ma.masked_invalid(vals), cmap="viridis", aspect="auto", vmin=0, vmax=max(top, 1.0))
+    ax.set_facecolor("#dddddd")  # no figure (not admitted, not measured): grey
+    for i in range(len(names)):
+        for j in range(len(depths)):
+            v = vals[i, j]
+            dark = np.isnan(v) or v > 0.6 * max(top, 1.0)  # black text on grey and on the bright end
+            ax.text(j, i, label[i][j], ha="center", va="center", color="k" if dark else "w", fontsize=9)
+    ax.set_xticks(range(len(depths)))
+    ax.set_xticklabels([str(d) for d in depths])
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names)
+    ax.set_xlabel("depth (prompt tokens)")
+    ax.set_title("Users at SLO per depth (context x concurrency)", fontsize=10)
+    fig.colorbar(im, ax=ax, label="users at SLO")
+    return _png(fig)

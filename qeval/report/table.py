@@ -734,3 +734,139 @@ def rate_caption(tiers: dict[str, TierResult]) -> str | None:
             f"ITL p95 <= {slo.itl_p95_s} s{err}. TTFT counts from the arrival (queue wait in it); achieved = completed "
             f"/ run time; a point is saturated when achieved < offered x {1 - ar.saturation_share:.2f}; the knee is "
             "the highest measured rate meeting the SLO (qeval.measure.openloop).")
+
+
+# ---- the workload tables: shared prefix, interference, context x concurrency grid ---------
+
+PREFIX_HEADERS = ["tier", "prefix KV", "streams", "TTFT p50/p95 s", "ITL p95 s", "decode tok/s", "from cache",
+                  "users at SLO", "SLO"]
+
+
+def prefix_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the shared-prefix table (``PREFIX_HEADERS``): per tier, per run (prefilled per
+    request, then reused) and concurrency, TTFT and the share of prompt tokens served from
+    the cache; a point not admitted shows the reason."""
+    rows = []
+    for name, t in tiers.items():
+        pre = t.load.prefix if t.load is not None else None
+        if pre is None:
+            continue
+        for run in pre.runs:
+            label = "reused" if run.reuse else "prefilled"
+            for p in run.points:
+                if not p.admitted:
+                    rows.append([name, label, str(p.concurrency), "-", "-", "-", "-", "-",
+                                 f"not admitted: {short_error(p.reason or '')}"])
+                    continue
+                rows.append([name, label, str(p.concurrency), _trio(p.ttft_s, ("p50", "p95")),
+                             _f(p.itl_s.p95 if p.itl_s else None, ".3g"), _f(p.decode_tokens_per_s, ".3g"),
+                             _f(p.prefix_hit_rate, ".0%"), _f(run.users_at_slo, "g"),
+                             "-" if p.meets_slo is None else ("meets" if p.meets_slo else "misses")])
+        if pre.not_measured:
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", f"not measured: {pre.not_measured}"])
+    return rows
+
+
+def prefix_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the shared-prefix table measured."""
+    pre = next((t.load.prefix for t in tiers.values() if t.load is not None and t.load.prefix is not None), None)
+    if pre is None:
+        return None
+    return (f"Shared prefix: every request is the same {pre.shared_prefix_tokens}-token prefix (a system prompt) "
+            f"and its own {pre.depth - pre.shared_prefix_tokens} tokens; the prefix's KV cache reused across "
+            "requests or prefilled per request. from cache = prompt tokens served from the cache / all prompt "
+            "tokens (the server's own count for served tiers).")
+
+
+INTERFERENCE_HEADERS = ["tier", "long prompt", "streams", "prefill", "long TTFT s", "max gap s", "ITL p99 in window s",
+                        "decode tok/s before", "in window", "lost tok/s", "tokens lost", "long steps"]
+
+
+def interference_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the interference table (``INTERFERENCE_HEADERS``): per tier, the long prompt
+    unchunked then per chunk size; a tier where it was not measured says why."""
+    rows = []
+    for name, t in tiers.items():
+        it = t.load.interference if t.load is not None else None
+        if it is None:
+            continue
+        for r in it.rows:
+            rows.append([name, str(it.prompt_tokens), str(it.streams),
+                         "unchunked" if r.chunk_size is None else f"{r.chunk_size}/step",
+                         _f(r.long_ttft_s, ".3g"), _f(r.max_gap_s, ".3g"), _f(r.itl_p99_s, ".3g"),
+                         _f(r.baseline_tokens_per_s, ".3g"), _f(r.window_tokens_per_s, ".3g"),
+                         _f(r.lost_tokens_per_s, ".3g"), _f(r.lost_tokens, ".3g"), _f(r.long_steps, "g")])
+        if it.not_measured:
+            rows.append([name, str(it.prompt_tokens), str(it.streams), "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"not measured: {short_error(it.not_measured)}"])
+    return rows
+
+
+def interference_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the interference table measured."""
+    it = next((t.load.interference for t in tiers.values()
+               if t.load is not None and t.load.interference is not None), None)
+    if it is None:
+        return None
+    return (f"Interference: {it.streams} streams decode; a {it.prompt_tokens}-token prompt arrives and is prefilled "
+            "in one engine step (unchunked) or in chunks shared with the streams' decode. The window runs from "
+            "its arrival to its first token; max gap and ITL p99 are the running streams' inter-token gaps in it; "
+            "lost tok/s = their decode rate before the window - inside it (qeval.measure.interference).")
+
+
+GRID_HEADERS = ["tier", "depth", "streams", "admitted", "TTFT p95 s", "ITL p95 s", "decode tok/s", "KV GiB at peak",
+                "users at SLO (depth)", "SLO / reason"]
+
+
+def grid_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the context x concurrency grid (``GRID_HEADERS``): per tier, depth and
+    concurrency, measured or not admitted with the reason."""
+    rows = []
+    for name, t in tiers.items():
+        g = t.load.grid if t.load is not None else None
+        if g is None:
+            continue
+        for d in g.depths:
+            for p in d.points:
+                if not p.admitted:
+                    rows.append([name, str(d.depth), str(p.concurrency), "no", "-", "-", "-", "-",
+                                 _f(d.users_at_slo, "g"), short_error(p.reason or "")])
+                    continue
+                rows.append([name, str(d.depth), str(p.concurrency), "yes", _f(p.ttft_s.p95 if p.ttft_s else None),
+                             _f(p.itl_s.p95 if p.itl_s else None), _f(p.decode_tokens_per_s, ".3g"),
+                             _gib(p.kv_bytes_peak, 4), _f(d.users_at_slo, "g"),
+                             "-" if p.meets_slo is None else ("meets" if p.meets_slo else "misses")])
+    return rows
+
+
+def grid_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the grid measured."""
+    g = next((t.load for t in tiers.values() if t.load is not None and t.load.grid is not None), None)
+    if g is None:
+        return None
+    return (f"Context x concurrency: the closed loop at each depth and number of streams ({g.output_tokens} new "
+            "tokens each). A cell whose KV cache (streams x (depth + new tokens)) does not fit the model's context, "
+            "the engine's KV pool or the memory budget after the weights is not admitted and never run; "
+            "`qeval plan RUN_DIR` puts its prediction beside each cell.")
+
+
+def workload_sections(tiers: dict[str, TierResult]) -> list[dict]:
+    """The workload tables the run has: ``key`` (prefix | interference | grid), ``title``,
+    ``caption``, ``headers``, ``rows``."""
+    out = []
+    for key, title, rows, headers, caption in (
+            ("prefix", "Load: shared prefix", prefix_table(tiers), PREFIX_HEADERS, prefix_caption(tiers)),
+            ("interference", "Load: a long prompt landing mid-decode", interference_table(tiers),
+             INTERFERENCE_HEADERS, interference_caption(tiers)),
+            ("grid", "Load: context x concurrency", grid_table(tiers), GRID_HEADERS, grid_caption(tiers))):
+        if rows:
+            out.append({"key": key, "title": title, "caption": caption or "", "headers": headers, "rows": rows})
+    return out
+
+
+def workload_markdown(tiers: dict[str, TierResult]) -> list[str]:
+    """The workload tables as Markdown lines (empty when the run has none)."""
+    md: list[str] = []
+    for w in workload_sections(tiers):
+        md += [f"## {w['title']}", "", w["caption"], "", markdown_table(w["headers"], w["rows"])]
+    return md

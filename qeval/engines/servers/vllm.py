@@ -113,7 +113,8 @@ class Vllm(ServerKind):
         return vllm_command(binary, model, launch.fmt, port=launch.port, parallel=launch.parallel,
                             max_model_len=cls.context_tokens(opts, launch),
                             gpu_memory_utilization=opts.gpu_memory_utilization, tokenizer=launch.tokenizer,
-                            kv_cache=launch.kv_cache, served_name=launch.served_name, args=opts.args)
+                            kv_cache=launch.kv_cache, served_name=launch.served_name, args=opts.args,
+                            prefix_caching=bool(launch.tokens.get("prefix_caching")))
 
     @classmethod
     def env(cls, opts: ServeOptions) -> dict[str, str]:
@@ -157,15 +158,19 @@ def vllm_binary() -> str | None:
 
 def vllm_command(binary: str, model: str | Path, fmt: str, *, port: int, parallel: int, max_model_len: int,
                  gpu_memory_utilization: float, tokenizer: str | None = None, kv_cache: str = "model",
-                 served_name: str = "qeval", args: Sequence[str] = ()) -> list[str]:
+                 served_name: str = "qeval", args: Sequence[str] = (), prefix_caching: bool = False) -> list[str]:
     """``vllm serve <model>`` on 127.0.0.1: ``--max-num-seqs`` = ``parallel``,
     ``--max-model-len``, ``--gpu-memory-utilization``, prefix caching off (repeated speed
     prompts would hit it), the source's tokenizer (``--tokenizer``), ``--quantization gguf``
     for a GGUF file, an int8 KV cache as ``--kv-cache-dtype fp8`` (vLLM has no int8 KV
-    cache; the row's backend says so)."""
+    cache; the row's backend says so). ``prefix_caching`` (the load stage of a recipe with a
+    shared prefix): ``--enable-prefix-caching`` and ``--enable-prompt-tokens-details`` (each
+    answer's cached prompt tokens) instead."""
     cmd = [binary, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", served_name, "--max-num-seqs", str(parallel), "--max-model-len", str(max_model_len),
-           "--gpu-memory-utilization", str(gpu_memory_utilization), "--no-enable-prefix-caching"]
+           "--gpu-memory-utilization", str(gpu_memory_utilization)]
+    cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"] if prefix_caching \
+        else ["--no-enable-prefix-caching"]
     q = VLLM_QUANTIZATION.get(fmt)
     if q:
         cmd += ["--quantization", q]
