@@ -119,7 +119,7 @@ def test_vllm_command_gives_the_gguf_file_and_the_source_tokenizer(tmp_path):
     s = " ".join(gg)
     assert "--tokenizer /src" in s and "--quantization gguf" in s and "--max-num-seqs 4" in s
     assert "--gpu-memory-utilization 0.85" in s and "--no-enable-prefix-caching" in s
-    assert "--disable-log-requests" not in s  # removed from vLLM (0.17+): it would exit at start
+    assert "--disable-log-requests" not in s  # vLLM 0.17 removed it (it would exit at start); 0.34 takes it again
     hf = vllm.command("vllm", parse_serve("vllm"), _launch(tmp_path, "hf", kv_cache="int8"))
     assert hf[2] == str(tmp_path / "artifact") and "--quantization" not in hf
     assert hf[hf.index("--kv-cache-dtype") + 1] == "fp8"
@@ -174,16 +174,20 @@ def test_vllm_commands_parse_with_the_snapshot_of_vllm_serve_options(tmp_path):
         assert ns.gpu_memory_utilization == what.get("gpu_memory_utilization", 0.9)
         assert ns.tokenizer == what["tokenizer"]
         assert ns.kv_cache_dtype == ("fp8" if what["kv_cache"] == "int8" else None)
-        assert ns.quantization == ("gguf" if what["fmt"] == "gguf" else None)
-        # vLLM lists its own quantization methods and KV cache dtypes: GGUF's is the
-        # vllm-gguf-plugin's (`vllm[extra-quant]`, README), outside the list
-        assert tool.unknown_values(snap, cmd) == (["--quantization gguf"] if what["fmt"] == "gguf" else []), cmd
-    # what the snapshot refuses: an option vLLM removed, a value that is not a number, a missing value
-    for extra, why in ((["--disable-log-requests"], "unrecognized arguments: --disable-log-requests"),
+        assert ns.quantization == ("gguf" if what["fmt"] == "gguf" else None)  # any string: plugins add methods
+        assert tool.unknown_values(snap, cmd) == [], cmd  # --kv-cache-dtype among the dtypes vLLM lists
+    # what the snapshot refuses: an option vLLM does not have, a value that is not a number, a
+    # missing value; and a KV cache dtype outside vLLM's list (its parser takes any string)
+    base = cmds[0][1][2:]
+    for extra, why in ((["--task", "generate"], "unrecognized arguments: --task generate"),
                        (["--max-num-seqs", "many"], "invalid int value: 'many'"),
                        (["--tokenizer"], "expected one argument")):
         with pytest.raises((ValueError, argparse.ArgumentError), match=why):
-            parser.parse_args(cmds[0][1][2:] + extra)
+            parser.parse_args(base + extra)
+    assert tool.unknown_values(snap, base + ["--kv-cache-dtype", "int8"]) == ["--kv-cache-dtype int8"]
+    # 0.34 pairs every --enable-x flag with --disable-x: --disable-log-requests, which 0.17
+    # removed, parses again (and is the default); qeval passes neither
+    assert parser.parse_args(base + ["--disable-log-requests"]).enable_log_requests is False
 
 
 def test_vllm_commands_parse_with_vllm_serve_own_parser(tmp_path):
@@ -202,9 +206,9 @@ def test_vllm_commands_parse_with_vllm_serve_own_parser(tmp_path):
     assert {k: v for k, v in mine.items() if k != "produced_by"} == \
         {k: v for k, v in committed.items() if k != "produced_by"}
     cmds = [c for _w, c in _vllm_commands(tmp_path)]
-    res = tool.check_lines([c[2:] for c in cmds] + [cmds[0][2:] + ["--disable-log-requests"]])
+    res = tool.check_lines([c[2:] for c in cmds] + [cmds[0][2:] + ["--task", "generate"]])
     assert [r["error"] for r in res[:-1]] == [None] * len(cmds)
-    assert not res[-1]["ok"] and "unrecognized arguments: --disable-log-requests" in res[-1]["error"]
+    assert not res[-1]["ok"] and "unrecognized arguments: --task generate" in res[-1]["error"]
     parsed = res[0]["args"]
     assert parsed["enable_prefix_caching"] is False and parsed["max_model_len"] == 1280
     assert parsed["served_model_name"] == ["qeval"] and parsed["tokenizer"] == "/src"

@@ -16,8 +16,8 @@ not the server, so the environment needs vLLM installed without its dependencies
 (``pip install --no-deps``) and the dependencies of those imports only (:data:`PARSER_DEPS`,
 found by importing the parser until nothing was missing), with a CPU torch (``--torch-spec``:
 pip's own choice by default, a CUDA build from PyPI on Linux unless your pip points at a
-CPU index or a local wheel). No GPU, no model, no CUDA library is needed: vLLM's platform
-is "unspecified" there, which the parser does not look at.
+CPU index or a local wheel). No GPU, no model, no CUDA library is needed: vLLM runs as its
+CPU platform there (``VLLM_TARGET_DEVICE=cpu``).
 
 The snapshot ``dump`` writes lists every option string the parser accepts (those it hides
 from ``--help`` too, marked ``hidden``) with ``nargs``, ``choices``, the known values vLLM
@@ -49,6 +49,8 @@ PARSER_DEPS: tuple[str, ...] = (
     "requests>=2.33.0", "pillow>=13.0.0", "prometheus_client>=0.18.0", "pyzmq>=25.0.0", "msgspec", "cbor2",
     "cloudpickle", "cachetools", "py-cpuinfo", "psutil", "pybase64", "partial-json-parser", "regex", "pyyaml",
     "numpy", "packaging", "typing_extensions>=4.10", "uvloop",
+    # structured-output backends whose classes the import reaches (annotations evaluated at import)
+    "llguidance>=1.7.0,<1.8.0", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11",
 )
 SNAPSHOT = REPO / "tests" / "data" / f"vllm_serve_args-{VLLM_VERSION}.json"
 #: Types whose values are integers (``human_readable_int*`` also take ``1k``; qeval writes digits).
@@ -139,7 +141,9 @@ def _dump() -> dict:
         row = {"strings": names, "hidden": sorted(set(names) - set(a.option_strings)), "negative": negative, **row}
         options.append(row)
     options.sort(key=lambda r: r["strings"][0])
+    from vllm.platforms import current_platform
     return {"vllm": vllm.__version__, "python": sys.version.split()[0], "torch": torch.__version__,
+            "platform": f"{type(current_platform).__name__} (VLLM_TARGET_DEVICE={os.environ.get('VLLM_TARGET_DEVICE')})",
             "parser": "the `serve` subparser of vllm.utils.argparse_utils.FlexibleArgumentParser filled by "
                       "vllm.entrypoints.common.cli_args.make_arg_parser (as vllm/entrypoints/cli/main.py and "
                       "ServeSubcommand.subparser_init build it)",
@@ -163,8 +167,9 @@ def _check(lines: list[list[str]]) -> list[dict]:
             with contextlib.redirect_stderr(err):
                 args = top.parse_args(["serve", *argv])
                 validate_parsed_serve_args(args)
-        except SystemExit:  # argparse printed usage and its error
-            out.append({"ok": False, "error": err.getvalue().strip().splitlines()[-1], "args": None})
+        except SystemExit:  # argparse printed its usage, then "<prog>: error: <message>" (and vLLM's hints)
+            text = err.getvalue()
+            out.append({"ok": False, "error": " ".join(text[text.find(": error: ") + 9:].split()), "args": None})
             continue
         except (ValueError, TypeError) as e:
             out.append({"ok": False, "error": str(e), "args": None})
@@ -186,6 +191,11 @@ def _given(argv: list[str], parser) -> set[str]:
 
 def _inside(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM's CPU platform (its own switch): without a GPU the platform is "unspecified" and the
+    # parser's defaults cannot infer a device type. The options are the same on every
+    # platform; one choice list follows it (--mm-processor-device adds the GPU's device type)
+    # and so do some defaults (not in the snapshot).
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     cmd, rest = argv[0], argv[1:]
     if cmd == "dump":
         out = rest[rest.index("--out") + 1] if "--out" in rest else str(SNAPSHOT)
@@ -261,11 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_inside"]:
         return _inside(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=("setup", "dump", "check"))
-    ap.add_argument("--version", default=VLLM_VERSION, help="the vLLM version (default %(default)s)")
-    ap.add_argument("--torch-spec", default="", help="pip arguments for torch (default: torch, pip's choice)")
-    ap.add_argument("--out", default=None, help="dump: the snapshot file (default tests/data/vllm_serve_args-<version>.json)")
-    ap.add_argument("rest", nargs=argparse.REMAINDER, help="check: -- then the arguments after `vllm serve`")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, what in (("setup", "make the venv"), ("dump", "write the snapshot"), ("check", "parse one command line")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("--version", default=VLLM_VERSION, help="the vLLM version (default %(default)s)")
+        if name == "setup":
+            c.add_argument("--torch-spec", default="", help="pip arguments for torch (default: torch, pip's choice)")
+        elif name == "dump":
+            c.add_argument("--out", default=None, help="the snapshot file (default tests/data/vllm_serve_args-<version>.json)")
+        else:
+            c.add_argument("rest", nargs=argparse.REMAINDER, help="-- then the arguments after `vllm serve`")
     a = ap.parse_args(argv)
     if a.command == "setup":
         return setup(a.version, a.torch_spec)

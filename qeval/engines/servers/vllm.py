@@ -8,8 +8,9 @@ The command is checked against ``vllm serve``'s own parser at vLLM 0.34.0
 rest against vLLM's source (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/common/
 cli_args.py``, ``vllm/entrypoints/serve/dev/cache/api_router.py``, ``vllm/v1/metrics``):
 
-* ``--disable-log-requests`` is gone (0.17+ logs no requests unless
-  ``--enable-log-requests``), so the command does not pass it;
+* ``--disable-log-requests``: 0.17 removed it (and logs no requests unless
+  ``--enable-log-requests``); 0.34 takes it again, as the pair of ``--enable-log-requests``.
+  Not logging is the default, so the command passes neither;
 * ``--no-enable-prefix-caching``: 0.34 still takes it (hidden from ``--help``, which shows
   ``--disable-prefix-caching``), the spelling earlier releases' ``--enable-``/``--no-``
   flags take;
