@@ -217,7 +217,8 @@ def test_validate_and_run_refuse_a_depth_too_short_for_the_documents(tiny_llama,
         assert res.exit_code == 2 and "\n" not in err and "Traceback" not in err, res.output
         assert (f"error: {bad}:{line}: suites[2].depths[0]: depth {need - 1} is too short for item "
                 f"{worst.id!r}") in err, err
-        assert f"use a depth of at least {need} (item {worst.source};" in err, err
+        assert f"use a depth of at least {need} (item " in err, err  # builtin: the packaged copy of ITEMS
+        assert f"/long_context.jsonl:{worst.source.rpartition(':')[2]}; the model's tokenizer)" in err, err
     assert not (tmp_path / "results").exists()  # refused before any stage
 
 
