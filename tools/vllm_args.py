@@ -13,16 +13,19 @@ The parser is the one ``vllm serve`` builds (``vllm/entrypoints/cli/main.py`` an
 ``AsyncEngineArgs.add_cli_args``); ``check`` then runs ``validate_parsed_serve_args``, the
 quick checks ``vllm serve`` makes before it loads anything. Only those modules are imported,
 not the server, so the environment needs vLLM installed without its dependencies
-(``pip install --no-deps``) and the dependencies of those imports only (:data:`PARSER_DEPS`,
-found by importing the parser until nothing was missing), with a CPU torch (``--torch-spec``:
-pip's own choice by default, a CUDA build from PyPI on Linux unless your pip points at a
-CPU index or a local wheel). No GPU, no model, no CUDA library is needed: vLLM runs as its
-CPU platform there (``VLLM_TARGET_DEVICE=cpu``).
+(``pip install --no-deps``) and the dependencies of those imports only (:data:`PARSER_DEPS`:
+read from the imports' source, then completed by importing the parser until nothing was
+missing), with a CPU torch (``--torch-spec``: pip's own choice by default, a CUDA build from
+PyPI on Linux unless your pip points at a CPU index or a local wheel; vLLM 0.34.0 pins torch
+2.14.0, and its parser imports and runs with 2.13.0+cpu, which the snapshot records). No
+GPU, no model, no CUDA library is needed: vLLM runs as its CPU platform there
+(``VLLM_TARGET_DEVICE=cpu``).
 
 The snapshot ``dump`` writes lists every option string the parser accepts (those it hides
-from ``--help`` too, marked ``hidden``) with ``nargs``, ``choices``, the known values vLLM
-lists as ``metavar`` where it also takes any string (``--quantization``,
-``--kv-cache-dtype``), and the value's type by name. :func:`parser_from_snapshot` rebuilds a
+from ``--help`` too, marked ``hidden``; a flag's ``negative`` strings set it off) with
+``nargs``, ``choices``, the known values vLLM lists as ``metavar`` where it also takes any
+string (``--kv-cache-dtype``; ``--quantization``'s list exists only for type checkers, so its
+parser takes any string), and the value's type by name. :func:`parser_from_snapshot` rebuilds a
 plain ``argparse`` parser from it (no abbreviations, plain ints and floats where vLLM parses
 numbers), which is what ``make test`` checks qeval's commands with where vLLM is not installed.
 Checked first: vLLM publishes no machine-readable list of its serve flags (its docs page
