@@ -53,8 +53,11 @@ PARSER_DEPS: tuple[str, ...] = (
     "cloudpickle", "cachetools", "py-cpuinfo", "psutil", "pybase64", "partial-json-parser", "regex", "pyyaml",
     "numpy", "packaging", "typing_extensions>=4.10", "uvloop",
     # structured-output backends whose classes the import reaches (annotations evaluated at import)
-    "llguidance>=1.7.0,<1.8.0", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11",
+    "llguidance>=1.7.0,<1.8.0", "apache-tvm-ffi==0.1.11",
 )
+#: Installed with ``--no-deps`` beside vLLM: xgrammar's own dependencies would pull triton
+#: (about 1 GB), which importing the parser never touches (the rest are in PARSER_DEPS).
+NO_DEPS: tuple[str, ...] = ("xgrammar==0.2.8",)
 SNAPSHOT = REPO / "tests" / "data" / f"vllm_serve_args-{VLLM_VERSION}.json"
 #: Types whose values are integers (``human_readable_int*`` also take ``1k``; qeval writes digits).
 INT_TYPES = ("int", "human_readable_int", "human_readable_int_or_auto")
@@ -75,14 +78,16 @@ def venv_python(version: str = VLLM_VERSION) -> Path:
 def setup(version: str, torch_spec: str) -> int:
     """Create the venv and install torch (``torch_spec``: pip arguments, e.g.
     ``"torch==2.14.0 --index-url https://download.pytorch.org/whl/cpu"``; default ``torch``),
-    :data:`PARSER_DEPS` and vLLM ``version`` (``--no-deps``); then build the parser once.
+    :data:`PARSER_DEPS`, then :data:`NO_DEPS` and vLLM ``version`` (``--no-deps``); then build
+    the parser once.
     Returns an exit code (pip's on a failed install)."""
     d = venv_dir(version)
     py = d / "bin" / "python"
     if not py.exists():
         print(f"+ python -m venv {d}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(d)
-    steps = [torch_spec.split() if torch_spec else ["torch"], list(PARSER_DEPS), ["--no-deps", f"vllm=={version}"]]
+    steps = [torch_spec.split() if torch_spec else ["torch"], list(PARSER_DEPS),
+             ["--no-deps", *NO_DEPS, f"vllm=={version}"]]
     for args in steps:
         cmd = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
         print("+ " + " ".join(cmd), flush=True)
