@@ -142,17 +142,20 @@ def _vllm_args():
 def _vllm_commands(tmp_path) -> list[tuple[dict, list[str]]]:
     """``(what, command)`` for every shape of command qeval builds for vLLM: each artifact
     format, both KV caches, the context from the recipe's sequences or ``ctx_size``, one or
-    many sequences, a set memory share, with and without the source tokenizer."""
+    many sequences, a set memory share, with and without the source tokenizer, prefix
+    caching off or asked for (a load stage with a shared prefix)."""
     from qeval.engines.servers import get_server, parse_serve
     vllm = get_server("vllm")
     out = []
     for fmt in vllm.formats:
         for kv in ("model", "int8"):
-            for opts, parallel, tok in (({"kind": "vllm"}, 4, "/src"),
-                                        ({"kind": "vllm", "ctx_size": 4096, "gpu_memory_utilization": 0.85}, 1, None)):
+            for opts, parallel, tok, prefix in (({"kind": "vllm"}, 4, "/src", False),
+                                                ({"kind": "vllm", "ctx_size": 4096, "gpu_memory_utilization": 0.85},
+                                                 1, None, True)):
                 what = dict(fmt=fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, **opts)
-                out.append((what, vllm.command("vllm", parse_serve(opts), _launch(tmp_path, fmt, kv_cache=kv,
-                                                                                   parallel=parallel, tokenizer=tok))))
+                tokens = {"sequence": 1100, "load_sequence": 400, "model": 2048, "prefix_caching": prefix}
+                out.append((what, vllm.command("vllm", parse_serve(opts), _launch(
+                    tmp_path, fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, tokens=tokens))))
     return out
 
 
@@ -169,7 +172,8 @@ def test_vllm_commands_parse_with_the_snapshot_of_vllm_serve_options(tmp_path):
         ns = parser.parse_args(cmd[2:])  # ValueError: an option vLLM does not know, or a bad value
         assert ns.model_tag.endswith("model-Q4_K_M.gguf" if what["fmt"] == "gguf" else "artifact"), cmd
         assert (ns.host, ns.port, ns.served_model_name) == ("127.0.0.1", 8123, ["qeval"])
-        assert ns.max_num_seqs == what["parallel"] and ns.enable_prefix_caching is False
+        assert ns.max_num_seqs == what["parallel"]
+        assert ns.enable_prefix_caching is ("--enable-prefix-caching" in cmd)  # off unless a load stage asks
         assert ns.max_model_len == what.get("ctx_size", 1280)
         assert ns.gpu_memory_utilization == what.get("gpu_memory_utilization", 0.9)
         assert ns.tokenizer == what["tokenizer"]

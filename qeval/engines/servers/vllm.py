@@ -171,8 +171,8 @@ def vllm_command(binary: str, model: str | Path, fmt: str, *, port: int, paralle
     """``vllm serve <model>`` on 127.0.0.1: ``--max-num-seqs`` = ``parallel``,
     ``--max-model-len``, ``--gpu-memory-utilization``, prefix caching off (repeated speed
     prompts would hit it), the source's tokenizer (``--tokenizer``), ``--quantization gguf``
-    for a GGUF file (vLLM's GGUF plugin), an int8 KV cache as ``--kv-cache-dtype fp8`` (the
-    row's backend says so; see the module notes)."""
+    for a GGUF file, an int8 KV cache as ``--kv-cache-dtype fp8`` (vLLM has no int8 KV
+    cache; the row's backend says so)."""
     cmd = [binary, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", served_name, "--max-num-seqs", str(parallel), "--max-model-len", str(max_model_len),
            "--gpu-memory-utilization", str(gpu_memory_utilization), "--no-enable-prefix-caching"]
