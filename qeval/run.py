@@ -36,6 +36,7 @@ from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, chil
 from .source import hub_download_bytes, model_source_path
 from .storage import redact_options
 from .tiers import get_method
+from .validate import check_long_context_depths
 
 __all__ = ["Interrupted", "Runner", "StageFailed", "StageOutcome", "child_env", "estimate_disk_bytes", "new_run_dir", "preflight",
            "stage_threads", "tier_fingerprint"]
@@ -197,6 +198,9 @@ class Runner(TierRunner):
         src = self.run_global("source")
         check_context(self.recipe, src.max_context)
         check_endpoints(self.recipe, Path(src.path))  # the tokenizer check where preflight had no tokenizer
+        m = self.recipe.model
+        if not m.gguf_package and model_source_path(m.source or "", self.recipe.base_dir) is None:
+            check_long_context_depths(self.recipe, Path(src.path))  # a hub id: its tokenizer is here only now
         self.check_disk(Path(src.path))
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,

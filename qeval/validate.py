@@ -1,7 +1,9 @@
 """Recipe checks beyond its schema, before any model is loaded (``qeval validate`` and
 the start of ``qeval run``): the model source, depths against its context, every data
-file the recipe names, every suite row, lm-eval task files, the storage URL, and each tier method's own
-checks that need no model (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`)."""
+file the recipe names, every suite row, long-context depths against the documents they must
+hold (with the model's tokenizer, where it is on this machine), lm-eval task files, the
+storage URL, and each tier method's own checks that need no model
+(:meth:`~qeval.tiers.base.TierMethod.check_at_validate`)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +12,7 @@ from pathlib import Path
 from .errors import QevalInputError
 from .executors import executor_names
 from .measure.lmeval import check_task
-from .measure.long_context import check_depths_fit, load_long_context
+from .measure.long_context import check_depths_fit, check_depths_hold_items, load_long_context
 from .measure.suites import load_suite
 from .osutil import stderr_fd_to
 from .recipe import check_context, check_data_paths
@@ -26,8 +28,9 @@ def static_checks(recipe) -> None:
     file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
     every suite row (long_context items and their filler too) and lm-eval task file parses;
     every depth plus decode_tokens (the load depth plus output_tokens, every long_context
-    depth plus its suite's max_new_tokens) fits the model's maximum context when it can be read.
-    Hub ids are checked at run time.
+    depth plus its suite's max_new_tokens) fits the model's maximum context when it can be read;
+    every long_context depth holds its suite's documents (:func:`check_long_context_depths`).
+    Hub ids are checked at run time (the long_context depths right after the source stage).
 
     Raises:
         QevalInputError: naming the recipe file, line and field.
@@ -66,6 +69,7 @@ def static_checks(recipe) -> None:
         else:
             load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
     check_depths_fit(recipe, maxctx)
+    check_long_context_depths(recipe)
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         check_lm_eval_task(recipe, i, t)
     if is_url(recipe.storage):
@@ -95,6 +99,50 @@ def check_lm_eval_task(recipe, i: int, task: str) -> None:
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 200:
         raise QevalInputError(f"task name {name[:80]!r} must be a plain name (it names a file)", file=p,
                               field="task")
+
+
+def check_long_context_depths(recipe, folder: Path | None = None) -> bool:
+    """Every long_context depth holds the documents of its suite with the model's tokenizer
+    (:func:`qeval.measure.long_context.check_depths_hold_items`: the reference stage would
+    stop on the first item a depth cannot hold). The tokenizer comes from ``folder`` when
+    given (the source stage's checkpoint), else from this machine without converting or
+    downloading anything: the local checkpoint folder (or a GGUF package's folder an earlier
+    run expanded), else the GGUF package's file itself (transformers' GGUF tokenizer: the one
+    the source stage saves beside the expanded checkpoint). A hub id not given a ``folder``
+    is left to :meth:`qeval.run.Runner.run`, after the source stage.
+
+    Returns:
+        True when the depths were checked (or there is no long_context suite), False when
+        no tokenizer was on this machine.
+
+    Raises:
+        QevalInputError: a depth too short (the recipe's ``suites[i].depths[j]``), or a
+            tokenizer that does not load (``model.source`` / ``model.gguf_package``).
+    """
+    if not any(s.kind == "long_context" for s in recipe.suites):
+        return True
+    m = recipe.model
+    field = ("model", "gguf_package" if m.gguf_package else "source")
+    gguf: Path | None = None
+    if folder is None:
+        folder = _local_checkpoint(m, recipe.base_dir)
+        if folder is None and m.gguf_package:
+            try:
+                gguf = find_package_gguf(m.gguf_package)
+            except QevalInputError as e:
+                raise recipe.error(field, e.message) from None
+        if folder is None and gguf is None:
+            return False
+    try:
+        from transformers import AutoTokenizer  # start-up time: transformers loads only where a tokenizer is needed
+        with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):  # GGUF reading prints notices
+            tok = (AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) if gguf is not None
+                   else AutoTokenizer.from_pretrained(str(folder)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise recipe.error(field, f"cannot load the model's tokenizer from {gguf or folder} to check the long_context "
+                                  f"depths: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}") from None
+    check_depths_hold_items(recipe, tok)
+    return True
 
 
 def _local_checkpoint(model, base: Path | None = None) -> Path | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qeval.errors import QevalInputError
-from qeval.measure.long_context import (Question, check_answers, check_question, load_long_context,
+from qeval.measure.long_context import (Question, check_answers, check_question, load_long_context, min_depth,
                                         number_pattern, render, split_answers)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,6 +180,46 @@ def test_depth_too_short_names_the_item(tiny_tok):
         render(it, tiny_tok, 600)
     msg = str(e.value)
     assert msg.startswith(f"{ITEMS}:3: depths: depth 600 is too short for item 'lc-003'") and "\n" not in msg
+
+
+def test_min_depth_is_the_shallowest_depth_render_takes(tiny_tok):
+    it = load_long_context(ITEMS, "lc")[2]
+    fixed, need = min_depth(it, tiny_tok)
+    assert 0 < fixed < need
+    assert render(it, tiny_tok, need).n_tokens <= need
+    with pytest.raises(QevalInputError, match=f"take {fixed} tokens; use a depth of at least {need}$"):
+        render(it, tiny_tok, need - 1)
+
+
+def test_validate_and_run_refuse_a_depth_too_short_for_the_documents(tiny_llama, tiny_tok, tmp_path):
+    """The reference stage would stop on the first item a depth cannot hold; validate and
+    run refuse the recipe first, naming its suite depth line (exit 2, one line, no run folder)."""
+    from typer.testing import CliRunner
+
+    from conftest import TIERS, write_recipe
+    from qeval.cli import app
+    items = load_long_context(ITEMS, "lc")[:2]
+    worst = max(items, key=lambda it: min_depth(it, tiny_tok)[1])
+    need = min_depth(worst, tiny_tok)[1]
+
+    def recipe(depths: list[int]) -> Path:
+        suite = (f"  - {{name: lc, path: builtin:long_context, kind: long_context, depths: {depths}, limit: 2, "
+                 f"fidelity_tokens: 64, max_new_tokens: 8}}")
+        return write_recipe(tmp_path / f"r{depths[0]}.yaml", tiny_llama, tiers=TIERS, extra=suite)
+
+    ok = CliRunner().invoke(app, ["validate", str(recipe([need, need + 100]))])
+    assert ok.exit_code == 0, ok.output
+    bad = recipe([need - 1, need + 100])
+    line = next(i for i, x in enumerate(bad.read_text().splitlines(), 1) if "name: lc" in x)
+    for args in (["validate", str(bad)], ["run", str(bad), "--out", str(tmp_path / "results")]):
+        res = CliRunner().invoke(app, args)
+        err = res.stderr.strip()
+        assert res.exit_code == 2 and "\n" not in err and "Traceback" not in err, res.output
+        assert (f"error: {bad}:{line}: suites[2].depths[0]: depth {need - 1} is too short for item "
+                f"{worst.id!r}") in err, err
+        assert f"use a depth of at least {need} (item " in err, err  # builtin: the packaged copy of ITEMS
+        assert f"/long_context.jsonl:{worst.source.rpartition(':')[2]}; the model's tokenizer)" in err, err
+    assert not (tmp_path / "results").exists()  # refused before any stage
 
 
 def test_filler_tiles_past_its_end(tiny_tok, tmp_path):

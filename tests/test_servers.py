@@ -4,6 +4,7 @@ run), the KV pool's state from each server's own counters, and a managed server'
 measured from before it starts over its whole process tree."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_recipe
+from conftest import REPO, write_recipe
 
 MiB = 2 ** 20
 
@@ -118,12 +119,103 @@ def test_vllm_command_gives_the_gguf_file_and_the_source_tokenizer(tmp_path):
     s = " ".join(gg)
     assert "--tokenizer /src" in s and "--quantization gguf" in s and "--max-num-seqs 4" in s
     assert "--gpu-memory-utilization 0.85" in s and "--no-enable-prefix-caching" in s
-    assert "--disable-log-requests" not in s  # removed from vLLM (0.17+): it would exit at start
+    assert "--disable-log-requests" not in s  # vLLM 0.17 removed it (it would exit at start); 0.34 takes it again
     hf = vllm.command("vllm", parse_serve("vllm"), _launch(tmp_path, "hf", kv_cache="int8"))
     assert hf[2] == str(tmp_path / "artifact") and "--quantization" not in hf
     assert hf[hf.index("--kv-cache-dtype") + 1] == "fp8"
     assert vllm.env(parse_serve("vllm")) == {"VLLM_SERVER_DEV_MODE": "1"}  # routes /reset_prefix_cache
     assert vllm.check("hf", "cpu") == "vLLM serves on CUDA only and this stage runs on cpu"
+
+
+# ---- vLLM's own parser ------------------------------------------------------------------------
+# tools/vllm_args.py reads `vllm serve`'s parser at the vLLM version the README names into
+# tests/data/vllm_serve_args-<version>.json; every command qeval builds must parse with it.
+
+def _vllm_args():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vllm_args_under_test", REPO / "tools" / "vllm_args.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _vllm_commands(tmp_path) -> list[tuple[dict, list[str]]]:
+    """``(what, command)`` for every shape of command qeval builds for vLLM: each artifact
+    format, both KV caches, the context from the recipe's sequences or ``ctx_size``, one or
+    many sequences, a set memory share, with and without the source tokenizer, prefix
+    caching off or asked for (a load stage with a shared prefix)."""
+    from qeval.engines.servers import get_server, parse_serve
+    vllm = get_server("vllm")
+    out = []
+    for fmt in vllm.formats:
+        for kv in ("model", "int8"):
+            for opts, parallel, tok, prefix in (({"kind": "vllm"}, 4, "/src", False),
+                                                ({"kind": "vllm", "ctx_size": 4096, "gpu_memory_utilization": 0.85},
+                                                 1, None, True)):
+                what = dict(fmt=fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, **opts)
+                tokens = {"sequence": 1100, "load_sequence": 400, "model": 2048, "prefix_caching": prefix}
+                out.append((what, vllm.command("vllm", parse_serve(opts), _launch(
+                    tmp_path, fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, tokens=tokens))))
+    return out
+
+
+def test_vllm_commands_parse_with_the_snapshot_of_vllm_serve_options(tmp_path):
+    tool = _vllm_args()
+    snap = tool.load_snapshot()
+    assert snap["vllm"] == tool.VLLM_VERSION and tool.SNAPSHOT.name == f"vllm_serve_args-{tool.VLLM_VERSION}.json"
+    assert f"vLLM {tool.VLLM_VERSION}" in (REPO / "README.md").read_text()  # the version the README names
+    parser = tool.parser_from_snapshot(snap)
+    cmds = _vllm_commands(tmp_path)
+    assert len(cmds) == 12
+    for what, cmd in cmds:
+        assert cmd[:2] == ["vllm", "serve"], cmd
+        ns = parser.parse_args(cmd[2:])  # ValueError: an option vLLM does not know, or a bad value
+        assert ns.model_tag.endswith("model-Q4_K_M.gguf" if what["fmt"] == "gguf" else "artifact"), cmd
+        assert (ns.host, ns.port, ns.served_model_name) == ("127.0.0.1", 8123, ["qeval"])
+        assert ns.max_num_seqs == what["parallel"]
+        assert ns.enable_prefix_caching is ("--enable-prefix-caching" in cmd)  # off unless a load stage asks
+        assert ns.max_model_len == what.get("ctx_size", 1280)
+        assert ns.gpu_memory_utilization == what.get("gpu_memory_utilization", 0.9)
+        assert ns.tokenizer == what["tokenizer"]
+        assert ns.kv_cache_dtype == ("fp8" if what["kv_cache"] == "int8" else None)
+        assert ns.quantization == ("gguf" if what["fmt"] == "gguf" else None)  # any string: plugins add methods
+        assert tool.unknown_values(snap, cmd) == [], cmd  # --kv-cache-dtype among the dtypes vLLM lists
+    # what the snapshot refuses: an option vLLM does not have, a value that is not a number, a
+    # missing value; and a KV cache dtype outside vLLM's list (its parser takes any string)
+    base = cmds[0][1][2:]
+    for extra, why in ((["--task", "generate"], "unrecognized arguments: --task generate"),
+                       (["--max-num-seqs", "many"], "invalid int value: 'many'"),
+                       (["--tokenizer"], "expected one argument")):
+        with pytest.raises((ValueError, argparse.ArgumentError), match=why):
+            parser.parse_args(base + extra)
+    assert tool.unknown_values(snap, base + ["--kv-cache-dtype", "int8"]) == ["--kv-cache-dtype int8"]
+    # 0.34 pairs every --enable-x flag with --disable-x: --disable-log-requests, which 0.17
+    # removed, parses again (and is the default); qeval passes neither
+    assert parser.parse_args(base + ["--disable-log-requests"]).enable_log_requests is False
+
+
+def test_vllm_commands_parse_with_vllm_serve_own_parser(tmp_path):
+    """The same commands through vLLM's own parser and its pre-load checks, in the venv
+    ``python tools/vllm_args.py setup`` makes; and the snapshot is what that parser dumps."""
+    tool = _vllm_args()
+    py = tool.venv_python()
+    if not py.exists():
+        if os.environ.get("QEVAL_VLLM_PARSER") == "1":
+            pytest.fail(f"QEVAL_VLLM_PARSER=1 but vLLM {tool.VLLM_VERSION}'s parser is not installed at {py}")
+        pytest.skip(f"vLLM {tool.VLLM_VERSION}'s own parser is not installed (python tools/vllm_args.py setup)")
+    import subprocess
+    out = tmp_path / "snap.json"
+    subprocess.run([sys.executable, str(REPO / "tools" / "vllm_args.py"), "dump", "--out", str(out)], check=True)
+    mine, committed = tool.load_snapshot(out), tool.load_snapshot()
+    assert {k: v for k, v in mine.items() if k != "produced_by"} == \
+        {k: v for k, v in committed.items() if k != "produced_by"}
+    cmds = [c for _w, c in _vllm_commands(tmp_path)]
+    res = tool.check_lines([c[2:] for c in cmds] + [cmds[0][2:] + ["--task", "generate"]])
+    assert [r["error"] for r in res[:-1]] == [None] * len(cmds)
+    assert not res[-1]["ok"] and "unrecognized arguments: --task generate" in res[-1]["error"]
+    parsed = res[0]["args"]
+    assert parsed["enable_prefix_caching"] is False and parsed["max_model_len"] == 1280
+    assert parsed["served_model_name"] == ["qeval"] and parsed["tokenizer"] == "/src"
 
 
 def test_sglang_command_and_dialect(tmp_path):

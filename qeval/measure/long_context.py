@@ -45,8 +45,8 @@ from .behaviour import bootstrap_ci
 from .suites import CheckResult, describe_value, jsonl_rows
 
 __all__ = ["ABSTAIN_RE", "INSTRUCTIONS", "QUESTION_KINDS", "Fact", "LongContextItem", "Question",
-           "RenderedItem", "check_answers", "check_question", "load_long_context", "number_pattern",
-           "render", "split_answers"]
+           "RenderedItem", "check_answers", "check_depths_hold_items", "check_question", "load_long_context",
+           "min_depth", "number_pattern", "render", "split_answers"]
 
 QUESTION_KINDS = ("lookup", "multi", "update", "count", "sum", "absent")
 
@@ -532,6 +532,59 @@ def _questions_text(item: LongContextItem) -> str:
     return "\n\n---\n" + INSTRUCTIONS + "\n" + "\n".join(f"{i + 1}. {q.ask}" for i, q in enumerate(item.questions))
 
 
+def _head(item: LongContextItem) -> str:
+    return f"{item.title}\n{item.preamble}\n\n"
+
+
+def _need(overhead: int, fact_tokens: int) -> int:
+    """The shallowest depth :func:`render` takes: the fixed parts plus filler of at least
+    half the facts' tokens (facts at most two thirds of the body)."""
+    return overhead + fact_tokens + (fact_tokens + 1) // 2
+
+
+def _too_short(item: LongContextItem, depth: int, fixed: int, need: int) -> str:
+    return (f"depth {depth} is too short for item {item.id!r}: its title, facts and questions take {fixed} tokens; "
+            f"use a depth of at least {need}")
+
+
+def min_depth(item: LongContextItem, tokenizer: Any, system: str | None = None) -> tuple[int, int]:
+    """The shallowest depth ``item`` renders at with ``tokenizer`` (what :func:`render`
+    checks first, without building the document).
+
+    Returns:
+        ``(fixed, need)`` in tokens: ``fixed`` the chat-templated title, preamble, questions
+        and facts with no filler; ``need`` = ``fixed`` + half the facts' tokens (rounded up),
+        the least depth :func:`render` accepts.
+    """
+    text = _head(item) + _questions_text(item)
+    overhead = len(_encode(tokenizer, _chat_text(tokenizer, system, text)))
+    facts = sum(len(_encode(tokenizer, "\n" + f.text)) for f in item.facts)
+    return overhead + facts, _need(overhead, facts)
+
+
+def check_depths_hold_items(recipe, tokenizer: Any) -> None:
+    """Every depth of every long_context suite holds each of the suite's items that a run
+    renders (the first ``limit``), as :func:`render` will need with the model's
+    ``tokenizer`` (:func:`min_depth`); run before any stage so the reference pass does not
+    stop on it.
+
+    Raises:
+        QevalInputError: naming the recipe's ``suites[i].depths[j]`` line (the first depth
+            too short), the item that needs the deepest document with its file and line, and
+            that depth.
+    """
+    for i, s in enumerate(recipe.suites):
+        if s.kind != "long_context":
+            continue
+        items = load_long_context(recipe.resolve_path(s.path), s.name)
+        needs = [(it, *min_depth(it, tokenizer)) for it in (items[: s.limit] if s.limit else items)]
+        it, fixed, need = max(needs, key=lambda x: x[2])  # the item that needs the deepest document
+        for j, d in enumerate(s.depths or []):
+            if d < need:
+                raise recipe.error(("suites", i, "depths", j),
+                                   f"{_too_short(it, d, fixed, need)} (item {it.source}; the model's tokenizer)")
+
+
 def render(item: LongContextItem, tokenizer: Any, depth: int, system: str | None = None) -> RenderedItem:
     """Build ``item``'s prompt at ``depth`` tokens with ``tokenizer`` (a Hugging Face tokenizer
     with a chat template). Deterministic for a given item, tokenizer and depth.
@@ -545,8 +598,7 @@ def render(item: LongContextItem, tokenizer: Any, depth: int, system: str | None
             questions, template) with filler of at least half the facts' tokens (facts at
             most two thirds of the body); names the item's file and line and the needed depth.
     """
-    head = f"{item.title}\n{item.preamble}\n\n"
-    tail = _questions_text(item)
+    head, tail = _head(item), _questions_text(item)
 
     def build(lines: list[str]) -> tuple[str, list[int]]:
         text = head + "\n".join(lines) + tail
@@ -556,11 +608,9 @@ def render(item: LongContextItem, tokenizer: Any, depth: int, system: str | None
     fact_tok = [len(_encode(tokenizer, "\n" + f.text)) for f in facts]
     overhead = len(build([])[1])
     budget = depth - overhead - sum(fact_tok)  # tokens left for filler
-    if 2 * budget < sum(fact_tok):  # facts at most two thirds of the body
-        need = overhead + sum(fact_tok) + (sum(fact_tok) + 1) // 2
+    if 2 * budget < sum(fact_tok):  # facts at most two thirds of the body (min_depth: the same sums)
         file, _, line = item.source.rpartition(":")
-        raise QevalInputError(f"depth {depth} is too short for item {item.id!r}: its title, facts and questions "
-                              f"take {overhead + sum(fact_tok)} tokens; use a depth of at least {need}",
+        raise QevalInputError(_too_short(item, depth, overhead + sum(fact_tok), _need(overhead, sum(fact_tok))),
                               file=file or None, line=int(line) if line.isdigit() else None, field="depths")
 
     # filler lines in order from filler_start (tiled), with per-line token estimates

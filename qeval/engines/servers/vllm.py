@@ -3,14 +3,24 @@ transformers checkpoints, GPTQ/AWQ checkpoints and GGUF files; CUDA only. ``vllm
 on ``PATH`` (or ``QEVAL_VLLM`` names it); vLLM pins its own torch, so it is best installed
 in its own environment.
 
-Checked against vLLM's source (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/
-cli_args.py``, ``vllm/entrypoints/serve/cache/api_router.py``, ``vllm/v1/metrics``):
+The command is checked against ``vllm serve``'s own parser at vLLM 0.34.0
+(``tools/vllm_args.py``; its snapshot ``tests/data/vllm_serve_args-0.34.0.json``) and the
+rest against vLLM's source (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/common/
+cli_args.py``, ``vllm/entrypoints/serve/dev/cache/api_router.py``, ``vllm/v1/metrics``):
 
-* ``--disable-log-requests`` is gone (0.17+ logs no requests unless
-  ``--enable-log-requests``), so the command does not pass it;
+* ``--disable-log-requests``: 0.17 removed it (and logs no requests unless
+  ``--enable-log-requests``); 0.34 takes it again, as the pair of ``--enable-log-requests``.
+  Not logging is the default, so the command passes neither;
+* ``--no-enable-prefix-caching``: 0.34 still takes it (hidden from ``--help``, which shows
+  ``--disable-prefix-caching``), the spelling earlier releases' ``--enable-``/``--no-``
+  flags take;
 * the model of ``vllm serve`` is a folder, or for GGUF the ``.gguf`` file itself, with
   ``--tokenizer`` naming the source checkpoint (a GGUF's own tokenizer conversion is
-  slow and may differ; the int8 artifact stores none);
+  slow and may differ; the int8 artifact stores none). GGUF is not in vLLM's core at 0.34:
+  ``--quantization gguf`` and the GGUF loader come from ``vllm-gguf-plugin``
+  (``pip install "vllm[extra-quant]"``);
+* an int8 KV cache is ``--kv-cache-dtype fp8`` (0.34 also lists ``int8_per_token_head``,
+  on its Triton attention backend only);
 * ``POST /reset_prefix_cache`` is routed only with ``VLLM_SERVER_DEV_MODE=1`` (set in
   the server's environment): with ``--no-enable-prefix-caching`` a finished request's
   blocks are already free, and the reset drops any that are cached;
