@@ -491,9 +491,14 @@ def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = N
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if name == "QEVAL_TEST_SIGNAL_RUN":
-            os.kill(os.getppid(), signal.Signals[parts[3] if len(parts) > 3 else "SIGINT"])
-            while True:  # the run kills this stage's process group as it stops
+            sig = signal.Signals[parts[3] if len(parts) > 3 else "SIGINT"]
+            os.kill(os.getppid(), sig)
+            for _ in range(300):  # the run kills this stage's process group as it stops
                 time.sleep(1)
+            # a hang guard, not a timing: a run started with SIGINT ignored (a background job
+            # of a shell without job control) never hears it; fail the stage instead of waiting
+            print(f"[qeval] test fault: the run did not stop on {sig.name} (ignored in its process?)", flush=True)
+            os.abort()
 
 
 def main(argv: list[str] | None = None) -> int:

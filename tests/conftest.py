@@ -177,17 +177,41 @@ def stable_fields(tier: dict) -> dict:
             "behaviour": dict(q.get("behaviour") or {})}
 
 
-@pytest.fixture(scope="session")
-def reference_run(tiny_llama, tmp_path_factory):
-    """One uninterrupted local run of the tiny recipe: (recipe path, run folder, stdout)."""
+def _reference_run(model: Path, tmp: Path) -> tuple[Path, Path, str]:
+    """Run the tiny recipe (:data:`TIERS`, suites, :data:`GATE`) on ``model`` under ``tmp``
+    through the CLI: (recipe path, run folder, stdout)."""
     import subprocess
-    tmp = tmp_path_factory.mktemp("ref")
-    recipe = write_recipe(tmp / "tiny.yaml", tiny_llama, tiers=TIERS, extra=GATE)
+    recipe = write_recipe(tmp / "tiny.yaml", model, tiers=TIERS, extra=GATE)
     p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp / "results")],
                        env=dict(os.environ, QEVAL_CACHE=str(tmp / "cache")), capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return recipe, run_dir_of(tmp / "results"), p.stdout
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_llama, tmp_path_factory):
+    """One uninterrupted local run of the tiny recipe: (recipe path, run folder, stdout).
+
+    Once per session, also under pytest-xdist: the first worker to ask runs it in the
+    session's shared temporary folder under a file lock and records where it is; the others
+    wait on the lock and read the record (xdist's documented way to run a session fixture
+    once: "Making session-scoped fixtures execute only once"). Its run folder and its cache
+    (``<recipe folder>/cache``) are shared: tests copy the folder before changing it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _reference_run(tiny_llama, tmp_path_factory.mktemp("ref"))
+    import json
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of this session
+    record = root / "reference_run.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.is_file():
+            tmp = root / "ref"
+            tmp.mkdir(exist_ok=True)
+            recipe, run_dir, out = _reference_run(tiny_llama, tmp)
+            record.write_text(json.dumps({"recipe": str(recipe), "run_dir": str(run_dir), "stdout": out}))
+        d = json.loads(record.read_text())
+    return Path(d["recipe"]), Path(d["run_dir"]), d["stdout"]
 
 
 # ---- an S3 endpoint for storage URLs -----------------------------------------------------

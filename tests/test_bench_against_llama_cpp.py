@@ -39,7 +39,8 @@ def test_stored_kld_agrees_with_an_independent_float64_recomputation(tmp_path):
     tok.save_pretrained(model_dir)
     recipe = write_recipe(tmp_path / "tiny.yaml", model_dir,
                           tiers="  - {name: bf16, method: bf16}\n  - {name: q8, method: gguf, type: Q8_0}\n",
-                          extra="gate: {reference: bf16, rules: {max_kld_mean: 100.0}}")
+                          extra="gate: {reference: bf16, rules: {max_kld_mean: 100.0}}",
+                          load=False)  # the stored KLD is what is checked; the load stage adds only minutes
     shared = Path(os.environ.get("QEVAL_LLAMA_CONVERTER_DIR",
                                  Path.home() / ".cache" / "qeval" / "llama_cpp_convert")).expanduser()
     env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_LLAMA_CONVERTER_DIR=str(shared))

@@ -567,19 +567,6 @@ def test_a_server_killed_mid_stage_is_the_error_with_its_log_tail(served, tmp_pa
 
 # ---- a whole run with served tiers (slow) -----------------------------------------------------
 
-def _kill_when_measuring(log: Path, found: dict, stop: threading.Event) -> None:
-    """Kill the tier's llama-server once its measure stage is timing decodes."""
-    import re
-    while not stop.is_set():
-        text = log.read_text(errors="replace") if log.exists() else ""
-        m = re.search(r"llama-server ready \(pid (\d+)\)", text)
-        if m and "[qeval] depth" in text:
-            found["pid"] = int(m.group(1))
-            os.kill(found["pid"], signal.SIGKILL)
-            return
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_alone(served, tmp_path):
     import psutil
@@ -597,11 +584,8 @@ def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_a
 """
     recipe = write_recipe(tmp_path / "tiny.yaml", served["src"], tiers=tiers,
                           extra="gate: {reference: ref, rules: {max_kld_mean: 10.0}}")
-    text = recipe.read_text().replace("model: {source: " + str(served["src"]) + "}",
-                                      "model: {source: " + str(served["src"]) + ", dtype: float32}")
-    text = text.replace("speed: {depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}",
-                        "speed: {depths: [16, 48], decode_tokens: 8, repeats: 25, warmup: 0}")
-    recipe.write_text(text)
+    recipe.write_text(recipe.read_text().replace("model: {source: " + str(served["src"]) + "}",
+                                                 "model: {source: " + str(served["src"]) + ", dtype: float32}"))
     out = tmp_path / "results"
     from qeval.paths import cache_root
     cache = tmp_path / "cache"
@@ -609,21 +593,15 @@ def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_a
     for built in ("llama_tools", "llama_cpp_src"):  # llama-server as built for this machine (cached by flags)
         if (cache_root() / built).exists():
             (cache / built).symlink_to(cache_root() / built)
-    env = dict(os.environ, QEVAL_TEST_KEY=SECRET, QEVAL_CACHE=str(cache), PYTHONPATH=str(REPO))
+    # srv-killed's server is killed at the start of its first timed phase (measure, speed at
+    # depth 16): a named point (QEVAL_TEST_KILL_SERVER), not a watcher racing the run
+    env = dict(os.environ, QEVAL_TEST_KEY=SECRET, QEVAL_CACHE=str(cache), PYTHONPATH=str(REPO),
+               QEVAL_TEST_KILL_SERVER="srv-killed")
     proc = subprocess.Popen([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    found: dict = {}
-    stop = threading.Event()
     try:
-        while run_dir_of(out) is None and proc.poll() is None:
-            time.sleep(0.1)
-        assert run_dir_of(out) is not None, proc.communicate()[0][-3000:]
-        watcher = threading.Thread(target=_kill_when_measuring, daemon=True,
-                                   args=(run_dir_of(out) / "logs" / "srv-killed.measure.log", found, stop))
-        watcher.start()
         stdout, _ = proc.communicate(timeout=1500)
     finally:
-        stop.set()
         if proc.poll() is None:
             proc.kill()
         remote.stop()
@@ -631,7 +609,8 @@ def test_a_run_serves_tiers_on_llama_server_and_a_killed_server_fails_its_tier_a
     assert proc.returncode in (0, 1), stdout[-3000:]
     res = {t: json.loads((run / "tiers" / f"{t}.json").read_text()) for t in ("ref", "srv", "srv-killed", "remote")}
     # the killed server fails its tier alone, with its reason and the server's log tail in the row
-    assert found.get("pid"), stdout[-2000:]
+    measure_log = (run / "logs" / "srv-killed.measure.log").read_text()
+    assert "test fault QEVAL_TEST_KILL_SERVER at speed at depth 16" in measure_log, measure_log[-2000:]
     bad = res["srv-killed"]
     assert bad["status"] == "failed" and "killed by SIGKILL mid-stage" in bad["error"], bad["error"]
     assert "--- log tail of what failed ---" in bad["log_tail"] and "srv-killed.server.log" in bad["error"]

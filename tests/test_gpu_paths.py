@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +39,8 @@ class FakeNvml:
     def __init__(self, n: int = 4) -> None:
         self.devices = {i: {"uuid": f"GPU-{i}aaa", "used": 0, "procs": {}} for i in range(n)}
         self.lock = threading.Lock()
+        self.queried = threading.Condition(self.lock)
+        self.queries = 0  # calls of nvmlDeviceGetComputeRunningProcesses: one per sample
         self.list_pids = True  # False: a container whose PID namespace hides ours
 
     def nvmlInit(self) -> None:
@@ -62,8 +63,17 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         with self.lock:
+            self.queries += 1
+            self.queried.notify_all()
             procs = self.devices[h]["procs"] if self.list_pids else {}
             return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in procs.items()]
+
+    def wait_samples(self, n: int = 2, limit_s: float = 60.0) -> None:
+        """Return once the sampling thread has taken ``n`` more samples, so it has seen what is
+        set now (no sleep that a busy machine could outlast; ``limit_s`` only guards a hang)."""
+        with self.lock:
+            target = self.queries + n
+            self.queried.wait_for(lambda: self.queries >= target, limit_s)
 
     def set(self, h, pid, nbytes):
         """Process ``pid`` holds ``nbytes`` on device ``h`` (device ``used`` follows)."""
@@ -109,7 +119,7 @@ def test_nvml_counts_this_process_on_its_device_as_a_sampled_peak(nvml, monkeypa
         nv.reset()
         nvml.set(2, nvml.me, 5 * GB)  # a short spike during the window...
         nvml.set(2, 999, 30 * GB)  # ...while the other process grows
-        time.sleep(0.2)
+        nvml.wait_samples()
         nvml.set(2, nvml.me, 4 * GB)  # ...gone before the window ends
         assert nv.read() == 5 * GB  # the peak, not the end value; the neighbour does not count
         assert nv.kind == KIND_PROCESS
@@ -159,7 +169,7 @@ class _FakeGgufEngine:
     def generate(self, ids, n, ignore_stop=False, stop_ids=()):
         from qeval.engines.base import Generation
         self.fake.set(0, self.fake.me, 3 * GB + (len(ids) + n) * 10 ** 6)
-        time.sleep(0.05)
+        self.fake.wait_samples()
         self.fake.set(0, self.fake.me, 3 * GB)  # freed at the end: only a sampled peak sees it
         self.last_cache_bytes = (len(ids) + n - 1) * 1000
         times = [0.01 * (i + 1) for i in range(n)]

@@ -221,8 +221,9 @@ def test_wheel_in_a_fresh_venv_runs_a_recipe_from_an_empty_folder(tmp_path):
     ok, with the depth text, the calibration set and the lm-eval task from ``builtin:``,
     suites of its own beside the recipe (fidelity over the 69 shipped items costs minutes per tier here); the
     shipped suites are read from the wheel by `qeval validate` of a second recipe. (AWQ and
-    the int8 KV cache run from the checkout in test_tiers_quant.py and test_run.py:
-    a wheel adds nothing to them, and here they cost minutes of CI.)"""
+    the int8 KV cache run from the checkout in test_tiers_quant.py and test_run.py, and the
+    load stage in test_run.py and test_load.py: a wheel adds nothing to them, and here they
+    cost minutes of CI.)"""
     import shutil
 
     # 1. build the wheel from a copy of the sources (the build leaves build/ and egg-info behind)
@@ -271,7 +272,7 @@ tiers:
   - {{name: int8, method: int8}}
   - {{name: gptq, method: gptq, group_size: 64}}
 {gguf_tiers}speed: {{depths: [16, 48], decode_tokens: 4, repeats: 1, warmup: 0}}
-load: {{concurrency: [1], output_tokens: 2, requests_per_stream: 1}}
+load: {{enabled: false}}
 calibration: {{path: builtin:calibration, samples: 8, seq_len: 64}}
 suites:
   - {{name: lo, path: data/long.jsonl, kind: long_output, max_new_tokens: 8, limit: 1}}

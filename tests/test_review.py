@@ -1,6 +1,8 @@
 """What a reviewer reads: per-item KLD and the highest-KLD positions stored by the quality
 stage, flipped and failing items in the report, ``qeval show``, ``qeval compare``'s item
-changes and the JUnit file's worst items; the page in headless Chromium."""
+changes and the JUnit file's worst items; the page in headless Chromium. Read-only on a
+recorded run of the tiny model (tests/fixtures/run_review, made by
+``tests/make_run_fixture.py --review``): no test here starts a run."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,7 @@ from qeval.measure.review import ReviewCollector
 from qeval.report.review import divergence, offending_items, tier_review, verdict_changes
 
 TIER = "bf16-kv8"
+RUN = Path(__file__).parent / "fixtures" / "run_review"  # the conftest tiny recipe, run once and recorded
 
 
 def _qeval(*args, env=None):
@@ -53,13 +56,12 @@ def test_divergence_is_the_first_differing_character():
 
 
 @pytest.fixture()
-def flipped_run(reference_run, tmp_path):
+def flipped_run(tmp_path):
     """A copy of the tiny run where one answer of the int8-KV tier is rewritten so that its
     checks disagree with the reference's and its verdict changes: a flip the report, show,
     compare and JUnit must name."""
-    _, run_dir, _ = reference_run
-    dst, row = _flip_one_answer(run_dir, tmp_path, TIER)
-    return run_dir, dst, row
+    dst, row = _flip_one_answer(RUN, tmp_path, TIER)
+    return RUN, dst, row
 
 
 def _flip_one_answer(run_dir: Path, tmp_path: Path, tier: str) -> tuple[Path, dict]:
@@ -84,8 +86,8 @@ def _flip_one_answer(run_dir: Path, tmp_path: Path, tier: str) -> tuple[Path, di
     return dst, row
 
 
-def test_real_run_stores_prompts_item_kld_and_worst_positions(reference_run):
-    _, run_dir, _ = reference_run
+def test_real_run_stores_prompts_item_kld_and_worst_positions():
+    run_dir = RUN
     answers = json.loads((run_dir / "answers" / f"{TIER}.json").read_text())
     # each answered turn carries the user text it answers (suite files: tests/data/)
     users = {}
@@ -128,12 +130,11 @@ def test_report_shows_flipped_items_with_both_answers(flipped_run):
     assert "Positions of highest KLD" in tier_sec
 
 
-def test_reference_tier_flips_against_the_reference_pass_show_both_answers(reference_run, tmp_path):
+def test_reference_tier_flips_against_the_reference_pass_show_both_answers(tmp_path):
     """The reference tier (bf16 as served) is scored against the float32 reference pass: its
     flips are the noise floor's own, listed with both answers (the default run's report
     showed only one text, labelled "reference answer", beside checks that disagreed)."""
-    _, run_dir, _ = reference_run
-    dst, row = _flip_one_answer(run_dir, tmp_path, "bf16")
+    dst, row = _flip_one_answer(RUN, tmp_path, "bf16")
     # the tiny random model's answers are noise; give the reference pass's answer a text to find
     seg_p = dst / "reference" / "segments.json"
     segs = json.loads(seg_p.read_text())

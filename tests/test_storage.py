@@ -121,7 +121,7 @@ def _cli(*args, cache: Path, timeout: int = 900, env: dict | None = None):
 
 def test_cli_run_lands_in_the_bucket_and_resumes_from_it(s3, tiny_llama, tmp_path, reference_run):
     st = _store(s3, "cli")
-    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS,
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, load=False,  # not what is checked here
                           extra=GATE + "\n" + _storage_yaml(s3, "cli"))
     p = _cli("run", recipe, "--tiers", "bf16", cache=tmp_path / "driver")
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]  # the gate: bf16-kv8 has no result yet

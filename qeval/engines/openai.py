@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -370,7 +371,8 @@ class OpenAIEngine:
         import httpx  # start-up time: only served tiers talk HTTP
         out = {"libraries": [f"httpx {httpx.__version__}"], "in_process": "HTTP client only"}
         serve = (options.server or {}).get("serve") or {}
-        if serve.get("server") == "llama-server":  # built here (untimed) when missing, not in the timed load
+        if serve.get("kind") == "llama-server":  # built here (untimed) when missing, not in the timed load
+            from .llama_tools import tool_path  # start-up time: the build helpers only for llama-server
             t0 = time.time()
             tool_path("llama-server", log=lambda m: print(f"[qeval] {m}", flush=True))
             out["kernel_build_seconds"] = round(time.time() - t0, 1)
@@ -568,6 +570,8 @@ class OpenAIEngine:
             yield None
             return
         rec = self.clear_kv_pool(phase)
+        if os.environ.get("QEVAL_TEST_KILL_SERVER") == self.tier:  # test-only: the server dies in a timed phase
+            self._kill_server_for_test(phase)
         try:
             yield rec
         finally:
@@ -576,6 +580,16 @@ class OpenAIEngine:
                     rec["after"] = dict(self.kind.pool_state(self.client.http).counters)
                 except Exception:  # noqa: BLE001 - the phase's own error, if any, is the one to see
                     pass
+
+    def _kill_server_for_test(self, phase: str) -> None:
+        """Test-only fault at a named point (``QEVAL_TEST_KILL_SERVER=<tier>``, never set in
+        normal use): SIGKILL the managed server at the start of this tier's first timed
+        phase, its pool cleared, and reap it, so the phase's first request meets a dead
+        server (:class:`ServerFailed`, "killed by SIGKILL mid-stage") the same way every time."""
+        print(f"[qeval] test fault QEVAL_TEST_KILL_SERVER at {phase}: killing {self.server.name} "
+              f"(pid {self.server.pid})", flush=True)
+        os.kill(self.server.pid, signal.SIGKILL)
+        self.server.proc.wait(timeout=60)
 
     # -- Engine API ----------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
