@@ -50,6 +50,10 @@ def e2e_run(tmp_path_factory):
     # 1 request at the first rate, 8 at the second (still past saturation), dropped after 1 s waiting
     r["load"]["arrivals"]["duration_s"] = 2
     r["load"]["queue"]["timeout_s"] = 1.0
+    # the load workloads at the reduced depth: a 32-token shared prefix of the 64, one 128-token
+    # prompt landing on 2 decoding streams (unchunked and in 32-token chunks), the grid at 64 and 128
+    r["load"].update(shared_prefix_tokens=32, depths=[64, 128],
+                     interference={"prompt_tokens": 128, "chunk_sizes": [32], "streams": 2})
     r["quality"]["lm_eval_tasks"] = []
     r["quality"]["lm_eval_limit"] = None
     r["gate"].update(depth=256, candidates=["int8", "gguf-q4_k_m"])
