@@ -974,7 +974,8 @@ def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
 #: Tier fields added after fingerprints and reference keys existed, with their defaults:
 #: left out of them while at their default, so a recipe that does not set them keeps its
 #: fingerprints and keys.
-LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto"}
+LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto",
+                       "clip_search": True}
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:
