@@ -10,7 +10,6 @@ what is missing.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
                       QuantInfo, RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
 from .source import model_source_path
+from .stage_proc import StageProcess, start_stage
 from .storage import OPTIONS_ENV, run_rel, storage_for
 from .tiers import get_method
 
@@ -166,9 +166,10 @@ class TierRunner:
         #: ``(tier, stage, seconds, ok)`` after every stage process ends (any thread).
         self.on_stage_end: Callable[[str, str, float, bool], None] = lambda t, s, sec, ok: None
         self.env = child_env(recipe)
+        self.env["QEVAL_RUN_PID"] = str(os.getpid())  # test faults aimed at the run (qeval.worker.inject_fault)
         if fresh:
             self.env[FRESH_ENV] = "1"
-        self._procs: set[subprocess.Popen] = set()  # stage processes running now
+        self._procs: set[StageProcess] = set()  # stage processes running now
         self.remote = storage_for(recipe)  # a storage URL: run files are copied there as they finish
         self.remote_rel = run_rel(self.run_dir)
         self._pushed: dict[str, tuple[int, int]] = {}
@@ -245,9 +246,7 @@ class TierRunner:
             if stage not in TIMED_STAGES:  # nothing is timed here: use the machine
                 t = str(threads or stage_threads(self.recipe, stage))
                 env.update(OMP_NUM_THREADS=t, MKL_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, QEVAL_STAGE_THREADS=t)
-            proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent)
+            proc = start_stage(cmd, env, lf)
             self._procs.add(proc)
             last = ""
             try:
@@ -386,20 +385,8 @@ class TierRunner:
         return res
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGKILL us when the parent dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill(proc: StageProcess) -> None:
+    proc.kill()
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

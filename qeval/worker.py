@@ -457,6 +457,12 @@ def _fault_at(spec: str | None, tier: str, stage: str, point: str) -> list[str] 
     return None
 
 
+def _run_pid() -> int:
+    """The run's process: ``QEVAL_RUN_PID`` (set by :class:`qeval.stages.TierRunner`; a
+    stage forked from the fork server has that server as its parent), else the parent."""
+    return int(os.environ.get("QEVAL_RUN_PID") or os.getppid())
+
+
 def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = None,
                  text: Callable[[], str] = str) -> None:
     """Test-only faults at a named point of a stage (:data:`FAULT_POINTS`), from environment
@@ -488,11 +494,11 @@ def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = N
         if name == "QEVAL_TEST_CRASH":
             os.abort()
         if name == "QEVAL_TEST_KILL_RUN":
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(_run_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if name == "QEVAL_TEST_SIGNAL_RUN":
             sig = signal.Signals[parts[3] if len(parts) > 3 else "SIGINT"]
-            os.kill(os.getppid(), sig)
+            os.kill(_run_pid(), sig)
             for _ in range(300):  # the run kills this stage's process group as it stops
                 time.sleep(1)
             # a hang guard, not a timing: a run started with SIGINT ignored (a background job

@@ -129,7 +129,8 @@ def test_function_level_imports_say_why():
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("qeval.cli",)),
     ("stages", ("qeval.run", "qeval.executors", "qeval.pipeline", "qeval.stages", "qeval.worker",
-                "qeval.quality_stages", "qeval.progress", "qeval.validate", "qeval.recipe_doc")),
+                "qeval.quality_stages", "qeval.progress", "qeval.validate", "qeval.recipe_doc",
+                "qeval.stage_proc", "qeval.stage_preload")),
     ("report", ("qeval.report",)),
     ("analysis", ("qeval.analysis",)),
     ("recipe", ("qeval.recipe", "qeval.source")),
