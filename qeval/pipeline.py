@@ -14,6 +14,8 @@ every tier's prepare, measure, load and quality as one dependency graph, and
   beside another than pairing gains (a tier method's ``prepare_alone``: gptqmodel's GPTQ
   and AWQ quantization);
 - starts a timed stage only when nothing else runs, and nothing beside it until it ends;
+  runs one first when fewer untimed stages are ready than lanes and it unlocks another
+  (a GPTQ or AWQ tier's quality waits for its measure: both qualities then pair up);
 - records in ``run.json`` ``schedule`` what ran when and beside what.
 
 Dependencies: prepare first; measure, then load, after prepare; quality after prepare and
@@ -224,12 +226,15 @@ class Pipeline:
                 ready = self._ready()
                 order = {id(s): i for i, s in enumerate(ready)}
                 ready.sort(key=lambda s: (s.name not in self.expected, -self.expected.get(s.name, 0.0), order[id(s)]))
+                first = self._timed_to_pair(ready, running)
+                if first is not None:
+                    ready = [first]  # alone: nothing else starts beside a timed stage
                 for s in ready:
                     if running and (s.alone or any(x.alone for x in running)):
                         continue
                     if not s.timed and len(running) >= self.lanes:
                         continue
-                    if s.timed and any(not x.timed for x in self._ready() if x is not s):
+                    if s.timed and s is not first and any(not x.timed for x in self._ready() if x is not s):
                         continue  # untimed work first: it unlocks more and can pair up
                     if not self._start(s, done, running):
                         continue
@@ -248,6 +253,26 @@ class Pipeline:
             raise
         self._finish_tiers(results, final=True)
         return {t: results[t] for t in self.tiers}
+
+    def _timed_to_pair(self, ready: list[_Step], running: list[_Step]) -> _Step | None:
+        """A timed step to run before the untimed ones that are ready, or None.
+
+        Untimed work goes first, since it can pair up; but when fewer untimed steps are
+        ready than there are lanes and nothing runs, a ready timed step that some pending
+        untimed step waits for runs first, so that untimed step can pair with the ready
+        ones after it (e.g. a GPTQ tier's quality waits for its measure, which chooses the
+        quality engine: measuring first lets the GPTQ and AWQ quality stages run side by side
+        instead of one after the other)."""
+        if running or self.lanes < 2:
+            return None
+        untimed = [s for s in ready if not s.timed]
+        if not untimed or len(untimed) >= self.lanes:
+            return None
+        waiting = [x for x in self.steps if x.state == "pending" and not x.timed and x not in ready]
+        for s in ready:
+            if s.timed and any(s in x.deps for x in waiting) and (s.stage != "load" or self._wants_load(s)):
+                return s
+        return None
 
     def _start(self, s: _Step, done: queue.Queue, running: list[_Step]) -> bool:
         """Start ``s`` in a thread (False when it ends without a process: skipped or failed at once)."""

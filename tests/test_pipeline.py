@@ -157,3 +157,21 @@ def test_longest_known_untimed_stage_starts_first(recipe, tmp_path):
     runner, *_ = _run(recipe, tmp_path / "b")
     # no history: graph order, the reference first (it unlocks every quality stage)
     assert [name for name, _ in runner.overlaps][:2] == ["_run.reference", "bf16.prepare"]
+
+
+def test_a_quality_stage_that_waits_for_measure_does_not_run_alone(tmp_path, tiny_llama):
+    """A GPTQ tier's quality waits for its measure (the engine is chosen from the measured
+    speed). When it is the only untimed stage ready, a ready timed stage that unlocks more
+    untimed work runs first, so the quality stage starts beside another one instead of
+    alone between timed stages (on the 2-core machine: GPTQ's and AWQ's quality paired)."""
+    tiers = """  - {name: bf16, method: bf16}
+  - {name: gptq, method: gptq, bits: 4, group_size: 32}
+  - {name: awq, method: awq, bits: 4, group_size: 32}
+"""
+    r = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tiers=tiers, extra="gate: {reference: bf16}\nlanes: 2"))
+    runner, pipe, results, _ = _run(r, tmp_path)
+    assert all(x.status == STATUS_OK for x in results.values())
+    t = _order(runner)
+    assert t["gptq.measure"][1] <= t["gptq.quality"][0] and t["awq.measure"][1] <= t["awq.quality"][0]
+    started_beside = dict(runner.overlaps)
+    assert started_beside["gptq.quality"], runner.overlaps
