@@ -266,8 +266,8 @@ class Pipeline:
         if running or self.lanes < 2:
             return None
         untimed = [s for s in ready if not s.timed]
-        if not untimed or len(untimed) >= self.lanes:
-            return None
+        if not untimed or len(untimed) >= self.lanes or any(s.exclusive for s in untimed):
+            return None  # an exclusive stage (GPTQ, AWQ quantizing) runs alone anyway: it goes first
         waiting = [x for x in self.steps if x.state == "pending" and not x.timed and x not in ready]
         for s in ready:
             if s.timed and any(s in x.deps for x in waiting) and (s.stage != "load" or self._wants_load(s)):
