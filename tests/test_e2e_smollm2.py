@@ -46,9 +46,9 @@ def e2e_run(tmp_path_factory):
             (tmp_path / "long_context_filler.jsonl").write_text((src.parent / "long_context_filler.jsonl").read_text())
             s.update(depths=list(LC_DEPTHS), fidelity_tokens=64, max_new_tokens=48)
     r["load"].update(concurrency=[1, 2], depth=64, output_tokens=8, requests_per_stream=1, prefill_chunk=32)
-    # the recipe's open loop at its rates (0.25 and 4 req/s), 2 s of arrivals each instead of 6:
-    # 1 request at the first rate, 8 at the second (still past saturation), dropped after 1 s waiting
-    r["load"]["arrivals"]["duration_s"] = 2
+    # the open loop at 0.25 and 4 req/s, 2 s of arrivals each: 1 request at the first rate, 8 at
+    # the second (still past saturation), dropped after 1 s waiting
+    r["load"]["arrivals"].update(rates=[0.25, 4], duration_s=2)
     r["load"]["queue"]["timeout_s"] = 1.0
     # the load workloads at the reduced depth: a 32-token shared prefix of the 64, one 128-token
     # prompt landing on 2 decoding streams (unchunked and in 32-token chunks), the grid at 64 and 128

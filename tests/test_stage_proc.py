@@ -29,11 +29,17 @@ def run_dir(tmp_path):
     return d
 
 
-def _env(**extra):
+def _env(match_server=True, **extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     for k in ("QEVAL_TEST_CRASH", "QEVAL_TEST_KILL_RUN", "QEVAL_TEST_SIGNAL_RUN", "QEVAL_RUN_PID"):
         env.pop(k, None)
     env.update(extra)
+    if match_server and stage_proc._server_key is not None:  # a server this test process started
+        for k, v in stage_proc._server_key:  # earlier (another file's run): its import-time settings
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
     return env
 
 
@@ -87,9 +93,9 @@ def test_a_command_other_than_the_worker_runs_as_given(tmp_path):
 
 
 def test_fork_wanted_follows_the_switch_and_the_import_time_environment(monkeypatch):
-    assert not fork_wanted(_env(**{FORKSERVER_ENV: "0"}))
-    monkeypatch.setattr(stage_proc, "_server_key", stage_proc._import_key(_env(HF_HUB_OFFLINE="1")))
-    assert fork_wanted(_env(HF_HUB_OFFLINE="1"))
-    assert not fork_wanted(_env(HF_HUB_OFFLINE="0"))  # a server started with other import-time settings
+    assert not fork_wanted(_env(False, **{FORKSERVER_ENV: "0"}))
+    monkeypatch.setattr(stage_proc, "_server_key", stage_proc._import_key(_env(False, HF_HUB_OFFLINE="1")))
+    assert fork_wanted(_env(False, HF_HUB_OFFLINE="1"))
+    assert not fork_wanted(_env(False, HF_HUB_OFFLINE="0"))  # a server started with other import-time settings
     monkeypatch.setattr(stage_proc, "_broken", "OSError: no server")
-    assert not fork_wanted(_env(HF_HUB_OFFLINE="1"))
+    assert not fork_wanted(_env(False, HF_HUB_OFFLINE="1"))
