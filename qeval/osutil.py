@@ -1,7 +1,9 @@
 """Small process-level helpers shared by several modules."""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -22,3 +24,12 @@ def stderr_fd_to(fileno: int) -> Iterator[None]:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``):
+    a killed run leaves no stage or managed server behind. A no-op where libc has no prctl."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass

@@ -36,6 +36,8 @@ import sys
 import threading
 from typing import IO, Protocol
 
+from .osutil import die_with_parent
+
 #: The environment variable that turns the fork server off (``0``).
 FORKSERVER_ENV = "QEVAL_FORKSERVER"
 
@@ -104,16 +106,6 @@ def _killpg(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a
-    killed run leaves no stage behind that would write a file under a later ``--resume``."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 def _import_key(env: dict[str, str]) -> tuple:

@@ -26,7 +26,6 @@ A managed server:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import signal
 import socket
 import subprocess
@@ -38,6 +37,9 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...osutil import die_with_parent
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -327,15 +329,6 @@ def round_ctx(n: int, cap: int | None = None) -> int:
     return min(n, int(cap)) if cap else n
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent (the stage process) dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; qeval.stages does the same for stage processes)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 _LIVE: "set[ManagedServer]" = set()
 
 
@@ -404,7 +397,7 @@ class ManagedServer:
             lf.flush()
             try:
                 self.proc = subprocess.Popen(self.cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=self.env, preexec_fn=_die_with_parent)
+                                             env=self.env, preexec_fn=die_with_parent)
             except OSError as e:
                 raise ServerFailed(f"cannot start {self.name} ({self.cmd[0]}): {e.strerror or e}") from None
         _LIVE.add(self)
