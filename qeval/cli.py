@@ -203,7 +203,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         resume = expand_user(resume_arg, field="--resume") if resume_arg else None
         r = load_recipe(recipe)
         subset = _parse_tiers(r, tiers)  # before the static checks, which read the model (seconds)
-        static_checks(r)
+        depths_checked = static_checks(r, gguf_tokenizer=False)
         chosen = make_executor(executor, ray_address) if executor else \
             make_executor(r.executor, ray_address, recipe=r)
         junit_path = check_output_file(junit, field="--junit") if junit is not None else None
@@ -243,6 +243,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
                 raise QevalInputError(f"cannot create the run folder: {e.strerror or e.__class__.__name__}",
                                       file=out_dir or "results", field="--out") from None
         runner = Runner(r, run_dir, subset, executor=chosen, fresh=fresh)
+        runner.depths_checked = depths_checked
         if resume is not None:
             runner.check_resume()  # reads only: a refused resume changes nothing in the folder
             check_output_dir(resume, field="--resume", create=False)  # stages are written there

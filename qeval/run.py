@@ -105,6 +105,9 @@ class Runner(TierRunner):
             executor = make_executor(executor, ray_address) if executor else \
                 make_executor(recipe.executor, ray_address, recipe=recipe)
         self.executor = executor
+        # whether the long_context depths were checked before the run (qeval.validate.static_checks:
+        # a local checkpoint or an expanded GGUF package); if not, right after the source stage
+        self.depths_checked = False
 
     # -- the run ----------------------------------------------------------------------
     def write_run_json(self, extra: dict | None = None) -> RunInfo:
@@ -199,8 +202,8 @@ class Runner(TierRunner):
         check_context(self.recipe, src.max_context)
         check_endpoints(self.recipe, Path(src.path))  # the tokenizer check where preflight had no tokenizer
         m = self.recipe.model
-        if not m.gguf_package and model_source_path(m.source or "", self.recipe.base_dir) is None:
-            check_long_context_depths(self.recipe, Path(src.path))  # a hub id: its tokenizer is here only now
+        if not self.depths_checked:  # a hub id or a GGUF package not expanded yet: its tokenizer is here only now
+            check_long_context_depths(self.recipe, Path(src.path))
         self.check_disk(Path(src.path))
         env = self.run_global("env")
         self.write_run_json({"source": src, "env": env, "bandwidth_bytes_per_s": env.bandwidth_bytes_per_s,

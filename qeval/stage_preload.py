@@ -6,6 +6,9 @@ lazily and cost little. Nothing here runs a tensor operation (no OpenMP team, no
 lose in a fork). gptqmodel is left out: its import starts threads (its log bar and worker
 pool), which a fork would not copy.
 
+What the imports print goes to the file named by ``QEVAL_PRELOAD_LOG`` when it is set
+(the server's stdout and stderr are those of ``qeval run``'s terminal).
+
 ``FORK_SAFE`` says whether this process still had one OS thread after the imports;
 ``THREADS`` how many it had.
 """
@@ -32,6 +35,35 @@ def _imports() -> None:
         pass
 
 
+def _quietly(fn) -> None:
+    """Run ``fn`` with file descriptors 1 and 2 on the file ``$QEVAL_PRELOAD_LOG`` (when
+    set and writable), then put them back."""
+    path = os.environ.get("QEVAL_PRELOAD_LOG")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if path else -1
+    except OSError:
+        fd = -1
+    if fd < 0:
+        fn()
+        return
+    import sys  # start-up time: already loaded by the interpreter
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        fn()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
 def _thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -47,6 +79,6 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
-_imports()
+_quietly(_imports)
 THREADS = _thread_count()
 FORK_SAFE = THREADS == 1

@@ -37,7 +37,10 @@ import threading
 from typing import IO, Protocol
 
 from .osutil import die_with_parent
+from .paths import cache_root
 
+#: Where the server's imports write what they print (a file; set by :func:`_ensure_server`).
+PRELOAD_LOG_ENV = "QEVAL_PRELOAD_LOG"
 #: The environment variable that turns the fork server off (``0``).
 FORKSERVER_ENV = "QEVAL_FORKSERVER"
 
@@ -129,6 +132,9 @@ def _ensure_server(env: dict[str, str]) -> None:
         return
     from multiprocessing import forkserver  # start-up time: only when stages are forked
     server_env = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    # what the imports print (torchao's missing CUDA kernels, torch's deprecation warnings)
+    # goes to a file in qeval's cache, not to the terminal of `qeval run`
+    server_env.setdefault(PRELOAD_LOG_ENV, str(cache_root() / "stage_preload.log"))
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(server_env)  # the server process inherits this process's environment

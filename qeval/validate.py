@@ -22,7 +22,7 @@ from .tiers import get_method
 from .tiers.base import TierContext
 
 
-def static_checks(recipe) -> None:
+def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
     """Checks that need no model load: the executor is a registered one; the model source exists (local folder with
     config.json, relative to the recipe's folder, or an installed GGUF package); every data
     file the recipe names exists and is readable (:func:`qeval.recipe.check_data_paths`), and
@@ -31,6 +31,16 @@ def static_checks(recipe) -> None:
     depth plus its suite's max_new_tokens) fits the model's maximum context when it can be read;
     every long_context depth holds its suite's documents (:func:`check_long_context_depths`).
     Hub ids are checked at run time (the long_context depths right after the source stage).
+
+    Args:
+        gguf_tokenizer: whether the long_context check may read the tokenizer out of a GGUF
+            package's file when no earlier run expanded it (``qeval validate``: yes; ``qeval
+            run``: no, the source stage expands it first, which costs about 11 s of the GGUF
+            reader the source stage then does again).
+
+    Returns:
+        Whether the long_context depths were checked (False: check them after the source
+        stage, :meth:`qeval.run.Runner.run`).
 
     Raises:
         QevalInputError: naming the recipe file, line and field.
@@ -69,7 +79,7 @@ def static_checks(recipe) -> None:
         else:
             load_suite(recipe.resolve_path(s.path), s.name, multi_turn=(s.kind == "multi_turn"))
     check_depths_fit(recipe, maxctx)
-    check_long_context_depths(recipe)
+    depths_checked = check_long_context_depths(recipe, gguf_file=gguf_tokenizer)
     for i, t in enumerate(recipe.quality.lm_eval_tasks):
         check_lm_eval_task(recipe, i, t)
     if is_url(recipe.storage):
@@ -80,6 +90,7 @@ def static_checks(recipe) -> None:
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
     tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
+    return depths_checked
 
 
 def check_lm_eval_task(recipe, i: int, task: str) -> None:
@@ -101,15 +112,16 @@ def check_lm_eval_task(recipe, i: int, task: str) -> None:
                               field="task")
 
 
-def check_long_context_depths(recipe, folder: Path | None = None) -> bool:
+def check_long_context_depths(recipe, folder: Path | None = None, gguf_file: bool = True) -> bool:
     """Every long_context depth holds the documents of its suite with the model's tokenizer
     (:func:`qeval.measure.long_context.check_depths_hold_items`: the reference stage would
     stop on the first item a depth cannot hold). The tokenizer comes from ``folder`` when
     given (the source stage's checkpoint), else from this machine without converting or
     downloading anything: the local checkpoint folder (or a GGUF package's folder an earlier
     run expanded), else the GGUF package's file itself (transformers' GGUF tokenizer: the one
-    the source stage saves beside the expanded checkpoint). A hub id not given a ``folder``
-    is left to :meth:`qeval.run.Runner.run`, after the source stage.
+    the source stage saves beside the expanded checkpoint; not with ``gguf_file=False``).
+    A hub id not given a ``folder`` is left to :meth:`qeval.run.Runner.run`, after the
+    source stage.
 
     Returns:
         True when the depths were checked (or there is no long_context suite), False when
@@ -126,7 +138,7 @@ def check_long_context_depths(recipe, folder: Path | None = None) -> bool:
     gguf: Path | None = None
     if folder is None:
         folder = _local_checkpoint(m, recipe.base_dir)
-        if folder is None and m.gguf_package:
+        if folder is None and m.gguf_package and gguf_file:
             try:
                 gguf = find_package_gguf(m.gguf_package)
             except QevalInputError as e:

@@ -54,8 +54,14 @@ from .tiers import get_method
 from .tiers.base import TierContext
 
 
+_stage_t0: float | None = None  # set by main(): progress lines say the seconds since the stage began
+
+
 def _progress(msg: str) -> None:
-    print(f"[qeval] {msg}", flush=True)
+    """One ``[qeval] msg`` line in the stage's log (the run's terminal shows the last one),
+    with the seconds since the stage began (where each part of a stage spends its time)."""
+    at = f"  [+{time.time() - _stage_t0:.1f} s]" if _stage_t0 is not None else ""
+    print(f"[qeval] {msg}{at}", flush=True)
 
 
 def load_recipe_from_run(run_dir: Path):
@@ -274,7 +280,8 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
                               f"period of {engine.kv_requant_period}: the figure leaves re-quantization out")
     speed, peaks, kv, extra = speed_sweep(engine, prompts, decode_tokens=n_decode,
                                           repeats=recipe.speed.repeats, warmup=recipe.speed.warmup, peak=peak,
-                                          prefill_repeats=recipe.speed.prefill_repeats, progress=_progress)
+                                          prefill_repeats=recipe.speed.prefill_repeats,
+                                          warmup_tokens=recipe.speed.decode_tokens, progress=_progress)
     kv_alloc = {d: e["kv_allocated_bytes"] for d, e in extra.items()}
     kvpt = kv_bytes_per_token_from_sweep(kv, n_decode)
     add_roofline(speed, bw, weight_bytes, kvpt)
@@ -515,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     layout = RunLayout(run_dir)
     recipe, _ = load_recipe_from_run(run_dir)
     inject_fault(tier, stage, "start")
+    global _stage_t0
     try:
-        t0 = time.time()
+        t0 = _stage_t0 = time.time()
         out = STAGES[stage](recipe, run_dir, None if tier == RUN_SCOPE else tier)
         out["stage_seconds"] = time.time() - t0
         out["host"] = platform.node()

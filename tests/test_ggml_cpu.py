@@ -111,8 +111,14 @@ def test_the_build_keeps_only_the_asked_variants():
     assert live == ["haswell", "zen4", "armv8.0_1"]  # other architectures untouched
     assert out.count("# qeval: variant not built:") == 3 and out.count("endif()") == 2
     assert lb.trim_variants(VENDORED, ["icelake"]) is None  # not in this layout: build them all
-    assert lb.resolve_variants("auto", amx_ok=False) == list(gc.DEFAULT_VARIANTS)
-    assert lb.resolve_variants("auto", amx_ok=True) == list(gc.DEFAULT_VARIANTS) + ["sapphirerapids"]
+    # auto: the AVX2 baseline and this machine's best (AMX only where granted)
+    spr = frozenset(gc.VARIANT_FLAGS["sapphirerapids"])
+    assert lb.resolve_variants("auto", amx_ok=False, flags=spr) == ["haswell", "zen4"]
+    assert lb.resolve_variants("auto", amx_ok=True, flags=spr) == ["haswell", "sapphirerapids"]
+    assert lb.resolve_variants("auto", amx_ok=False, flags=frozenset(gc.VARIANT_FLAGS["haswell"])) == ["haswell"]
+    # an x86 machine without AVX2 gets its own best beside the baseline (its x86 lines only
+    # are trimmed: another architecture's variants are left as llama.cpp lists them)
+    assert lb.resolve_variants("auto", amx_ok=False, flags=frozenset({"sse4_2"})) == ["haswell", "sse42"]
     assert lb.resolve_variants("all") is None and lb.resolve_variants("haswell, zen4") == ["haswell", "zen4"]
     with pytest.raises(ValueError, match="unknown CPU variant 'zen9'"):
         lb.resolve_variants("haswell,zen9")

@@ -306,3 +306,28 @@ def test_every_peak_counter_has_the_whole_counter_api():
         assert rss.read() >= 0 and rss.reserved_unallocated() is None
     finally:
         rss.close()
+
+
+def test_the_warm_up_decodes_its_own_token_count():
+    """An int8 KV cache's timed decode spans its re-quantization period (129 tokens); the
+    untimed warm-up decodes only ``warmup_tokens``: the timed calls keep their count."""
+    from types import SimpleNamespace
+
+    from qeval.engines.base import Generation
+    from qeval.measure.memory import PeakMemory
+    from qeval.measure.speed import speed_sweep
+
+    calls = []
+
+    def generate(ids, n, ignore_stop=False):
+        calls.append((len(ids), n))
+        return Generation(list(range(n)), 0.1, [0.1 + 0.01 * i for i in range(n)], False)
+
+    eng = SimpleNamespace(generate=generate, last_cache_bytes=0, last_cache_allocated_bytes=None,
+                          capabilities=SimpleNamespace(kv_bytes=False))
+    speed_sweep(eng, {16: list(range(16)), 48: list(range(48))}, decode_tokens=129, repeats=1, warmup=1,
+                warmup_tokens=16, peak=PeakMemory("cpu"))
+    assert calls == [(16, 16), (16, 129), (48, 129)]
+    calls.clear()
+    speed_sweep(eng, {16: list(range(16))}, decode_tokens=8, repeats=1, warmup=1, peak=PeakMemory("cpu"))
+    assert calls == [(16, 8), (16, 8)]  # by default the warm-up decodes as the timed calls do

@@ -331,3 +331,17 @@ def test_awq_without_clip_search_never_searches_clipping(tiny, tmp_path, monkeyp
     assert 0 < kld < 0.05, kld  # the scale search alone still quantizes well
     with awq_clip_search(True):  # on: nothing is wrapped
         assert awq_processor.AWQProcessor.__init__ is original
+
+
+def test_gptq_packing_compiles_the_extension_only_when_it_pays(tmp_path):
+    from qeval.tiers.gptq import pack_extension_choice
+
+    small, big = 100_000_000, 14_000_000_000
+    assert pack_extension_choice(small, tmp_path, env={})[0] is False  # 13 s in torch < compiling
+    assert pack_extension_choice(big, tmp_path, env={})[0] is True
+    assert pack_extension_choice(small, tmp_path, env={"GPTQMODEL_FORCE_PACK_EXT": "1"}) == (True, "set in the environment")
+    assert pack_extension_choice(big, tmp_path, env={"GPTQMODEL_DISABLE_PACK_EXT": "1"})[0] is False
+    built = tmp_path / "pack_block_cpu" / "aa3e410a044f011c"
+    built.mkdir(parents=True)
+    (built / "gptqmodel_pack_block_cpu.so").write_bytes(b"")
+    assert pack_extension_choice(small, tmp_path, env={}) == (True, "already compiled")

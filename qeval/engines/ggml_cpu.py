@@ -1,8 +1,8 @@
 """llama.cpp's CPU kernels: which variant of ggml's CPU backend runs, chosen at run time.
 
 The Makefile builds llama-cpp-python as llama.cpp's release builds are made
-(``GGML_BACKEND_DL=ON`` with ``GGML_CPU_ALL_VARIANTS=ON``, trimmed to the variants of
-:data:`DEFAULT_VARIANTS`, see :mod:`qeval.engines.llama_build`): ggml's CPU backend is
+(``GGML_BACKEND_DL=ON`` with ``GGML_CPU_ALL_VARIANTS=ON``, trimmed to the AVX2 baseline
+and the best variant of the build machine, see :mod:`qeval.engines.llama_build`): ggml's CPU backend is
 one module per instruction-set variant (``libggml-cpu-haswell.so``,
 ``libggml-cpu-zen4.so``, ...) and the process loads one of them. llama.cpp's own loader
 (``ggml_backend_load_all`` -> ``ggml_backend_load_best`` in ``ggml-backend-reg.cpp``)
@@ -79,10 +79,10 @@ VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
 """cpuinfo flags each variant's instructions need."""
 AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 
-# The variants the Makefile builds: the AVX2 baseline (what the portable build ran
-# everywhere) and the AVX-512 families of the x86-64 servers this project meets
-# (Skylake-SP/Cascade Lake, Ice Lake, Zen 4/5 and Sapphire Rapids without AMX); the AMX
-# variant only where the build machine grants AMX (llama_build). `all` builds ggml's 14.
+# The AVX2 baseline (what the portable build ran everywhere) and the AVX-512 families of
+# the x86-64 servers this project meets (Skylake-SP/Cascade Lake, Ice Lake, Zen 4/5):
+# `LLAMA_CPU_VARIANTS=haswell,skylakex,icelake,zen4` builds a wheel for all of them; `auto`
+# builds haswell and the build machine's best (llama_build.resolve_variants); `all` ggml's 14.
 DEFAULT_VARIANTS = ("haswell", "skylakex", "icelake", "zen4")
 AMX_VARIANTS = tuple(v for v, f in VARIANT_FLAGS.items() if "amx_int8" in f)
 

@@ -12,10 +12,9 @@ It does what ``CMAKE_ARGS=... pip install llama-cpp-python`` does, with two chan
    x86-64) and load the best one at run time. Each variant costs about 55 s of one core
    (measured on this project's 2-core machines; the whole variant-free rest of the
    llama-cpp-python build is a few minutes), so all 14 would add about 9 CPU minutes (some 5 minutes of wall time) to
-   ``make setup`` on 2 cores. ``--variants auto`` keeps the families of the x86-64
-   machines this project meets (:data:`qeval.engines.ggml_cpu.DEFAULT_VARIANTS`: the
-   AVX2 baseline the portable build ran everywhere, and three AVX-512 ones), plus the
-   AMX one (``sapphirerapids``) where this machine grants AMX: the sdist's
+   ``make setup`` on 2 cores. ``--variants auto`` keeps two: the AVX2 baseline the
+   portable build ran everywhere (``haswell``) and the best variant this machine may run
+   (:func:`resolve_variants`; an AMX one only where the kernel grants AMX): the sdist's
    ``ggml/src/CMakeLists.txt`` is trimmed to those ``ggml_add_cpu_backend_variant``
    lines (the one edit; when its pattern is not found the build keeps all variants and
    says so). ``--variants all`` is llama.cpp's release set. Which variant runs is chosen
@@ -60,9 +59,19 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "qeval"
 
 
-def resolve_variants(spec: str, amx_ok: bool | None = None) -> list[str] | None:
-    """The variants to build: ``auto`` (the defaults, plus the AMX ones when this machine
-    grants AMX), ``all`` (None: llama.cpp's whole list), or names separated by commas.
+def resolve_variants(spec: str, amx_ok: bool | None = None, flags: frozenset[str] | None = None) -> list[str] | None:
+    """The variants to build: ``auto``, ``all`` (None: llama.cpp's whole list), or names
+    separated by commas.
+
+    ``auto`` is the AVX2 baseline (``haswell``: every x86-64 machine of this project runs
+    it, so the wheel still serves a machine it was not built on) and the best variant this
+    machine may run (:func:`qeval.engines.ggml_cpu.machine_variant`: every instruction set
+    listed by the kernel, AMX only when granted; ``x64`` on a machine that lists none of
+    their instruction sets). Each variant costs about 55 s of one core.
+
+    Args:
+        amx_ok, flags: whether AMX is granted and the cpuinfo flags (tests inject them;
+            default: this machine's).
 
     Raises:
         ValueError: a name that is not one of ggml's x86 variants.
@@ -71,7 +80,10 @@ def resolve_variants(spec: str, amx_ok: bool | None = None) -> list[str] | None:
         return None
     if spec == "auto":
         ok = ggml_cpu.amx_granted() if amx_ok is None else amx_ok
-        return list(ggml_cpu.DEFAULT_VARIANTS) + (list(ggml_cpu.AMX_VARIANTS) if ok else [])
+        best = ggml_cpu.machine_variant(ggml_cpu.cpu_flags() if flags is None else flags, ok)
+        if best is None:  # no x86 variant known to ggml_cpu at all
+            return list(ggml_cpu.DEFAULT_VARIANTS)
+        return ["haswell"] + ([best] if best != "haswell" else [])
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in ggml_cpu.VARIANT_FLAGS]
     if bad or not names:

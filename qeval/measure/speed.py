@@ -45,6 +45,7 @@ def depth_prompt_ids(tokenizer: Any, text_path: str | Path, depth: int) -> list[
 
 def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens: int, repeats: int,
                 warmup: int, peak: PeakMemory, prefill_repeats: int | None = None,
+                warmup_tokens: int | None = None,
                 progress: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, dict, dict]:
     """Measure every depth in ``prompts`` (depth -> exactly ``depth`` token ids).
 
@@ -55,7 +56,10 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
     the decode of a repeat reads the same cache either way, and a 4096-token prefill at one
     thread costs far more than the decode it precedes. An engine without ``decode_again``
     (or whose cache cannot be cut) prefills every repeat. ``decode_from_cache`` per depth
-    counts the repeats that did not prefill.
+    counts the repeats that did not prefill. The ``warmup`` generations (untimed, at the
+    shallowest depth) decode ``warmup_tokens`` (default ``decode_tokens``): enough to pay
+    the first calls of prefill and decode; an int8 KV cache's timed decode spans its
+    re-quantization period (129 tokens), its warm-up need not.
 
     Returns:
         ``(speed, peak_bytes, kv_bytes, extra)``: per depth (str) a dict with ``ttft_s``,
@@ -76,7 +80,8 @@ def speed_sweep(engine: Any, prompts: dict[int, Sequence[int]], *, decode_tokens
     shallowest = min(prompts)
     for _ in range(warmup):  # once, at the shallowest depth: first-call costs, allocator, kernels
         progress(f"warm-up at depth {shallowest}")
-        engine.generate(list(prompts[shallowest]), decode_tokens, ignore_stop=True)
+        engine.generate(list(prompts[shallowest]), min(decode_tokens, warmup_tokens or decode_tokens),
+                        ignore_stop=True)
     ready = getattr(engine, "prepare_decode", None)
     pool_phase = getattr(engine, "kv_pool_phase", None)  # a served engine: each depth on an empty KV pool
     for depth in sorted(prompts):

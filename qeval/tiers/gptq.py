@@ -24,6 +24,12 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
   artifact, deleted afterwards (gptqmodel's default is a model-sized folder in /tmp).
   gptqmodel's own quantization log (``./logs/<method>_log_*.log`` in the current
   directory) goes there too.
+- GPTQ packs its int32 words with a C++ extension that gptqmodel compiles on first use
+  (``pack_block_cpu``: 31 to 48 s on 2 cores, once per cache) or, with
+  ``GPTQMODEL_DISABLE_PACK_EXT=1``, in its own vectorized torch path, bit-identical
+  (checked on a 1536x576 group-64 layer: equal ``qweight`` and ``qzeros``) at about 0.13 s
+  per million weights on this project's CPUs. :func:`pack_extension_choice` compiles the
+  extension only when that pays.
 """
 from __future__ import annotations
 
@@ -77,6 +83,40 @@ def _setup_env() -> None:
         os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
     # gptqmodel's tokenizer helper (tokenicer) points HF_HOME at /tmp when it is unset
     os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+
+
+# gptqmodel's torch packing path, seconds per weight (measured: 0.114 s for a 1536x576
+# layer on a 2-core EPYC), and what compiling its C++ packer costs once (31 s is gptqmodel's
+# own estimate, jit_compile_baselines.py; 48 s measured cold on 2 cores)
+TORCH_PACK_S_PER_WEIGHT = 0.13e-6
+PACK_EXT_COMPILE_S = 40.0
+
+
+def pack_extension_choice(n_weights: int, ext_dir: Path, env: dict | None = None) -> tuple[bool, str]:
+    """Whether GPTQ packs with gptqmodel's compiled ``pack_block_cpu`` extension, and why.
+
+    Args:
+        n_weights: weights of the Linear layers to quantize (sum of in x out).
+        ext_dir: gptqmodel's extension folder (``GPTQMODEL_TORCH_EXTENSIONS_DIR``).
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        ``(use_extension, reason)``: the extension when the user forces it either way
+        (``GPTQMODEL_DISABLE_PACK_EXT`` / ``GPTQMODEL_FORCE_PACK_EXT``), when it is already
+        compiled under ``ext_dir``, or when the torch path would take longer than compiling
+        it (:data:`TORCH_PACK_S_PER_WEIGHT` x ``n_weights`` > :data:`PACK_EXT_COMPILE_S`:
+        above about 300 M weights). Both paths write the same words.
+    """
+    env = os.environ if env is None else env
+    if env.get("GPTQMODEL_DISABLE_PACK_EXT") or env.get("GPTQMODEL_FORCE_PACK_EXT"):
+        forced = bool(env.get("GPTQMODEL_FORCE_PACK_EXT"))
+        return forced, "set in the environment"
+    if any(ext_dir.glob("pack_block_cpu/*/*.so")):
+        return True, "already compiled"
+    torch_s = TORCH_PACK_S_PER_WEIGHT * n_weights
+    if torch_s > PACK_EXT_COMPILE_S:
+        return True, f"the torch path would take about {torch_s:.0f} s, compiling about {PACK_EXT_COMPILE_S:.0f} s"
+    return False, f"the torch path takes about {torch_s:.0f} s, compiling the extension about {PACK_EXT_COMPILE_S:.0f} s"
 
 
 def _import_gptqmodel() -> Any:
@@ -365,6 +405,13 @@ class _GptqModelMethod(TierMethod):
         from gptqmodel import BACKEND, GPTQModel  # optional: the qeval[quant] extra
 
         group = self.check(spec, ctx)["group_size"]
+        if self.quant_method == "gptq" and ctx.device == "cpu":
+            n_weights = sum(i * o for i, o in decoder_linear_shapes(ctx.source_path, ctx.trust_remote_code).values())
+            use_ext, why = pack_extension_choice(n_weights, Path(os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"]))
+            if not use_ext:
+                os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = "1"  # read by gptqmodel at pack time
+            ctx.log(f"{self.method}: packing {n_weights / 1e6:.0f} M weights with "
+                    f"{'the compiled extension' if use_ext else 'the torch path'} ({why})")
         calib, n_tok = self._calibration(ctx)
         offload = tempfile.mkdtemp(prefix=f".{out_dir.name}.offload-", dir=out_dir.parent)
         try:
