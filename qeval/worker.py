@@ -39,7 +39,7 @@ from .errors import QevalInputError, TierUnavailable
 from .failures import describe_exception
 from .measure.bandwidth import measure_bandwidth, probe_size_bytes
 from .measure.load import distinct_prompts, Slo
-from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, rss_bytes
+from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, release_freed_memory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
 from .measure.serving import grid_sweep, interference_sweep, load_sweep, prefix_sweep, rate_sweep, serve_function
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
@@ -251,6 +251,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     engine_name = method.engine_name(spec)
     _progress(f"warming the {engine_name} runtime of {tier}")
     runtime = method.prepare_runtime(spec, ctx, artifact)  # libraries warmed; gptqmodel's CUDA kernels built
+    release_freed_memory()  # the baseline counts live memory, as each reset does (qeval.measure.memory)
     runtime_bytes = rss_bytes()
     baseline = runtime_bytes if device == "cpu" else None  # after the runtime, before the model
     counter = get_engine(engine_name).capabilities.memory_counter  # before the model loads
