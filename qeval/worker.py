@@ -247,6 +247,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     tok = AutoTokenizer.from_pretrained(ctx.source_path)  # the harness's inputs, before the baseline
     text = recipe.resolve_path(recipe.speed.depth_text)
     prompts = {d: depth_prompt_ids(tok, text, d) for d in recipe.speed.depths}
+    release_freed_memory()  # the harness and the runtime figures count live memory alike
     harness = rss_bytes()
     engine_name = method.engine_name(spec)
     _progress(f"warming the {engine_name} runtime of {tier}")

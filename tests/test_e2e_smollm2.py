@@ -118,8 +118,10 @@ def test_default_recipe_reduced(e2e_run):
 def test_default_model_smaller_weights_never_show_a_larger_peak(e2e_run):
     """SmolLM2-135M, depth 256: GPTQ and GGUF Q4_K_M store fewer weight bytes than BF16;
     GGUF's model peak is smaller; GPTQ's weights part of the peak is smaller, and what its
-    CPU kernel holds beside the loaded weights (the README's "Memory before and after":
-    a real cost, which the default gate fails on) is in the peak's rest, not its weights;
+    CPU kernel holds beside the loaded weights (its repacked buffers: live memory, counted
+    once the allocator has handed freed pages back; about 33 MB more than BF16's rest in the
+    run of 2026-12-03, where 50 MB had been asserted while freed pages were still counted)
+    is in the peak's rest, not its weights;
     what gptqmodel's import holds is reported as runtime. (Moved here from
     test_measure_truth.py: it shares this file's run instead of a run of its own.)"""
     _, rows, _ = e2e_run
@@ -132,7 +134,7 @@ def test_default_model_smaller_weights_never_show_a_larger_peak(e2e_run):
         assert split["weights_bytes"] < ref["weights_bytes"] / 2, n
     assert rows["gguf-q4_k_m"]["memory"]["peak_bytes"]["256"] < bf16["memory"]["peak_bytes"]["256"]
     gptq = rows["gptq"]["memory"]["peak_breakdown"]["256"]
-    assert gptq["other_bytes"] > bf16["memory"]["peak_breakdown"]["256"]["other_bytes"] + 50 * MIB
+    assert gptq["other_bytes"] > bf16["memory"]["peak_breakdown"]["256"]["other_bytes"] + 16 * MIB
     # gptqmodel's import is a runtime cost now, named as such
     assert rows["gptq"]["memory"]["runtime_engine_bytes"] > bf16["memory"]["runtime_engine_bytes"] + 100 * MIB
     assert rows["gguf-q4_k_m"]["attention"]["engine"] == "llama.cpp"
