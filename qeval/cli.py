@@ -242,8 +242,7 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
             except OSError as e:
                 raise QevalInputError(f"cannot create the run folder: {e.strerror or e.__class__.__name__}",
                                       file=out_dir or "results", field="--out") from None
-        runner = Runner(r, run_dir, subset, executor=chosen, fresh=fresh)
-        runner.depths_checked = depths_checked
+        runner = Runner(r, run_dir, subset, executor=chosen, fresh=fresh, depths_checked=depths_checked)
         if resume is not None:
             runner.check_resume()  # reads only: a refused resume changes nothing in the folder
             check_output_dir(resume, field="--resume", create=False)  # stages are written there

@@ -97,7 +97,7 @@ class Runner(TierRunner):
     def __init__(self, recipe: Recipe, run_dir: Path, tiers: list[str] | None = None,
                  on_event: Callable[[str, str, str], None] = lambda t, s, m: None,
                  executor: Executor | str | None = None, ray_address: str | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, depths_checked: bool = False) -> None:
         super().__init__(recipe, run_dir, on_event, fresh=fresh)
         self.subset = list(tiers) if tiers else None  # `--tiers`: recorded in run.json for the gate
         self.tiers = tiers or [t.name for t in recipe.tiers]
@@ -107,7 +107,7 @@ class Runner(TierRunner):
         self.executor = executor
         # whether the long_context depths were checked before the run (qeval.validate.static_checks:
         # a local checkpoint or an expanded GGUF package); if not, right after the source stage
-        self.depths_checked = False
+        self.depths_checked = depths_checked
 
     # -- the run ----------------------------------------------------------------------
     def write_run_json(self, extra: dict | None = None) -> RunInfo:

@@ -356,6 +356,11 @@ class _GptqModelMethod(TierMethod):
 
     # -- before any work ----------------------------------------------------------------
     def check(self, spec: Any, ctx: TierContext) -> dict:
+        return {"group_size": self._checked_shapes(spec, ctx)[0]}
+
+    def _checked_shapes(self, spec: Any, ctx: TierContext) -> tuple[int, dict[str, tuple[int, int]]]:
+        """:meth:`check`'s work: the resolved group size and the decoder's Linear shapes
+        (``{name: (in, out)}``, from one meta-device model). Raises as :meth:`check`."""
         if lib_version("gptqmodel") is None:
             raise QevalInputError("needs the 'gptqmodel' package, which is not installed "
                                   "(pip install 'gptqmodel>=7.6,<7.7')", field=f"tiers.{spec.name}.method")
@@ -368,7 +373,7 @@ class _GptqModelMethod(TierMethod):
         group = resolve_group_size(spec, {n: i for n, (i, _) in shapes.items()})
         if self.quant_method == "awq":
             check_awq_out_features(shapes, field=f"tiers.{spec.name}.method")
-        return {"group_size": group}
+        return group, shapes
 
     # -- build --------------------------------------------------------------------------
     def _calibration(self, ctx: TierContext) -> tuple[list[dict], int]:
@@ -404,9 +409,9 @@ class _GptqModelMethod(TierMethod):
         gptqmodel = _import_gptqmodel()
         from gptqmodel import BACKEND, GPTQModel  # optional: the qeval[quant] extra
 
-        group = self.check(spec, ctx)["group_size"]
+        group, shapes = self._checked_shapes(spec, ctx)
         if self.quant_method == "gptq" and ctx.device == "cpu":
-            n_weights = sum(i * o for i, o in decoder_linear_shapes(ctx.source_path, ctx.trust_remote_code).values())
+            n_weights = sum(i * o for i, o in shapes.values())
             use_ext, why = pack_extension_choice(n_weights, Path(os.environ["GPTQMODEL_TORCH_EXTENSIONS_DIR"]))
             if not use_ext:
                 os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = "1"  # read by gptqmodel at pack time
@@ -477,7 +482,7 @@ class _GptqModelMethod(TierMethod):
         if not kernels:
             raise RuntimeError(f"{artifact} loaded without any quantized layer")
         engine = HFEngine(gm.model, ctx.device, kv_cache=spec.kv_cache, backend="gptqmodel:" + "+".join(kernels),
-                          decode=getattr(spec, "decode", "auto"))
+                          decode=getattr(spec, "decode", "auto"), kv_residual=getattr(spec, "kv_residual_tokens", None))
         engine.qmodel = gm  # keep gptqmodel's wrapper alive with the model
         return engine
 
@@ -512,7 +517,7 @@ class _GptqModelMethod(TierMethod):
         if ctx.device == "cuda":
             model = model.to("cuda")
         model.eval()
-        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, kv_residual=getattr(spec, "kv_residual_tokens", None),
                         backend=f"torch-{ctx.dtype} (dequantized {self.method})")
 
     def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> GroupWise:
