@@ -28,7 +28,7 @@ KV cache (:func:`kv_format`): the engine's default cache holds K and V in 16 bit
 ``int8`` cache of both engines holds 8.5 bits per element: llama.cpp ``q8_0`` (blocks of
 32 int8 values and one F16 scale: 34 bytes / 32) and transformers' HQQ ``QuantizedCache``
 as qeval configures it (8-bit codes, groups of 64 with a 16-bit scale and zero:
-8 + 32/64 bits). HQQ also keeps the newest ``residual_length`` (128) tokens of each
+8 + 32/64 bits). HQQ also keeps the newest ``residual_length`` (128 by default) tokens of each
 sequence unquantized; that per-sequence constant is not counted here.
 """
 from __future__ import annotations

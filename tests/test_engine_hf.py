@@ -82,6 +82,32 @@ def test_int8_kv_cache_is_smaller_past_the_residual_window(tiny_llama):
     assert q8.kv_bytes_per_token(depth) < 0.8 * dense.kv_bytes_per_token(depth)
 
 
+def test_the_int8_cache_residual_is_the_tiers_setting(tiny_llama):
+    """``kv_residual_tokens`` reaches the cache (fewer full-precision tokens: fewer bytes at
+    the same depth), the re-quantization period the timed decode spans, and the label."""
+    pytest.importorskip("hqq")
+    from qeval.tiers.bf16 import Bf16Tier
+    from qeval.worker import decode_tokens_for
+    model = load_hf_model(str(tiny_llama), "cpu", "bfloat16")
+    default, short = HFEngine(model, "cpu", kv_cache="int8"), HFEngine(model, "cpu", kv_cache="int8", kv_residual=32)
+    assert (default.kv_requant_period, short.kv_requant_period) == (128, 32)
+    assert decode_tokens_for(None, short, 16) == 33
+    import torch
+    held = {}
+    for name, eng in (("default", default), ("short", short)):
+        cache = eng.new_cache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[5 + i for i in range(64)]]), past_key_values=cache, use_cache=True)
+            for t in range(40):  # 40 decode steps: 32 re-quantizes once, 128 never
+                model(input_ids=torch.tensor([[7 + t]]), past_key_values=cache, use_cache=True)
+        held[name] = cache.layers[0].keys.shape[-2]  # tokens still in full precision
+    assert held == {"default": 40, "short": 8}
+    assert short.kv_cache_dtype().endswith("residual of 32 tokens")
+    assert Bf16Tier(name="q", method="bf16", kv_cache="int8", kv_residual_tokens=32).kv_residual_tokens == 32
+    with pytest.raises(ValueError, match="needs kv_cache: int8"):
+        Bf16Tier(name="q", method="bf16", kv_residual_tokens=32)
+
+
 def test_int8_kv_cache_takes_any_prompt_length(tiny_llama):
     """HQQ groups the whole K/V tensor: with 2 KV heads x 16 dims (32 elements a token) groups
     of 64 failed at odd lengths (long-context prompts are a few tokens short of their depth)."""

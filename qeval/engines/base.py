@@ -115,6 +115,8 @@ class EngineOptions:
         backend: a label for the kernel that runs the weights (None: the engine's own).
         decode: the transformers engine's timed decode loop (``auto``, ``eager``, ``static``;
             :func:`qeval.engines.hf.resolve_decode_mode`); other engines have one loop.
+        kv_residual: the transformers engine's int8 KV cache: tokens kept in full precision
+            and its re-quantization period (None: transformers' default, 128).
         server: for engines that reach a model over HTTP (``openai``): the tier's
             ``endpoint`` or ``serve`` settings, ``log`` (the server log's path),
             ``tokenizer`` (the source folder), ``depth_text`` and ``depths`` (the depth
@@ -129,6 +131,7 @@ class EngineOptions:
     trust_remote_code: bool = False
     backend: str | None = None
     decode: str = "auto"
+    kv_residual: int | None = None
     server: dict | None = None
 
 

@@ -272,6 +272,8 @@ class HFEngine:
         decode: "auto", "eager" or "static" for the timed decode loop (module notes).
         compile_backend: ``torch.compile`` backend of the static mode ("inductor"; tests
             use "eager", dynamo without code generation).
+        kv_residual: the int8 cache's ``residual_length`` (tokens kept in full precision, and
+            the re-quantization period); None: :data:`HQQ_RESIDUAL_LENGTH`.
 
     Attributes:
         decode_mode: "eager" or "static" as run; ``decode_note`` says why when ``auto``
@@ -309,10 +311,10 @@ class HFEngine:
             raise ValueError(f"the {cls.name} engine opens {', '.join(cls.formats)} artifacts, not {fmt!r}")
         model = load_hf_model(str(path), options.device, options.dtype, trust_remote_code=options.trust_remote_code)
         return cls(model, options.device, kv_cache=options.kv_cache, backend=options.backend or f"torch-{options.dtype}",
-                   decode=options.decode)
+                   decode=options.decode, kv_residual=options.kv_residual)
 
     def __init__(self, model: Any, device: str, *, kv_cache: str = "model", backend: str = "torch",
-                 decode: str = "eager", compile_backend: str = "inductor") -> None:
+                 decode: str = "eager", compile_backend: str = "inductor", kv_residual: int | None = None) -> None:
         self.model = model
         self.device = device
         self.kv_cache = kv_cache
@@ -325,7 +327,8 @@ class HFEngine:
         self._torch = __import__("torch")
         self._cache_kw = cache_kwarg(model)
         self.sampling = {"decode": "argmax", "ignored_file_defaults": ignored_generation_defaults(model)}
-        self.kv_requant_period = HQQ_RESIDUAL_LENGTH if kv_cache == "int8" else None
+        self.kv_residual = kv_residual or HQQ_RESIDUAL_LENGTH
+        self.kv_requant_period = self.kv_residual if kv_cache == "int8" else None
         self._static: dict[int, Any] = {}  # cache length -> StaticCache, warmed up
         self._step_fn: Any = None
 
@@ -338,7 +341,7 @@ class HFEngine:
         cfg = self.model.config
         if self.kv_cache == "int8":
             return QuantizedCache(backend="hqq", config=cfg, nbits=8, axis_key=1, axis_value=1,
-                                  q_group_size=self.kv_group_size(), residual_length=HQQ_RESIDUAL_LENGTH)
+                                  q_group_size=self.kv_group_size(), residual_length=self.kv_residual)
         return DynamicCache(config=cfg)
 
     def _compiled_step(self) -> Any:
@@ -593,7 +596,7 @@ class HFEngine:
         if self.kv_cache == "int8":
             kwargs["cache_implementation"] = "quantized"
             kwargs["cache_config"] = {"backend": "hqq", "nbits": 8, "axis_key": 1, "axis_value": 1,
-                                      "q_group_size": self.kv_group_size(), "residual_length": HQQ_RESIDUAL_LENGTH}
+                                      "q_group_size": self.kv_group_size(), "residual_length": self.kv_residual}
         stop = [int(s) for s in stop_ids]
         gc = greedy_generation_config(max_new_tokens, stop, pad_id, **kwargs)
         with torch.inference_mode(), _ModelDefaultsAside(self.model):
@@ -621,7 +624,7 @@ class HFEngine:
         if isinstance(keys, self._torch.Tensor) and keys.numel():
             dtype = str(keys.dtype).replace("torch.", "")
         if self.kv_cache == "int8":
-            return f"int8 (HQQ, group 64) + {dtype} residual of 128 tokens"
+            return f"int8 (HQQ, group 64) + {dtype} residual of {self.kv_residual} tokens"
         return dtype
 
     def attention_info(self, prompt_ids: Sequence[int]) -> dict:

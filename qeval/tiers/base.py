@@ -69,16 +69,23 @@ class HfTierSpec(TierSpec):
     """A tier the transformers engine serves by default: ``decode`` picks its timed decode
     loop (:mod:`qeval.engines.hf`): ``eager`` (dynamic cache), ``static`` (StaticCache +
     torch.compile, CUDA graphs on CUDA) or ``auto`` (static on CUDA with the model's KV
-    cache, else eager)."""
-    engine_fields: ClassVar[tuple[str, ...]] = TierSpec.engine_fields + ("decode",)
+    cache, else eager). ``kv_residual_tokens`` sets the int8 KV cache's full-precision
+    residual (transformers ``QuantizedCache(residual_length=...)``, default 128): the newest
+    tokens kept unquantized, and the period at which the cache re-quantizes."""
+    engine_fields: ClassVar[tuple[str, ...]] = TierSpec.engine_fields + ("decode", "kv_residual_tokens")
     decode: Literal["auto", "eager", "static"] = Field(
         "auto", description="timed decode loop: eager | static (StaticCache + torch.compile) | auto")
+    kv_residual_tokens: int | None = Field(
+        None, gt=0, le=65536, description="kv_cache int8 on transformers: newest tokens kept in full precision, "
+        "and the re-quantization period (QuantizedCache residual_length; default 128)")
 
     @model_validator(mode="after")
     def _static_needs_model_cache(self) -> "HfTierSpec":
         if self.decode == "static" and self.kv_cache != "model":
             raise ValueError("decode: static needs kv_cache: model (the int8 QuantizedCache cannot be compiled); "
                              "use decode: eager or auto")
+        if self.kv_residual_tokens is not None and self.kv_cache != "int8":
+            raise ValueError("kv_residual_tokens sets the int8 KV cache's residual: it needs kv_cache: int8")
         return self
 
 
@@ -175,6 +182,7 @@ class TierMethod:
         return EngineOptions(device=ctx.device, dtype=ctx.dtype, threads=ctx.threads, kv_cache=spec.kv_cache,
                              flash_attn=getattr(spec, "flash_attn", None), trust_remote_code=ctx.trust_remote_code,
                              backend=self.backend_label(spec, ctx), decode=getattr(spec, "decode", "auto"),
+                             kv_residual=getattr(spec, "kv_residual_tokens", None),
                              server=server_options(spec, ctx))
 
     def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:

@@ -239,7 +239,7 @@ class Int8Method(TierMethod):
             del model.config.quantization_config
         if ctx.device == "cuda":
             model = model.to("cuda")
-        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache,
+        return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, kv_residual=getattr(spec, "kv_residual_tokens", None),
                         backend=f"torch-{ctx.dtype} (dequantized {self.backend_label(spec)})")
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
