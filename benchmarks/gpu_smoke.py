@@ -176,9 +176,26 @@ def build_model(folder: Path, hidden: int, layers: int, tokenizer: Path | None =
     return folder
 
 
+#: ``--load``: the closed-loop sweep and every workload, at sizes one GPU call carries
+LOAD_YAML = """load:
+  concurrency: [1, 4, 16]
+  depth: 512
+  output_tokens: 32
+  requests_per_stream: 2
+  prefill_chunk: 512
+  slo: {ttft_p95_s: 0.5, itl_p95_s: 0.05, max_error_rate: 0.05}
+  arrivals: {rates: [4, 16, 64], process: poisson, seed: 0, duration_s: 4}
+  queue: {max_waiting: 16, timeout_s: 4.0}
+  shared_prefix_tokens: 256
+  prefix_cache: both
+  interference: {prompt_tokens: 4096, chunk_sizes: [512], streams: 4}
+  depths: [512, 2048]"""
+
+
 def write_recipe(path: Path, model: Path, tiers: list[str], depth: int, decode_tokens: int, timeout: int,
                  load: bool = False) -> Path:
-    """The smoke recipe: the tiers at one depth, no suites, the load stage only when ``load``."""
+    """The smoke recipe: the tiers at one depth, no suites, the load stage (:data:`LOAD_YAML`)
+    only when ``load``."""
     lines = "\n".join(f"  - {TIER_YAML[t]}" for t in tiers)
     path.write_text(f"""name: gpu-smoke
 model: {{source: {model}}}
@@ -187,7 +204,7 @@ threads: 4
 tiers:
 {lines}
 speed: {{depths: [{depth}], decode_tokens: {decode_tokens}, repeats: 3, warmup: 1}}
-load: {{enabled: {str(bool(load)).lower()}}}
+{LOAD_YAML if load else "load: {enabled: false}"}
 calibration: {{path: {REPO}/datasets/calibration.jsonl, samples: 32, seq_len: 256}}
 gate: {{reference: {tiers[0]}}}
 stage_timeout_s: {timeout}

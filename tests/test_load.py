@@ -282,3 +282,24 @@ def test_llamacpp_decode_again_equals_a_full_prefill(tiny):
         assert eng.decode_again(ids, 10) is None
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_untimed_warm_up_runs_each_batch_shape_once_on_cuda(monkeypatch, device):
+    """Every device: one 16-token row. CUDA: each row count asked for, at full length and
+    output, once per engine and shape (per-shape first-use costs out of the timed run)."""
+    from types import SimpleNamespace
+
+    from qeval.engines import hf_load
+    calls = []
+    monkeypatch.setattr(hf_load, "_static_batch",
+                        lambda eng, batch, out, chunk, pad, *a, **k: calls.append(([len(p) for p in batch], out, chunk)))
+    eng = SimpleNamespace(device=device)
+    batch = [[5] * 100, [6] * 100, [7] * 100]
+    hf_load._warm_up(eng, batch, 32, 64, 0)                    # a closed-loop point of 3 streams
+    hf_load._warm_up(eng, batch, 32, 64, 0, rows=range(1, 4))  # an open loop of 3 slots: 1 and 2 rows are new
+    short = ([16], 2, 16)
+    if device == "cpu":
+        assert calls == [short, short]
+    else:
+        assert calls == [short, ([100] * 3, 32, 64), short, ([100], 32, 64), ([100] * 2, 32, 64)]
