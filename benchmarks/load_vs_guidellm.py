@@ -166,20 +166,41 @@ def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str
             "sent": _guidellm_sends(bench)}
 
 
-def _guidellm_sends(bench: dict) -> list[tuple[float, float]] | None:
-    """(send time since its first request, TTFT) in seconds of every successful request in
-    GuideLLM's JSON (``requests.successful[].info.timings``: ``request_start`` and
-    ``first_token_iteration``, GuideLLM 0.8), in send order; None where the file lacks them."""
+def _guidellm_sends(bench: dict) -> list[dict] | None:
+    """Every successful request of GuideLLM's JSON (``requests.successful[]``: ``info.timings``
+    ``request_start``, ``first_token_iteration``, ``last_token_iteration`` and the output
+    token count, GuideLLM 0.8) as :func:`request_rows` rows, in send order; None where the
+    file lacks them."""
     rows = []
     for r in ((bench.get("requests") or {}).get("successful") or []):
         t = ((r.get("info") or {}).get("timings") or {})
-        if t.get("request_start") is None or t.get("first_token_iteration") is None:
+        n = r.get("output_tokens") or (r.get("output_metrics") or {}).get("total_tokens") or t.get("token_iterations")
+        if None in (t.get("request_start"), t.get("first_token_iteration"), t.get("last_token_iteration")) or not n:
             return None
-        rows.append((t["request_start"], t["first_token_iteration"] - t["request_start"]))
-    if not rows:
-        return None
-    t0 = min(a for a, _ in rows)
-    return sorted((a - t0, b) for a, b in rows)
+        rows.append({"send": t["request_start"], "first": t["first_token_iteration"],
+                     "last": t["last_token_iteration"], "tokens": int(n)})
+        if t.get("targeted_start") is not None:
+            rows[-1]["target"] = t["targeted_start"]  # when its profile meant to send it
+    return _relative(rows) if rows else None
+
+
+def _relative(rows: list[dict]) -> list[dict]:
+    t0 = min(r["send"] for r in rows)
+    return sorted(({k: (v - t0 if k != "tokens" else v) for k, v in r.items()} for r in rows), key=lambda r: r["send"])
+
+
+def common_figures(rows: list[dict]) -> dict[str, float]:
+    """One definition for both clients, from per-request rows (``send``, ``first`` and
+    ``last`` token times in s, ``tokens``): TTFT p50 = the median over requests of first -
+    send (numpy's linear percentile, as qeval's tables); ITL p50 = the median over requests
+    of (last - first) / (tokens - 1) (GuideLLM's per-request ITL: its JSON has no per-token
+    times); output tokens/s = all tokens / (last token - first send)."""
+    import numpy as np
+    ttft = [r["first"] - r["send"] for r in rows]
+    itl = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in rows if r["tokens"] > 1]
+    window = max(r["last"] for r in rows) - min(r["send"] for r in rows)
+    return {"ttft_p50_s": float(np.percentile(ttft, 50)), "itl_p50_s": float(np.median(itl)) if itl else None,
+            "output_tokens_per_s": sum(r["tokens"] for r in rows) / window}
 
 
 # ---- qeval's client ----------------------------------------------------------------------------
@@ -225,11 +246,10 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
     finally:
         eng.client.close()
     recs = run.requests if kind == "concurrent" else run.completed
-    t0 = min(r.start_s for r in recs)
-    window = max(r.token_times_s[-1] for r in recs) - t0
+    rows = _relative([{"send": r.start_s, "first": r.token_times_s[0], "last": r.token_times_s[-1],
+                       "tokens": len(r.token_times_s)} for r in recs])
     return {"ttft_p50_s": p["ttft_s"]["p50"], "itl_p50_s": p["itl_s"]["p50"],
-            "output_tokens_per_s": sum(len(r.token_times_s) for r in recs) / window,
-            "sent": sorted((r.start_s - t0, r.ttft_s) for r in recs)}
+            "output_tokens_per_s": p["decode_tokens_per_s"], "sent": rows}
 
 
 def point_requests(kind: str, value: float, requests: int) -> int:
@@ -310,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     parallel = max(conc + [4])
     ctx = parallel * (-(-(a.prompt_tokens + a.output_tokens + 8) // _CTX_ROUND) * _CTX_ROUND)
     points = [("concurrent", float(c)) for c in conc] + [("poisson", r) for r in rates]
-    q: dict[tuple, dict[str, list]] = {p: {m: [] for m, _ in METRICS} for p in points}
-    g: dict[tuple, dict[str, list]] = {p: {m: [] for m, _ in METRICS} for p in points}
-    ratio: dict[tuple, dict[str, list]] = {p: {m: [] for m, _ in METRICS} for p in points}
+    VIEWS = ("own", "common")  # each tool's own summary; one definition over both sides' per-request rows
+    q = {v: {p: {m: [] for m, _ in METRICS} for p in points} for v in VIEWS}
+    g = {v: {p: {m: [] for m, _ in METRICS} for p in points} for v in VIEWS}
+    ratio = {v: {p: {m: [] for m, _ in METRICS} for p in points} for v in VIEWS}
     print(f"llama-server {server} on {gguf.name}, {a.threads} threads, {parallel} slots; GuideLLM {exe}; "
           f"{a.prompt_tokens} prompt tokens, {a.output_tokens} new tokens, {a.requests} requests per point", flush=True)
     with tempfile.TemporaryDirectory(prefix="qeval-guidellm-") as tmp:
@@ -334,41 +355,50 @@ def main(argv: list[str] | None = None) -> int:
                             theirs = (got.get("guidellm") or {}).get("sent") if kind == "poisson" else None
                             got[side] = run_qeval(srv.url, prompt_for, kind=kind, value=value, requests=n_req,
                                                   output_tokens=a.output_tokens, stream=stream,
-                                                  arrivals=[t for t, _ in theirs] if theirs else None)
+                                                  arrivals=[r["send"] for r in theirs] if theirs else None)
                         else:
                             got[side] = run_guidellm(exe, flags, srv.url, src, kind=kind, value=value,
                                                      requests=n_req, prompt_tokens=a.prompt_tokens,
                                                      output_tokens=a.output_tokens, work=work)
                     finally:
                         srv.stop()
+                views = {"own": got, "common": {}}
                 for side in ("qeval", "guidellm"):  # what each client sent when: the server batches what it finds
-                    sent = got[side].pop("sent", None)
-                    if sent:
-                        print(f"  {side} sends (s since its first, TTFT s): "
-                              + " ".join(f"{a:.3f}/{b:.2f}" for a, b in sent), flush=True)
-                for m, _ in METRICS:
-                    qv, gv = got["qeval"][m], got["guidellm"][m]
-                    if qv is not None:
-                        q[(kind, value)][m].append(qv)
-                    if gv is not None:
-                        g[(kind, value)][m].append(gv)
-                    if qv is not None and gv:
-                        ratio[(kind, value)][m].append(qv / gv)
+                    rows = got[side].pop("sent", None)
+                    if rows:
+                        print(f"  {side} sends (s since its first / TTFT s): "
+                              + " ".join(f"{r['send']:.3f}/{r['first'] - r['send']:.2f}" for r in rows), flush=True)
+                        if any("target" in r for r in rows):
+                            print(f"  {side} targeted sends (s): " + " ".join(f"{r.get('target', float('nan')):.3f}"
+                                                                         for r in rows), flush=True)
+                    views["common"][side] = common_figures(rows) if rows else {m: None for m, _ in METRICS}
+                for v in VIEWS:
+                    for m, _ in METRICS:
+                        qv, gv = views[v]["qeval"][m], views[v]["guidellm"][m]
+                        if qv is not None:
+                            q[v][(kind, value)][m].append(qv)
+                        if gv is not None:
+                            g[v][(kind, value)][m].append(gv)
+                        if qv is not None and gv:
+                            ratio[v][(kind, value)][m].append(qv / gv)
                 print(f"round {rnd + 1} {kind} {value:g}: qeval {got['qeval']} guidellm {got['guidellm']}", flush=True)
 
     def span(v: list[float], fmt: str) -> str:
         return "-" if not v else f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
-    print("\n| point | metric | qeval median (min-max) | GuideLLM median (min-max) | ratio qeval/GuideLLM | note |")
-    print("|---|---|---|---|---|---|")
-    for kind, value in points:
-        label = f"{int(value)} streams" if kind == "concurrent" else f"Poisson {value:g} req/s"
-        for m, name in METRICS:
-            fmt = ".3g"
-            rs = ratio[(kind, value)][m]
-            print(f"| {label} | {name} | {span(q[(kind, value)][m], fmt)} | {span(g[(kind, value)][m], fmt)} | "
-                  f"{'-' if not rs else f'{statistics.median(rs):.3f}'} | "
-                  f"{verdict(q[(kind, value)][m], g[(kind, value)][m], rs)} |")
+    for v, title in (("common", "One definition over both clients' per-request timings (common_figures)"),
+                     ("own", "Each tool's own summary (qeval's point_stats; GuideLLM's metrics)")):
+        print(f"\n{title}:\n")
+        print("| point | metric | qeval median (min-max) | GuideLLM median (min-max) | ratio qeval/GuideLLM | note |")
+        print("|---|---|---|---|---|---|")
+        for kind, value in points:
+            label = f"{int(value)} streams" if kind == "concurrent" else f"Poisson {value:g} req/s"
+            for m, name in METRICS:
+                fmt = ".3g"
+                rs = ratio[v][(kind, value)][m]
+                print(f"| {label} | {name} | {span(q[v][(kind, value)][m], fmt)} | {span(g[v][(kind, value)][m], fmt)} | "
+                      f"{'-' if not rs else f'{statistics.median(rs):.3f}'} | "
+                      f"{verdict(q[v][(kind, value)][m], g[v][(kind, value)][m], rs)} |")
     if a.short:
         print("\n(--short: proves the script runs; the figures mean nothing)")
     return 0
