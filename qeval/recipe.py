@@ -975,7 +975,7 @@ def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
 #: left out of them while at their default, so a recipe that does not set them keeps its
 #: fingerprints and keys.
 LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto",
-                       "clip_search": True}
+                       "clip_search": True, "kv_residual_tokens": None}
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:
