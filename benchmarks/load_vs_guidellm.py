@@ -169,8 +169,8 @@ def run_guidellm(exe: Path, flags: dict, url: str, processor: Path, *, kind: str
 def _guidellm_sends(bench: dict) -> list[dict] | None:
     """Every successful request of GuideLLM's JSON (``requests.successful[]``: ``info.timings``
     ``request_start``, ``first_token_iteration``, ``last_token_iteration`` and the output
-    token count, GuideLLM 0.8) as :func:`request_rows` rows, in send order; None where the
-    file lacks them."""
+    token count, GuideLLM 0.8) as the rows :func:`common_figures` reads (times in s since
+    the first send), in send order; None where the file lacks them."""
     rows = []
     for r in ((bench.get("requests") or {}).get("successful") or []):
         t = ((r.get("info") or {}).get("timings") or {})

@@ -301,10 +301,9 @@ def _warm_up(engine: Any, batch: list[list[int]], output_tokens: int, prefill_ch
         warmed = set()
         engine._warmed_shapes = warmed
     for n in rows or [len(batch)]:
-        part = batch[:n]
-        key = (n, max(len(p) for p in part), output_tokens, prefill_chunk)
-        if len(part) == n and key not in warmed:
-            _static_batch(engine, part, output_tokens, prefill_chunk, pad_id)
+        key = (n, max(len(p) for p in batch[:n]), output_tokens, prefill_chunk)
+        if key not in warmed:
+            _static_batch(engine, batch[:n], output_tokens, prefill_chunk, pad_id)
             warmed.add(key)
 
 
