@@ -19,9 +19,12 @@ TORCH_SPEC ?= torch==2.13.0
 # llama-cpp-python compiles from source (qeval/engines/llama_build.py; README "Set-up: what
 # each step costs"): as llama.cpp's release builds, ggml's CPU backend is one module per
 # instruction-set variant and the best one this machine may run is loaded at run time
-# (qeval/engines/ggml_cpu.py: never an AMX variant where the kernel does not grant AMX).
+# (qeval/engines/ggml_cpu.py: never an AMX variant where the kernel does not grant AMX, and
+# each variant run once in a child process before use: the first that runs is chosen).
 # LLAMA_CPU_VARIANTS: auto (the AVX2 baseline haswell and the best variant this machine may
-# run, e.g. zen4; an AMX one only where AMX is granted), all (llama.cpp's 14: about 6 more
+# run, e.g. zen4; an AMX one only where AMX is granted, and then its best AVX-512 variant
+# without AMX beside it: the fallback when the run-time probe finds the AMX kernels trap),
+# all (llama.cpp's 14: about 6 more
 # minutes on 2 cores), or names separated by commas. The wheel is kept in qeval's cache, keyed by these
 # flags. CUDA=1 appends the CUDA flags to these (it never replaces them).
 LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF

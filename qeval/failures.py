@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import re
+import signal
 import traceback
 from pathlib import Path
 
@@ -112,3 +113,68 @@ def reason_from_log(log: Path) -> str | None:
 
 
 _TB_FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
+
+
+_SIGNAL_WHAT = {"SIGILL": "illegal instruction", "SIGSEGV": "segmentation fault", "SIGBUS": "bus error",
+                "SIGFPE": "arithmetic fault", "SIGABRT": "abort", "SIGKILL": "killed"}
+
+
+def signal_text(rc: int) -> str:
+    """``SIGILL (illegal instruction)`` for a child's return code ``-4`` (a process killed by
+    signal 4); ``exit 3`` for a positive code."""
+    if rc >= 0:
+        return f"exit {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        return f"signal {-rc}"
+    return f"{name} ({_SIGNAL_WHAT[name]})" if name in _SIGNAL_WHAT else name
+
+
+#: The line a stage prints (to its log) when it loads llama.cpp's CPU backend
+#: (:func:`qeval.engines.llamacpp._llama`): what a stage killed by a signal ran last.
+LLAMA_CPU_MARK = "[qeval] llama.cpp CPU backend: "
+_FIXES = {
+    "SIGILL": ("a kernel used an instruction this CPU does not execute (a virtual machine can list "
+               "instruction sets, AMX among them, that it traps)"),
+    "SIGKILL": "killed from outside: the out-of-memory killer, or a person",
+    "SIGSEGV": "a native library crashed (a bug, or memory it could not get)",
+    "SIGBUS": "a native library crashed (a memory-mapped file changed or a bad address)",
+}
+
+
+def _last_attempt(log: Path) -> list[str]:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("--- ")]
+    return lines[heads[-1] + 1:] if heads else lines
+
+
+def signal_reason(rc: int, stage: str, log: Path | None = None) -> str:
+    """Why a stage process that died by a signal (``rc`` < 0) died, in one line that names
+    the signal, where it happened and what to do: ``quality process killed by SIGILL
+    (illegal instruction) in llama.cpp's CPU backend zen4: <cause>; fix: ...``. Whether it
+    ran llama.cpp, and which variant, is read from the log's last attempt
+    (:data:`LLAMA_CPU_MARK`)."""
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    variant = None
+    for ln in _last_attempt(log) if log is not None else []:
+        if ln.startswith(LLAMA_CPU_MARK):
+            variant = ln[len(LLAMA_CPU_MARK):].split()[0] if ln[len(LLAMA_CPU_MARK):].strip() else None
+    where = f" in llama.cpp's CPU backend {variant}" if variant else ""
+    text = f"{stage} process killed by {signal_text(rc)}{where}"
+    cause = _FIXES.get(name)
+    if cause:
+        text += f": {cause}"
+    if name == "SIGILL":
+        if variant:
+            text += (f"; fix: run this variant's probe again (delete $QEVAL_CACHE/llama_cpu_probe) or choose "
+                     f"another with QEVAL_LLAMA_CPU_VARIANT=haswell, then `qeval run --resume`")
+        else:
+            text += "; fix: rebuild the failing library for this CPU's instruction sets"
+    return text

@@ -211,8 +211,9 @@ class RunProgress:
                 self.progress.update(self.lines[key], description=text)
             self.progress.update(self.overall, eta=self._eta_text())
 
-    def stage_end(self, tier: str, stage: str, seconds: float, ok: bool) -> None:
-        """``on_stage_end``: count it, remember its time, print its line."""
+    def stage_end(self, tier: str, stage: str, seconds: float, ok: bool, reason: str | None = None) -> None:
+        """``on_stage_end``: count it, remember its time, print its line (a failed stage's
+        line ends with ``reason``'s first line: ``FAILED quality t: killed by SIGILL ...``)."""
         key = f"{tier}.{stage}"
         with self.lock:
             self.times[key] = seconds
@@ -220,6 +221,8 @@ class RunProgress:
                 self.todo.remove(key)
             self.started.pop(key, None)
             line = f"  {seconds:7.1f} s  {'' if ok else 'FAILED '}{stage} {'(run)' if tier == RUN_SCOPE else tier}"
+            if not ok and reason and reason.strip():
+                line += f": {reason.strip().splitlines()[0]}"
             if self.progress is not None:
                 if key in self.lines:
                     self.progress.remove_task(self.lines.pop(key))

@@ -364,6 +364,9 @@ class EnvStage(_StageBase):
     bandwidth_probe_bytes: int | None = None
     torch: str | None = None
     torch_threads: int | None = None
+    # llama.cpp's CPU variant chosen by running the candidates (qeval.worker._llama_cpu_choice):
+    # {"variant", "passed_over": ["zen4: SIGILL (illegal instruction) in the probe"], "probes": [...], ...}
+    llama_cpu: dict[str, Any] | None = None
 
 
 class ReferenceStage(_StageBase):

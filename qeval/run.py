@@ -323,7 +323,7 @@ def llama_cpp_backends(results: dict[str, TierResult]) -> list[dict] | None:
         key = (rt["cpu_variant"], tuple(rt.get("instruction_sets") or ()))
         entry = seen.setdefault(key, {"cpu_variant": rt["cpu_variant"], "instruction_sets": list(key[1]),
                                       "devices": rt.get("devices"), "amx_granted": rt.get("amx_granted"),
-                                      "tiers": []})
+                                      "passed_over": rt.get("passed_over") or [], "tiers": []})
         entry["tiers"].append(name)
     return list(seen.values()) or None
 

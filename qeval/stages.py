@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .engines import get_engine
-from .failures import failure_text, reason_from_log
+from .failures import failure_text, reason_from_log, signal_reason
 from .paths import torch_extensions_dir
 from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite_dict, stable_tier_dict
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
@@ -164,7 +164,7 @@ class TierRunner:
         self.layout = RunLayout(self.run_dir)
         self.on_event = on_event
         #: ``(tier, stage, seconds, ok)`` after every stage process ends (any thread).
-        self.on_stage_end: Callable[[str, str, float, bool], None] = lambda t, s, sec, ok: None
+        self.on_stage_end: Callable[..., None] = lambda t, s, sec, ok, reason=None: None
         self.env = child_env(recipe)
         self.env["QEVAL_RUN_PID"] = str(os.getpid())  # test faults aimed at the run (qeval.worker.inject_fault)
         if fresh:
@@ -207,8 +207,8 @@ class TierRunner:
     def run_stage(self, stage: str, tier: str = RUN_SCOPE, timeout: float | None = None,
                   fingerprint: str | None = None, threads: int | None = None) -> StageOutcome:
         """Run one stage in a child process and wait for it (:meth:`_run_stage`); then call
-        ``on_stage_end(tier, stage, seconds, ok)`` (the progress display, the stage-time
-        history), also when the stage failed."""
+        ``on_stage_end(tier, stage, seconds, ok, reason)`` (the progress display, the
+        stage-time history), also when the stage failed (``reason``: why, one line)."""
         t0 = time.time()
         out = StageOutcome(False, "interrupted")
         try:
@@ -216,7 +216,7 @@ class TierRunner:
             return out
         finally:
             try:
-                self.on_stage_end(tier, stage, time.time() - t0, out.ok)
+                self.on_stage_end(tier, stage, time.time() - t0, out.ok, None if out.ok else out.reason)
             except Exception:  # noqa: BLE001 - a display error must not fail the stage
                 pass
 
@@ -277,14 +277,18 @@ class TierRunner:
             reason, input_error = err.error, err.type == "input"
         if reason is None:
             if rc < 0:
-                sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-                how = f"killed by {sig}" + (" (out of memory?)" if -rc == signal.SIGKILL else "")
+                reason = signal_reason(rc, stage, log)
+                try:  # the stage's log says it too, where the user looks first
+                    with open(log, "a") as lf:
+                        lf.write(f"[qeval] {reason}\n")
+                except OSError:
+                    pass
             else:
+                # no error file: the child died before writing it, e.g. gptqmodel's worker threads print
+                # the exception and call os._exit(1) (gptqmodel/utils/threadx.py, _abort_process)
+                logged = reason_from_log(log)
                 how = f"exited with code {rc}"
-            # no error file: the child died before writing it, e.g. gptqmodel's worker threads print
-            # the exception and call os._exit(1) (gptqmodel/utils/threadx.py, _abort_process)
-            logged = reason_from_log(log) if rc > 0 else None  # a signal is its own reason
-            reason = f"{logged} (from its log; the {stage} process {how})" if logged else f"{stage} process {how}"
+                reason = f"{logged} (from its log; the {stage} process {how})" if logged else f"{stage} process {how}"
         return StageOutcome(False, reason, _tail(log), input_error)
 
     def kill_stages(self) -> None:

@@ -155,7 +155,37 @@ def stage_env(recipe, run_dir: Path, tier: str | None) -> dict:
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     return {"device": device, "bandwidth_bytes_per_s": bw, "bandwidth_probe_bytes": size, "gpu": gpu,
-            "gpu_memory_bytes": gpu_mem, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "gpu_memory_bytes": gpu_mem, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "llama_cpu": _llama_cpu_choice(recipe)}
+
+
+def _llama_cpu_choice(recipe) -> dict | None:
+    """Before the first GGUF stage: llama.cpp's CPU variant chosen by running each candidate
+    in a child process (:func:`qeval.engines.ggml_cpu.run_probes`, verdicts cached per
+    machine), so no stage of a tier loads a variant that traps. None when no tier runs on
+    llama.cpp or llama-cpp-python is not installed (the tier says so itself)."""
+    import importlib.util  # start-up time: only runs with GGUF tiers need it
+    if not any(getattr(get_method(t.method), "default_engine", None) == "llamacpp"
+               or getattr(t, "engine", None) == "llamacpp" for t in recipe.tiers):
+        return None
+    spec = importlib.util.find_spec("llama_cpp")  # located, not imported: the probes run in children
+    if spec is None or spec.origin is None:
+        return None
+    from .engines import ggml_cpu  # start-up time: ctypes and the variant table, GGUF runs only
+    here = Path(spec.origin).resolve().parent
+    mods = ggml_cpu.variant_modules(ggml_cpu.lib_dirs(here))
+    if not mods:
+        return {"variant": "built-in", "passed_over": [], "probes": []}
+    _progress("probing llama.cpp's CPU variants (each in a child process, best first)")
+    forced = os.environ.get(ggml_cpu.VARIANT_ENV) or None
+    try:
+        sel, _ = ggml_cpu.select_variant(here)
+    except RuntimeError as e:  # the GGUF tiers will fail with the same reason; the run goes on
+        return {"variant": None, "error": str(e), "passed_over": [], "probes": [], "forced": forced}
+    for line in sel.passed_over():
+        _progress(f"llama.cpp CPU variant {sel.variant}: passed over {line}")
+    return {"variant": sel.variant, "passed_over": sel.passed_over(), "probes": sel.probes,
+            "candidates": sel.candidates, "amx_granted": sel.amx_granted, "forced": forced}
 
 
 def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
@@ -478,7 +508,8 @@ def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = N
     variables that are never set in normal use; each value names ``tier:stage[:point]``
     (``_run`` for run-wide stages; point default ``start``):
 
-    * ``QEVAL_TEST_CRASH``: this stage process aborts (SIGABRT) there: a hard crash of one stage.
+    * ``QEVAL_TEST_CRASH`` (``tier:stage:point[:SIGNAL]``): this stage process aborts (SIGABRT)
+      there, or dies by SIGNAL (``SIGILL``: a kernel that traps): a hard crash of one stage.
     * ``QEVAL_TEST_KILL_RUN``: SIGKILL to the run (the parent process; this one dies with it,
       PR_SET_PDEATHSIG): the whole run killed at that moment, as by the OOM killer or ``kill -9``.
     * ``QEVAL_TEST_SIGNAL_RUN`` (``tier:stage:point:SIGINT`` or ``...:SIGTERM``): that signal to
@@ -501,6 +532,10 @@ def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = N
     for name, parts in hits:
         print(f"[qeval] test fault {name} at {tier}:{stage}:{point}", flush=True)
         if name == "QEVAL_TEST_CRASH":
+            if len(parts) > 3 and parts[3]:
+                sig = signal.Signals[parts[3]]
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
             os.abort()
         if name == "QEVAL_TEST_KILL_RUN":
             os.kill(_run_pid(), signal.SIGKILL)

@@ -114,7 +114,11 @@ def test_the_build_keeps_only_the_asked_variants():
     # auto: the AVX2 baseline and this machine's best (AMX only where granted)
     spr = frozenset(gc.VARIANT_FLAGS["sapphirerapids"])
     assert lb.resolve_variants("auto", amx_ok=False, flags=spr) == ["haswell", "zen4"]
-    assert lb.resolve_variants("auto", amx_ok=True, flags=spr) == ["haswell", "sapphirerapids"]
+    # AMX granted: the AMX variant and, beside it, the best AVX-512 one without AMX (the
+    # fallback when the probe finds the AMX kernels trap: AVX-512 kept, not AVX2)
+    assert lb.resolve_variants("auto", amx_ok=True, flags=spr) == ["haswell", "sapphirerapids", "zen4"]
+    icx_amx = frozenset(gc.VARIANT_FLAGS["icelake"]) | {"amx_tile", "amx_int8", "amx_bf16"}
+    assert lb.resolve_variants("auto", amx_ok=True, flags=icx_amx) == ["haswell", "icelake"]  # no SPR variant fits
     assert lb.resolve_variants("auto", amx_ok=False, flags=frozenset(gc.VARIANT_FLAGS["haswell"])) == ["haswell"]
     # an x86 machine without AVX2 gets its own best beside the baseline (its x86 lines only
     # are trimmed: another architecture's variants are left as llama.cpp lists them)
@@ -122,3 +126,106 @@ def test_the_build_keeps_only_the_asked_variants():
     assert lb.resolve_variants("all") is None and lb.resolve_variants("haswell, zen4") == ["haswell", "zen4"]
     with pytest.raises(ValueError, match="unknown CPU variant 'zen9'"):
         lb.resolve_variants("haswell,zen9")
+
+
+def _probe_log(verdicts: dict[str, dict]):
+    calls = []
+
+    def probe(_dir, variant):
+        calls.append(variant)
+        return dict(verdicts[variant], variant=variant)
+    return probe, calls
+
+
+SIGILL = {"ok": False, "reason": "SIGILL (illegal instruction) in the probe", "seconds": 0.1}
+RAN = {"ok": True, "reason": None, "seconds": 0.1}
+
+
+def test_a_variant_that_traps_in_its_probe_is_passed_over_and_the_verdicts_are_cached(tmp_path, monkeypatch):
+    """A machine that lists and grants AMX whose AMX kernels die with SIGILL: the probe runs
+    the best variant first, passes over the one that trapped, stops at the first that runs
+    (the AVX-512 fallback, not AVX2), and a second process reads the verdicts instead of probing."""
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    spr = gc.cpu_flags(CPUINFO)
+    probe, calls = _probe_log({"sapphirerapids": SIGILL, "zen4": RAN, "haswell": RAN})
+    cands = gc.judge(_cands(haswell=63, zen4=1983, sapphirerapids=4031), spr, amx_ok=True)
+    out = gc.run_probes(tmp_path, cands, spr, True, probe=probe)
+    assert calls == ["sapphirerapids", "zen4"]  # best first; haswell never needed
+    assert gc.choose(cands).name == "zen4"
+    assert [c.excluded for c in cands if c.name == "sapphirerapids"] == ["SIGILL (illegal instruction) in the probe"]
+    assert [v["cached"] for v in out] == [False, False]
+    sel = gc.Selection(variant="zen4", candidates=[{"variant": c.name, "score": c.score, "excluded": c.excluded}
+                                                   for c in cands])
+    assert sel.passed_over() == ["sapphirerapids: SIGILL (illegal instruction) in the probe"]
+    files = list((tmp_path / "cache" / "llama_cpu_probe").glob("*.json"))
+    assert len(files) == 1
+    # the same machine and build again: nothing probed, the same choice
+    probe2, calls2 = _probe_log({})
+    cands2 = gc.judge(_cands(haswell=63, zen4=1983, sapphirerapids=4031), spr, amx_ok=True)
+    out2 = gc.run_probes(tmp_path, cands2, spr, True, probe=probe2)
+    assert calls2 == [] and gc.choose(cands2).name == "zen4" and all(v["cached"] for v in out2)
+    # another build (a module changed): the key changes and the probe runs again
+    assert gc.probe_key(spr, True, [("zen4", files[0])]) != gc.probe_key(spr, True, [("zen4", tmp_path)])
+
+
+def test_a_probe_that_cannot_be_made_decides_nothing_and_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
+    flags = frozenset(gc.VARIANT_FLAGS["zen4"])
+    probe, calls = _probe_log({"zen4": {"ok": None, "reason": "not probed: no gguf", "seconds": 0}})
+    cands = gc.judge(_cands(haswell=63, zen4=1983), flags, amx_ok=False)
+    gc.run_probes(tmp_path, cands, flags, False, probe=probe)
+    assert calls == ["zen4"] and gc.choose(cands).name == "zen4"  # judged by the flags alone
+    assert not list((tmp_path / "cache" / "llama_cpu_probe").glob("*.json"))
+
+
+def test_a_stage_killed_by_a_signal_names_it_the_variant_and_the_fix(tmp_path):
+    from qeval.failures import LLAMA_CPU_MARK, signal_reason, signal_text
+    log = tmp_path / "quality.log"
+    log.write_text(f"--- first attempt\n{LLAMA_CPU_MARK}haswell (x)\n--- second attempt\n"
+                   f"{LLAMA_CPU_MARK}sapphirerapids (/lib/libggml-cpu-sapphirerapids.so)\nfidelity: sequence 1/11\n")
+    text = signal_reason(-4, "quality", log)
+    assert text.startswith("quality process killed by SIGILL (illegal instruction) in llama.cpp's CPU backend "
+                           "sapphirerapids: ")
+    assert "QEVAL_LLAMA_CPU_VARIANT" in text and "llama_cpu_probe" in text
+    log.write_text("--- only\nnothing of llama.cpp\n")
+    plain = signal_reason(-4, "measure", log)
+    assert plain.startswith("measure process killed by SIGILL (illegal instruction): ") and "llama.cpp" not in plain
+    assert signal_reason(-9, "load", None).startswith("load process killed by SIGKILL (killed): ")
+    assert signal_text(1) == "exit 1" and signal_text(-11) == "SIGSEGV (segmentation fault)"
+
+
+def _installed_variants():
+    import llama_cpp
+    here = Path(llama_cpp.__file__).resolve().parent
+    mods = gc.variant_modules(gc.lib_dirs(here))
+    flags, amx = gc.cpu_flags(), gc.amx_granted()
+    cands = gc.judge([gc.Candidate(n, p, gc._score(p)) for n, p in mods], flags, amx)
+    return sorted((c for c in cands if c.excluded is None), key=lambda c: -c.score)
+
+
+def test_the_real_probe_runs_each_variant_in_a_child_and_a_trapping_one_is_passed_over(tmp_path):
+    """The installed build, probed for real in child processes, with the best variant's
+    probe child killed by SIGILL at its named point (QEVAL_TEST_PROBE_SIGNAL): the next
+    variant is chosen and the first one is passed over with the signal as the reason; on a
+    build with one variant that may run, nothing is left and the error names the signal."""
+    import subprocess
+    import sys
+    ok = _installed_variants()
+    assert ok, "no CPU variant of the installed llama-cpp-python may run here"
+    env = dict(__import__("os").environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_TEST_PROBE_SIGNAL=ok[0].name)
+    env.pop("QEVAL_LLAMA_CPU_VARIANT", None)
+    p = subprocess.run([sys.executable, str(Path(gc.__file__)), "--choose"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if len(ok) == 1:
+        assert p.returncode != 0 and "SIGILL (illegal instruction) in the probe" in p.stderr, p.stderr[-2000:]
+        return
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == ok[1].name
+    assert f"  passed over {ok[0].name}: SIGILL (illegal instruction) in the probe" in lines
+    # without the fault the best variant runs (the probe is no false alarm), cached apart
+    env2 = dict(env, QEVAL_CACHE=str(tmp_path / "cache2"))
+    env2.pop("QEVAL_TEST_PROBE_SIGNAL")
+    p2 = subprocess.run([sys.executable, str(Path(gc.__file__)), "--choose"], capture_output=True, text=True,
+                        env=env2, timeout=600)
+    assert p2.returncode == 0 and p2.stdout.splitlines() == [ok[0].name], p2.stderr[-2000:]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -469,3 +471,51 @@ def test_gguf_context_length_scans_to_the_key_and_refuses_non_gguf(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf file at all")
     assert gguf_context_length(bad) is None
+
+
+def test_a_run_on_a_machine_whose_best_variant_traps_finishes_its_gguf_tier_and_a_killed_stage_says_why(
+        tiny, tmp_path):
+    """The default run's failure on an AMX virtual machine, faked at named points: the best
+    CPU variant's probe child dies with SIGILL (QEVAL_TEST_PROBE_SIGNAL), so the run's
+    environment stage passes it over and the GGUF tier measures on the next one, saying so in
+    its row and in run.json; then a second GGUF tier's quality stage is killed by SIGILL after
+    llama.cpp loaded (QEVAL_TEST_CRASH with a signal): its progress line, its log, its row and
+    the gate name the signal, the variant and the fix, and the other tiers finish."""
+    from conftest import write_recipe
+    from qeval.engines import ggml_cpu
+    import llama_cpp
+    here = Path(llama_cpp.__file__).resolve().parent
+    mods = ggml_cpu.variant_modules(ggml_cpu.lib_dirs(here))
+    flags, amx = ggml_cpu.cpu_flags(), ggml_cpu.amx_granted()
+    ok = sorted((c for c in ggml_cpu.judge([ggml_cpu.Candidate(n, p, ggml_cpu._score(p)) for n, p in mods],
+                                            flags, amx) if c.excluded is None), key=lambda c: -c.score)
+    assert len(ok) >= 2, f"this test needs two CPU variants that run here (built: {[n for n, _ in mods]})"
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny["src"],
+                          tiers="  - {name: bf16, method: bf16}\n  - {name: q8, method: gguf, type: Q8_0}\n"
+                                "  - {name: q8-b, method: gguf, type: Q8_0, kv_cache: int8}\n",
+                          extra="gate: {reference: bf16, rules: {max_kld_mean: 100.0}}", load=False)
+    env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_LLAMA_CONVERTER_DIR=str(SHARED_CONVERTER),
+               QEVAL_TEST_PROBE_SIGNAL=ok[0].name, QEVAL_TEST_CRASH="q8-b:quality:mid:SIGILL")
+    env.pop("QEVAL_LLAMA_CPU_VARIANT", None)
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, env=env, timeout=1500)
+    assert p.returncode == 1, p.stderr[-3000:]  # the killed candidate fails the gate; nothing crashed
+    run_dir = next((tmp_path / "res" / "tiny").iterdir())
+    passed = f"{ok[0].name}: SIGILL (illegal instruction) in the probe"
+    env_stage = json.loads((run_dir / "stages" / "_run.env.json").read_text())
+    assert env_stage["llama_cpu"]["variant"] == ok[1].name and env_stage["llama_cpu"]["passed_over"] == [passed]
+    q8 = json.loads((run_dir / "tiers" / "q8.json").read_text())
+    assert q8["status"] == "ok" and q8["quality"]["fidelity"]["kld_mean"] >= 0
+    assert q8["runtime"]["cpu_variant"] == ok[1].name and q8["runtime"]["passed_over"] == [passed]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert [(e["cpu_variant"], e["passed_over"]) for e in run["llama_cpp"]] == [(ok[1].name, [passed])]
+    why = (f"quality process killed by SIGILL (illegal instruction) in llama.cpp's CPU backend {ok[1].name}: "
+           "a kernel used an instruction this CPU does not execute")
+    killed = json.loads((run_dir / "tiers" / "q8-b.json").read_text())
+    assert killed["status"] == "failed" and killed["error"].startswith(why)
+    assert f"FAILED quality q8-b: {why}" in p.stderr  # the progress line (the console is stderr)
+    assert f"[qeval] {why}" in (run_dir / "logs" / "q8-b.quality.log").read_text()
+    gate = json.loads((run_dir / "gate.json").read_text())
+    verdict = {c["tier"]: c for c in gate["candidates"]}
+    assert verdict["q8"]["verdict"] == "pass" and verdict["q8-b"]["verdict"] == "fail"
+    assert why in verdict["q8-b"]["rules"][0]["message"]

@@ -22,6 +22,16 @@ a backend registered and skips ``ggml_backend_load_all``), with llama.cpp's own 
   state, Documentation/arch/x86/xstate.rst; ggml's ``ggml_amx_init`` asks the same but
   too late: a variant's AMX matmul kernels run regardless).
 
+Both checks are necessary and not sufficient: a virtual machine can list AMX, grant it
+through ``arch_prctl`` and still trap its first ``tileloadd`` with SIGILL. So the
+variants that pass them are then *run*: best first, each in a child process, a probe
+(:func:`probe_variant`: the variant loaded alone, a tiny Q4_K_M model with a ``q8_0`` KV
+cache and flash attention, one 32-token prefill and four decode steps, the kernels the
+GGUF tiers use) must exit cleanly; the first that does is chosen, and the ones passed over
+say why (``zen4: SIGILL in the probe``). The verdicts are cached per machine in
+``$QEVAL_CACHE/llama_cpu_probe/<key>.json`` (key: the cpuinfo flags, the AMX grant and
+the variant modules' sizes and times: the library build), so one machine probes once.
+
 Nothing else is excluded. A build without variant modules (llama-cpp-python built the
 old way, ``GGML_BACKEND_DL=OFF``) has its CPU backend linked in: nothing is selected and
 the record says ``built-in``.
@@ -34,9 +44,15 @@ from __future__ import annotations
 
 import ctypes
 import _ctypes  # dlclose: ctypes has no public unload
+import hashlib
+import json
+import os
 import platform
 import re
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -283,6 +299,280 @@ def _features(ggml: Any, reg: int) -> dict[str, str]:
     return out
 
 
+# ---- the probe: a variant is chosen by running it -----------------------------------------
+
+PROBE_VERSION = 1
+"""Part of the probe cache key: bump when the probe runs other kernels."""
+PROBE_TIMEOUT_S = 120.0
+#: Test fault at a named point (never set in normal use): ``VARIANT[:SIGNAL]`` makes the probe
+#: child of that variant kill itself with SIGNAL (default SIGILL) right after the variant is
+#: loaded, as an AMX kernel on a virtual machine that lists AMX but cannot run it does.
+PROBE_FAULT_ENV = "QEVAL_TEST_PROBE_SIGNAL"
+#: ``0`` turns the probe off (the choice is then by cpuinfo and the AMX grant alone).
+PROBE_ENV = "QEVAL_LLAMA_CPU_PROBE"
+#: A variant name: run that one and no other (the user's way out when a variant traps).
+VARIANT_ENV = "QEVAL_LLAMA_CPU_VARIANT"
+
+
+def signal_text(rc: int) -> str:
+    """:func:`qeval.failures.signal_text` (``SIGILL (illegal instruction)`` for ``-4``);
+    where qeval is not importable (this file run by path before it is installed), the
+    signal's name alone."""
+    try:
+        from qeval.failures import signal_text as text  # optional: absent when run by path before install
+    except ImportError:
+        try:
+            return signal.Signals(-rc).name if rc < 0 else f"exit {rc}"
+        except ValueError:
+            return f"signal {-rc}"
+    return text(rc)
+
+
+def _cache_root() -> Path:
+    """``$QEVAL_CACHE`` or ``~/.cache/qeval`` (as :func:`qeval.paths.cache_root`; this module
+    imports the standard library only)."""
+    env = os.environ.get("QEVAL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qeval"
+
+
+def probe_key(flags: Iterable[str], amx_ok: bool, mods: Iterable[tuple[str, Path]]) -> str:
+    """Cache key of a machine's probe verdicts: sha256 over the cpuinfo flags, the AMX grant,
+    every variant module's name, size and modification time (the library build) and
+    :data:`PROBE_VERSION`; 16 hex digits."""
+    def stat(p: Path) -> list:
+        try:
+            st = p.stat()
+            return [st.st_size, st.st_mtime_ns]
+        except OSError:
+            return [None, None]
+    src = json.dumps([sorted(flags), bool(amx_ok), [[n, *stat(Path(p))] for n, p in mods], PROBE_VERSION])
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def probe_cache_file(key: str) -> Path:
+    """``$QEVAL_CACHE/llama_cpu_probe/<key>.json``."""
+    return _cache_root() / "llama_cpu_probe" / f"{key}.json"
+
+
+def _read_verdicts(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): dict(v) for k, v in data.get("verdicts", {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _write_verdicts(path: Path, verdicts: dict[str, dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"verdicts": verdicts, "machine": platform.node(), "probe_version": PROBE_VERSION},
+                              indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def probe_variant(llama_cpp_dir: Path, variant: str, timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """Run ``variant`` in a child process (``python ggml_cpu.py --probe VARIANT DIR``:
+    :func:`_probe_child`) and say whether it ran.
+
+    Returns:
+        ``{"variant", "ok": bool, "reason": None | "SIGILL (illegal instruction) in the probe"
+        | "exit 1 in the probe: <last line>" | "probe timed out after 120 s", "seconds"}``.
+        A probe that could not be made (no ``gguf`` package to write its model) is
+        ``ok: None`` with the reason: nothing is known about the variant.
+    """
+    t0 = time.time()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", variant, str(llama_cpp_dir)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "ok": False, "reason": f"probe timed out after {timeout:.0f} s",
+                "seconds": round(time.time() - t0, 2)}
+    secs = round(time.time() - t0, 2)
+    if p.returncode == 0:
+        return {"variant": variant, "ok": True, "reason": None, "seconds": secs}
+    last = [ln.strip() for ln in (p.stderr or "").splitlines() if ln.strip()]
+    if p.returncode == _PROBE_UNAVAILABLE:
+        return {"variant": variant, "ok": None, "reason": f"not probed: {last[-1] if last else 'no reason'}",
+                "seconds": secs}
+    why = signal_text(p.returncode) + " in the probe"
+    if p.returncode > 0 and last:
+        why += f": {last[-1][:200]}"
+    return {"variant": variant, "ok": False, "reason": why, "seconds": secs}
+
+
+_PROBE_UNAVAILABLE = 3  # the probe child's exit code when it cannot build its model
+
+
+def _probe_model(folder: Path) -> Path:
+    """A tiny Q4_K_M llama GGUF for the probe (``probe-q4_k_m-v<N>.gguf`` in ``folder``), made
+    once: an F32 model written with gguf-py (1 layer, hidden 256, 4 heads, 2 KV heads, FFN
+    512, a 259-token SentencePiece vocabulary of byte tokens; seeded random weights), then
+    quantized by llama.cpp's own ``llama_model_quantize`` (Q4_K and Q6_K blocks, as a
+    Q4_K_M model of any size).
+
+    Raises:
+        ImportError: gguf-py or numpy is not installed.
+        RuntimeError: llama.cpp's quantizer failed.
+    """
+    out = folder / f"probe-q4_k_m-v{PROBE_VERSION}.gguf"
+    if out.is_file():
+        return out
+    import gguf  # optional: qeval's gguf extra; the probe is skipped without it
+    import numpy as np  # optional: installed with gguf; this module imports the standard library only
+    import llama_cpp  # optional: the probe runs only where llama-cpp-python is installed
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    n_embd, n_ff, n_head, n_kv, n_vocab = 256, 512, 4, 2, 259
+    head = n_embd // n_head
+    f32 = folder / f".probe-f32.{os.getpid()}.gguf"
+    w = gguf.GGUFWriter(str(f32), "llama")
+    w.add_name("qeval-probe")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # ALL_F32
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)])
+    w.add_token_scores([0.0] * n_vocab)
+    w.add_token_types([2, 3, 3] + [6] * 256)  # UNKNOWN, CONTROL, CONTROL, BYTE
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def t(name: str, *shape: int) -> None:  # numpy shape (rows, cols) = ggml (ne1, ne0)
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+    t("token_embd.weight", n_vocab, n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    t("blk.0.attn_q.weight", n_embd, n_embd)
+    t("blk.0.attn_k.weight", n_kv * head, n_embd)
+    t("blk.0.attn_v.weight", n_kv * head, n_embd)
+    t("blk.0.attn_output.weight", n_embd, n_embd)
+    t("blk.0.ffn_gate.weight", n_ff, n_embd)
+    t("blk.0.ffn_up.weight", n_ff, n_embd)
+    t("blk.0.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp = folder / f".probe-q4.{os.getpid()}.gguf"
+    try:
+        qp = llama_cpp.llama_model_quantize_default_params()
+        qp.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        qp.nthread = 1
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(qp)) != 0:
+            raise RuntimeError("llama_model_quantize failed on the probe model")
+        os.replace(tmp, out)
+    finally:
+        f32.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _probe_child(variant: str, llama_cpp_dir: Path) -> int:
+    """The probe's child process: load ``variant`` alone, then run the kernels of a GGUF tier
+    (a Q4_K_M model, ``q8_0`` K and V with flash attention, a 32-token prefill in one batch
+    and 4 single-token decodes, 1 thread). Exit 0 when it ran; a trapping kernel kills
+    this process with its signal (the parent reads it from the return code)."""
+    load_backends(llama_cpp_dir, only=variant)
+    fault = os.environ.get(PROBE_FAULT_ENV, "")
+    if fault and fault.split(":")[0] == variant:
+        sig = signal.Signals[fault.split(":")[1]] if ":" in fault else signal.SIGILL
+        print(f"[qeval] test fault {PROBE_FAULT_ENV} in the probe of {variant}: {sig.name}", file=sys.stderr, flush=True)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    try:
+        model_path = _probe_model(_cache_root() / "llama_cpu_probe")
+    except ImportError as e:
+        print(f"cannot write the probe model ({e})", file=sys.stderr)
+        return _PROBE_UNAVAILABLE
+    import llama_cpp as L  # optional: the probe runs only where llama-cpp-python is installed
+
+    quiet = L.llama_log_callback(lambda level, text, user: None)  # kept alive: llama.cpp calls it later
+    L.llama_log_set(quiet, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+    if not model:
+        print("llama.cpp cannot load the probe model", file=sys.stderr)
+        return 1
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 64
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    cp.type_k = cp.type_v = L.GGML_TYPE_Q8_0
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        print("llama.cpp cannot create the probe context", file=sys.stderr)
+        return 1
+    ids = [3 + (i * 37) % 256 for i in range(32)]
+    arr = (L.llama_token * len(ids))(*ids)
+    if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(ids))) != 0:
+        print("llama_decode failed on the probe prefill", file=sys.stderr)
+        return 1
+    for i in range(4):
+        one = (L.llama_token * 1)(3 + i)
+        if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
+            print("llama_decode failed on a probe decode step", file=sys.stderr)
+            return 1
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return 0
+
+
+def probe_enabled() -> bool:
+    """The probe runs unless ``QEVAL_LLAMA_CPU_PROBE=0``."""
+    return os.environ.get(PROBE_ENV, "1") != "0"
+
+
+def run_probes(llama_cpp_dir: Path, cands: list[Candidate], flags: frozenset[str], amx_ok: bool,
+               probe: Callable[[Path, str], dict] = probe_variant) -> list[dict]:
+    """Probe the allowed candidates best first (llama.cpp's score) until one runs; cached
+    verdicts are reused and new ones written to :func:`probe_cache_file`. Marks each
+    candidate that failed its probe ``excluded`` with the probe's reason.
+
+    Args:
+        probe: ``(llama_cpp_dir, variant) -> verdict`` (default :func:`probe_variant`).
+
+    Returns:
+        The verdicts consulted, best first (``{"variant", "ok", "reason", "seconds",
+        "cached"}``).
+    """
+    path = probe_cache_file(probe_key(flags, amx_ok, [(c.name, c.path) for c in cands]))
+    known = _read_verdicts(path)
+    out: list[dict] = []
+    changed = False
+    for c in sorted((c for c in cands if c.excluded is None), key=lambda c: -c.score):
+        v = known.get(c.name)
+        if v is None or v.get("ok") is None:
+            v = probe(llama_cpp_dir, c.name)
+            if v.get("ok") is not None:
+                known[c.name] = v
+                changed = True
+            v = dict(v, cached=False)
+        else:
+            v = dict(v, cached=True)
+        out.append(v)
+        if v.get("ok") is False:
+            c.excluded = str(v.get("reason") or "failed in the probe")
+            continue
+        break  # ran (or could not be probed: judged by flags alone)
+    if changed:
+        try:
+            _write_verdicts(path, known)
+        except OSError:
+            pass  # a read-only cache: the probe runs again next time
+    return out
+
+
 @dataclass
 class Selection:
     """What :func:`load_backends` did: ``variant`` (``zen4``; ``built-in`` when the CPU
@@ -293,6 +583,14 @@ class Selection:
     candidates: list[dict] = field(default_factory=list)
     amx_granted: bool | None = None
     others: list[str] = field(default_factory=list)
+    probes: list[dict] = field(default_factory=list)
+
+    def passed_over(self) -> list[str]:
+        """``["zen4: SIGILL (illegal instruction) in the probe", ...]``: the variants that
+        llama.cpp's score ranks above the chosen one, and why each was not run."""
+        chosen = next((c["score"] for c in self.candidates if c["variant"] == self.variant), None)
+        return [f"{c['variant']}: {c['excluded']}" for c in sorted(self.candidates, key=lambda c: -c["score"])
+                if c["excluded"] and (chosen is None or c["score"] > chosen)]
 
 
 _SELECTION: Selection | None = None
@@ -305,16 +603,54 @@ def lib_dirs(llama_cpp_dir: Path) -> list[Path]:
     return [llama_cpp_dir / "lib", site / "bin", site / "lib"]
 
 
+def select_variant(llama_cpp_dir: Path, *, amx_ok: bool | None = None, flags: frozenset[str] | None = None,
+                   probe: bool | None = None, only: str | None = None) -> tuple[Selection, Candidate | None]:
+    """Choose the CPU variant without registering any backend (the run's environment stage
+    calls it before the first GGUF stage; :func:`load_backends` then loads the choice):
+    llama.cpp's score of each variant module, :func:`judge`, then the probes
+    (:func:`run_probes`) or the one variant ``only`` names. Arguments as :func:`load_backends`.
+
+    Returns:
+        ``(selection, chosen candidate or None)``; the selection's ``variant`` is the choice
+        (None when nothing may run), ``candidates`` and ``probes`` say why.
+    """
+    _ggml(llama_cpp_dir / "lib")  # libggml and libggml-base mapped: the variant modules link to them
+    sel = Selection()
+    mods = variant_modules(lib_dirs(llama_cpp_dir))
+    sel.amx_granted = amx_granted() if amx_ok is None else amx_ok
+    fl = cpu_flags() if flags is None else flags
+    cands = judge([Candidate(n, p, _score(p)) for n, p in mods], fl, sel.amx_granted)
+    only = only or os.environ.get(VARIANT_ENV) or None
+    if only is not None:
+        cands = [c for c in cands if c.name == only]
+        if not cands:
+            raise RuntimeError(f"no CPU variant {only!r} in this llama-cpp-python build "
+                               f"(built: {', '.join(n for n, _ in mods)})")
+    elif probe if probe is not None else probe_enabled():
+        sel.probes = run_probes(llama_cpp_dir, cands, fl, bool(sel.amx_granted))
+    sel.candidates = [{"variant": c.name, "score": c.score, "excluded": c.excluded} for c in cands]
+    best = choose(cands)
+    if best is not None:
+        sel.variant, sel.path = best.name, str(best.path)
+    return sel, best
+
+
 def load_backends(llama_cpp_dir: Path, *, amx_ok: bool | None = None,
-                  flags: frozenset[str] | None = None) -> Selection:
+                  flags: frozenset[str] | None = None, probe: bool | None = None,
+                  only: str | None = None) -> Selection:
     """Register ggml's backends in this process before llama.cpp does (once per process):
-    the best CPU variant this machine may run (module notes) and every other backend
-    module (GPU) found. Without variant modules (a build with the CPU backend linked in)
-    nothing is loaded and the selection says ``built-in``.
+    the best CPU variant this machine may run and that ran its probe (module notes;
+    :func:`run_probes`, verdicts cached per machine) and every other backend module (GPU)
+    found. Without variant modules (a build with the CPU backend linked in) nothing is
+    loaded and the selection says ``built-in``.
 
     Args:
         llama_cpp_dir: the ``llama_cpp`` package folder (``llama_cpp/lib`` beside it).
         amx_ok, flags: the AMX grant and cpuinfo flags (default: asked of this machine).
+        probe: run (or read) the probes; default :func:`probe_enabled`. ``make setup``'s
+            check passes False (qeval's dependencies are not installed yet).
+        only: load this variant and no other (the probe child; default
+            ``$QEVAL_LLAMA_CPU_VARIANT``), judged all the same and not probed.
 
     Raises:
         RuntimeError: variant modules exist but none may run on this machine.
@@ -335,14 +671,10 @@ def load_backends(llama_cpp_dir: Path, *, amx_ok: bool | None = None,
         _SELECTION = sel
         return sel
     ggml = _ggml(llama_cpp_dir / "lib")
-    sel.amx_granted = amx_granted() if amx_ok is None else amx_ok
-    fl = cpu_flags() if flags is None else flags
-    cands = judge([Candidate(n, p, _score(p)) for n, p in mods], fl, sel.amx_granted)
-    sel.candidates = [{"variant": c.name, "score": c.score, "excluded": c.excluded} for c in cands]
-    best = choose(cands)
+    sel, best = select_variant(llama_cpp_dir, amx_ok=amx_ok, flags=flags, probe=probe, only=only)
     if best is None:
         raise RuntimeError("none of llama.cpp's CPU variants may run on this machine: "
-                           + "; ".join(f"{c.name}: {c.excluded}" for c in cands))
+                           + "; ".join(f"{c['variant']}: {c['excluded']}" for c in sel.candidates))
     for p in other_backend_modules(dirs):
         if ggml.ggml_backend_load(str(p).encode()):
             sel.others.append(p.name)
@@ -359,7 +691,8 @@ def describe(llama_cpp_dir: Path) -> dict:
     ``{"cpu_variant": "zen4" | "built-in", "cpu_variant_path": str | None,
     "instruction_sets": ["AVX", "AVX2", ..., "AVX512_BF16"], "cpu_features": {name: value},
     "devices": ["CPU (AMD EPYC ...)", ...], "amx_granted": bool | None,
-    "variants": [{"variant", "score", "excluded"}]}``; ``instruction_sets`` are the
+    "variants": [{"variant", "score", "excluded"}], "passed_over": ["zen4: SIGILL
+    (illegal instruction) in the probe"], "probes": [...]}``; ``instruction_sets`` are the
     features of the CPU backend that ran whose value is "1" (ggml_backend_get_features).
     """
     sel = _SELECTION or Selection(variant="built-in")
@@ -378,7 +711,8 @@ def describe(llama_cpp_dir: Path) -> dict:
     return {"cpu_variant": sel.variant, "cpu_variant_path": sel.path,
             "instruction_sets": [k for k in ISA_FEATURES if feats.get(k) == "1"],
             "cpu_features": feats, "devices": devices, "amx_granted": sel.amx_granted,
-            "variants": sel.candidates, "other_backends": sel.others}
+            "variants": sel.candidates, "other_backends": sel.others,
+            "passed_over": sel.passed_over(), "probes": sel.probes}
 
 
 def check_installed(gpu: bool = False) -> str:
@@ -395,7 +729,7 @@ def check_installed(gpu: bool = False) -> str:
     except ImportError as e:
         raise RuntimeError(f"llama-cpp-python is not installed ({e})") from None
     here = Path(llama_cpp.__file__).resolve().parent
-    sel = load_backends(here)
+    sel = load_backends(here, probe=False)  # qeval's dependencies (gguf) may not be installed yet
     if sel.variant == "built-in":
         raise RuntimeError(f"{here} has no CPU variant modules (libggml-cpu-*.so): built without GGML_BACKEND_DL")
     if gpu and not llama_cpp.llama_supports_gpu_offload():
@@ -403,12 +737,35 @@ def check_installed(gpu: bool = False) -> str:
     return str(sel.variant)
 
 
+def _print_choice() -> int:
+    try:
+        import llama_cpp  # optional: the qeval[gguf] extra
+    except ImportError as e:
+        print(f"llama-cpp-python is not installed ({e})", file=sys.stderr)
+        return 1
+    try:
+        sel = load_backends(Path(llama_cpp.__file__).resolve().parent)
+    except RuntimeError as e:
+        print(f"llama-cpp-python: {e}", file=sys.stderr)
+        return 1
+    print(sel.variant)
+    for line in sel.passed_over():
+        print(f"  passed over {line}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``--amx-granted``: exit 0 when this machine grants AMX (prints yes/no);
+    """``--probe VARIANT DIR``: the probe child (:func:`_probe_child`);
+    ``--choose``: probe the installed build's variants (cached) and print the choice and
+    why better ones were passed over; ``--amx-granted``: exit 0 when this machine grants AMX (prints yes/no);
     ``--variant [NAME,...]``: print the variant this machine would run among NAMEs;
     ``--check [--gpu]``: exit 0 when the installed llama-cpp-python loads a CPU variant
     (and offloads to a GPU), printing the variant; exit 1 with the reason otherwise."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--probe"] and len(argv) == 3:
+        return _probe_child(argv[1], Path(argv[2]))
+    if argv[:1] == ["--choose"]:
+        return _print_choice()
     if argv[:1] == ["--check"]:
         try:
             print(check_installed(gpu="--gpu" in argv))
@@ -424,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         built = argv[1].split(",") if len(argv) > 1 else list(VARIANT_FLAGS)
         print(machine_variant(cpu_flags(), amx_granted(), built) or "none")
         return 0
-    print("usage: ggml_cpu.py --amx-granted | --variant [NAME,...] | --check [--gpu]", file=sys.stderr)
+    print("usage: ggml_cpu.py --amx-granted | --variant [NAME,...] | --check [--gpu] | --choose", file=sys.stderr)
     return 2
 
 

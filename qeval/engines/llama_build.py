@@ -67,7 +67,9 @@ def resolve_variants(spec: str, amx_ok: bool | None = None, flags: frozenset[str
     it, so the wheel still serves a machine it was not built on) and the best variant this
     machine may run (:func:`qeval.engines.ggml_cpu.machine_variant`: every instruction set
     listed by the kernel, AMX only when granted; ``x64`` on a machine that lists none of
-    their instruction sets). Each variant costs about 55 s of one core.
+    their instruction sets); where the machine lists AMX, also its best variant without
+    AMX (``zen4`` or ``icelake``...), the fallback when the AMX kernels trap in the run-time
+    probe (:func:`qeval.engines.ggml_cpu.run_probes`). Each variant costs about 55 s of one core.
 
     Args:
         amx_ok, flags: whether AMX is granted and the cpuinfo flags (tests inject them;
@@ -83,7 +85,16 @@ def resolve_variants(spec: str, amx_ok: bool | None = None, flags: frozenset[str
         best = ggml_cpu.machine_variant(ggml_cpu.cpu_flags() if flags is None else flags, ok)
         if best is None:  # no x86 variant known to ggml_cpu at all
             return list(ggml_cpu.DEFAULT_VARIANTS)
-        return ["haswell"] + ([best] if best != "haswell" else [])
+        out = ["haswell"] + ([best] if best != "haswell" else [])
+        fl = ggml_cpu.cpu_flags() if flags is None else flags
+        if best in ggml_cpu.AMX_VARIANTS or set(fl) & set(ggml_cpu.AMX_FLAGS):
+            # a machine that lists AMX may still trap its kernels (a virtual machine that grants
+            # the tile state and dies at the first tileloadd): the probe then passes over the
+            # AMX variant, and this fallback keeps the CPU's AVX-512 instead of AVX2
+            wide = ggml_cpu.machine_variant(fl, False)
+            if wide and wide not in out:
+                out.append(wide)
+        return out
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in ggml_cpu.VARIANT_FLAGS]
     if bad or not names:

@@ -48,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import TierUnavailable
+from ..failures import LLAMA_CPU_MARK
 from .gguf_convert import llama_cpp_version
 from ..osutil import stderr_fd_to
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
@@ -80,7 +81,11 @@ def _llama() -> Any:
         if not _BACKEND_READY:
             _LOG_CB = _make_log_callback()
             llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))  # first: ggml logs the backend it loads
-            ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent)  # before llama.cpp's load_all
+            sel = ggml_cpu.load_backends(Path(llama_cpp.__file__).resolve().parent)  # before llama.cpp's load_all
+            # the stage's log names the kernels it runs: a stage killed by a signal is explained
+            # from it (qeval.failures.signal_reason, LLAMA_CPU_MARK)
+            print(f"{LLAMA_CPU_MARK}{sel.variant} ({sel.path or 'linked in'})"
+                  + "".join(f"; passed over {x}" for x in sel.passed_over()), file=sys.stderr, flush=True)
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
     return llama_cpp
