@@ -447,14 +447,19 @@ def _load(r: Row) -> Cell:
 
 def _backend(r) -> tuple[str, dict]:
     """The engine's backend, with llama.cpp's CPU variant where one ran
-    (``llama.cpp-cpu (zen4)``; the row's ``runtime.cpu_variant``, qeval.engines.ggml_cpu);
-    CSV adds ``cpu_variant`` and ``cpu_instruction_sets``."""
+    (``llama.cpp-cpu (zen4)``; the row's ``runtime.cpu_variant``, qeval.engines.ggml_cpu),
+    and the better variants passed over with why (``haswell; passed over zen4: SIGILL
+    (illegal instruction) in the probe``); CSV adds ``cpu_variant``,
+    ``cpu_instruction_sets`` and ``cpu_passed_over``."""
     rt = r.t.runtime or {}
     variant = rt.get("cpu_variant")
     isa = rt.get("instruction_sets")
-    text = str(r.t.backend or "-") + (f" ({variant})" if variant else "")
+    over = [str(x) for x in rt.get("passed_over") or []]
+    text = str(r.t.backend or "-") + (f" ({variant}" + "".join(f"; passed over {x}" for x in over) + ")"
+                                      if variant else "")
     return text, {"backend": r.t.backend, "cpu_variant": variant,
-                  "cpu_instruction_sets": " ".join(isa) if isa else None}
+                  "cpu_instruction_sets": " ".join(isa) if isa else None,
+                  "cpu_passed_over": "; ".join(over) or None}
 
 
 #: Every column of the tier table, in order (CSV fields follow the same order).
