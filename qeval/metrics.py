@@ -94,12 +94,20 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("pass_ci_low", ("quality", "behaviour", "pass_ci_low"), "share", "max", "pass rate 95% lower bound"),
     Metric("pass_ci_high", ("quality", "behaviour", "pass_ci_high"), "share", "max", "pass rate 95% upper bound"),
     Metric("flip_rate", ("quality", "behaviour", "flip_rate"), "share", "min", "flip rate"),
+    Metric("flips_down", ("quality", "behaviour", "flips_pass_to_fail"), "checks", "min", "pass->fail flips"),
+    Metric("flips_up", ("quality", "behaviour", "flips_fail_to_pass"), "checks", "max", "fail->pass flips"),
+    Metric("n_compared", ("quality", "behaviour", "n_compared"), "checks", "max", "checks paired with the reference"),
+    Metric("n_checks", ("quality", "behaviour", "n_checks"), "checks", "max", "checks decided"),
     Metric("users_at_slo", ("load", "users_at_slo"), "users", "max", "users at SLO"),
     # long-context suite, per document depth (DEPTH: the long_context depth in tokens; the gate's is gate.depth)
     Metric("lc_recall", LC + ("recall",), "share", "max", "long-context recall"),
     Metric("lc_recall_ci_low", LC + ("recall_ci_low",), "share", "max", "long-context recall 95% lower bound"),
     Metric("lc_recall_ci_high", LC + ("recall_ci_high",), "share", "max", "long-context recall 95% upper bound"),
     Metric("lc_flip_rate", LC + ("flip_rate",), "share", "min", "long-context flip rate"),
+    Metric("lc_flips_down", LC + ("flips_pass_to_fail",), "questions", "min", "long-context pass->fail flips"),
+    Metric("lc_flips_up", LC + ("flips_fail_to_pass",), "questions", "max", "long-context fail->pass flips"),
+    Metric("lc_n_compared", LC + ("n_compared",), "questions", "max", "long-context questions paired with the reference"),
+    Metric("lc_n_questions", LC + ("n_questions",), "questions", "max", "long-context questions"),
     Metric("lc_kld_mean", LC + ("fidelity", "kld_mean"), "nats", "min", "KLD mean over the last document tokens",
            reference_value=0.0),
     Metric("lc_same_top_rate", LC + ("fidelity", "same_top_rate"), "share", "max",
@@ -197,6 +205,16 @@ class GateRule:
         ge, gt, le: bounds of the threshold itself (recipe validation).
         description: for the recipe schema.
         missing_hint: said after "missing <figure>" when the candidate lacks it.
+        evidence: how the rule decides (:mod:`qeval.analysis.evidence`): ``paired`` (the
+            candidate's rate against ``threshold x`` the reference's on the same checks:
+            McNemar's exact test on ``counts``' discordant pairs with the suite's power),
+            ``share`` (a share's one-sided exact bounds against the threshold), or None (the
+            figure against the threshold as it is).
+        counts: the metrics of (checks down, checks up, checks paired) for ``evidence``.
+        needs: what the recipe must compute for the figure to exist (``qeval validate``
+            refuses the rule otherwise): ``suites`` (any quality suite: fidelity),
+            ``behaviour`` (a long_output or multi_turn suite), ``long_context`` (a
+            long_context suite at the gate depth), ``load`` (the load sweep), or None.
     """
     name: str
     metric: str
@@ -209,24 +227,37 @@ class GateRule:
     le: float | None = None
     description: str | None = None
     missing_hint: str | None = None
+    evidence: Literal["paired", "share"] | None = None
+    counts: tuple[str, str, str] | None = None
+    needs: Literal["suites", "behaviour", "long_context", "load"] | None = None
 
+
+_BEHAVIOUR_COUNTS = ("flips_down", "flips_up", "n_compared")
+_LC_COUNTS = ("lc_flips_down", "lc_flips_up", "lc_n_compared")
 
 #: Every gate rule, in the order they are checked and reported.
 GATE_RULES: dict[str, GateRule] = {r.name: r for r in (
-    GateRule("max_kld_mean", "kld_mean", "max", ge=0,
+    GateRule("max_kld_mean", "kld_mean", "max", ge=0, needs="suites",
              description="mean KLD (nats) of the tier's next-token distributions against the reference's <= this"),
-    GateRule("min_same_top_rate", "same_top_rate", "min", ge=0, le=1,
+    GateRule("min_same_top_rate", "same_top_rate", "min", ge=0, le=1, needs="suites",
              description="share of scored positions whose most likely token is the reference's >= this (0..1)"),
-    GateRule("max_ppl_ratio", "ppl_ratio", "max", gt=0,
+    GateRule("max_ppl_ratio", "ppl_ratio", "max", gt=0, needs="suites",
              description="perplexity on the reference's tokens / the reference's own perplexity <= this"),
-    GateRule("min_pass_rate_rel", "pass_ci_low", "min", "of_reference", reference_metric="pass_rate", ge=0,
-             description="candidate pass rate's 95% lower bound >= this x reference pass rate"),
-    GateRule("min_recall_rel", "lc_recall_ci_low", "min", "of_reference", reference_metric="lc_recall", ge=0,
-             description="long-context recall's 95% lower bound at the gate depth >= this x the reference's "
-                         "recall there (the gate depth must be a long_context depth)",
+    GateRule("min_pass_rate_rel", "pass_rate", "min", "of_reference", reference_metric="pass_rate", ge=0, le=1,
+             evidence="paired", counts=_BEHAVIOUR_COUNTS, needs="behaviour",
+             description="candidate pass rate >= this x the reference's, decided on the checks both answered "
+                         "(McNemar's exact test on the discordant checks, with the suite's power; "
+                         "gate.insufficient_evidence says what a suite too small to decide does)"),
+    GateRule("min_recall_rel", "lc_recall", "min", "of_reference", reference_metric="lc_recall", ge=0, le=1,
+             evidence="paired", counts=_LC_COUNTS, needs="long_context",
+             description="long-context recall at the gate depth >= this x the reference's recall there, decided "
+                         "on the questions both answered as min_pass_rate_rel (the gate depth must be a "
+                         "long_context depth)",
              missing_hint="no long-context result at the gate depth"),
-    GateRule("max_flip_rate", "flip_rate", "max", ge=0, le=1,
-             description="share of suite checks whose verdict differs from the reference's (either way) <= this"),
+    GateRule("max_flip_rate", "flip_rate", "max", ge=0, le=1, evidence="share", counts=_BEHAVIOUR_COUNTS,
+             needs="behaviour",
+             description="share of suite checks whose verdict differs from the reference's (either way) <= this, "
+                         "decided by its exact one-sided 95% bounds"),
     GateRule("max_peak_memory_gib", "peak_bytes", "max", scale=GIB, gt=0,
              description="model peak memory at the gate depth <= this many GiB (2**30 bytes)"),
     GateRule("max_peak_memory_rel", "peak_bytes", "max", "ratio", gt=0,
@@ -235,13 +266,14 @@ GATE_RULES: dict[str, GateRule] = {r.name: r for r in (
              description="single-stream decode tokens/s at the gate depth >= this"),
     GateRule("min_decode_rel", "decode_tokens_per_s", "min", "ratio", ge=0,
              description="single-stream decode tokens/s at the gate depth / the reference's >= this"),
-    GateRule("max_budget_exhaustion", "budget_exhausted_rate", "max", ge=0, le=1,
+    GateRule("max_budget_exhaustion", "budget_exhausted_rate", "max", ge=0, le=1, needs="behaviour",
              description="share of free-running answers that hit their token budget <= this (0..1)"),
-    GateRule("max_output_tokens_rel", "output_tokens_rel", "max", gt=0,
+    GateRule("max_output_tokens_rel", "output_tokens_rel", "max", gt=0, needs="behaviour",
              description="candidate's mean new tokens per free-running answer / the reference's on the same "
                          "turns <= this (a tier that talks longer serves fewer requests at the same tokens/s)",
              missing_hint="no free-running answers (no long_output or multi_turn suite)"),
     GateRule("min_users_at_slo_rel", "users_at_slo", "min", "of_reference", reference_metric="users_at_slo", ge=0,
+             needs="load",
              description="candidate users at SLO (load sweep) >= this x the reference's",
              missing_hint="no load sweep"),
 )}

@@ -36,7 +36,7 @@ from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, checked_name, pa
 from .engines import engine_names
 from .engines.servers import get_server, server_kinds
 from .errors import QevalInputError
-from .metrics import GATE_RULES, OBJECTIVES, SPEED_OBJECTIVES
+from .metrics import GATE_RULES, METRICS, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
 
 #: Bounds on counts a recipe sets (a value past them is a typo or an attack, not a plan).
@@ -459,6 +459,15 @@ class GateSpec(_Strict):
     quality_metric: Literal[OBJECTIVES] = Field(  # type: ignore[valid-type]
         "kld_mean", description="the quality figure of the Pareto front and the ladder")
     rules: GateRules = Field(default_factory=GateRules)
+    confidence: float = Field(0.95, ge=0.5, lt=1, description="confidence of the behaviour rules' decisions "
+                              "(min_pass_rate_rel, min_recall_rel, max_flip_rate): a damage or a bound must be "
+                              "shown at this level (one-sided)")
+    power: float = Field(0.8, gt=0, lt=1, description="the probability with which a suite must be able to show "
+                         "the damage a behaviour rule guards against; below it the rule has not enough evidence")
+    insufficient_evidence: Literal["fail", "warn", "pass"] = Field(
+        "fail", description="what a behaviour rule whose suite cannot decide does to its candidate: fail (the "
+        "candidate fails, exit 1), warn (it passes, with a warning in the verdict), pass (it passes; the rule "
+        "still says not enough evidence)")
 
 
 class ReportSpec(_Strict):
@@ -902,6 +911,7 @@ def _cross_checks(recipe: Recipe) -> None:
             raise recipe.error(("gate", "candidates", i), f"{c!r} is not a tier (tiers: {', '.join(names)})")
     if g.depth is not None and g.depth not in sp.depths:
         raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
+    _check_rules_computed(recipe)
     if g.rules.min_recall_rel is not None:
         lc = recipe.long_context_depths
         if not lc:
@@ -909,6 +919,31 @@ def _cross_checks(recipe: Recipe) -> None:
         if recipe.gate_depth not in lc:
             raise recipe.error(("gate", "rules", "min_recall_rel"), f"the gate depth {recipe.gate_depth} is not one "
                                f"of the long_context depths {lc}")
+
+
+#: What each ``GateRule.needs`` asks of the recipe, in words, and whether the recipe has it.
+_NEEDS = {
+    "suites": ("a long_output or multi_turn suite (fidelity is scored on their texts)",
+               lambda r: any(s.kind in ("long_output", "multi_turn") for s in r.suites)),
+    "behaviour": ("a long_output or multi_turn suite (free-running answers with checks)",
+                  lambda r: any(s.kind in ("long_output", "multi_turn") for s in r.suites)),
+    "long_context": ("a long_context suite", lambda r: bool(r.long_context_depths)),
+    "load": ("the load sweep (load.enabled: true)", lambda r: bool(r.load.enabled)),
+}
+
+
+def _check_rules_computed(recipe: Recipe) -> None:
+    """A set gate rule whose figure this recipe never computes (``GateRule.needs``) is refused
+    here in one line, instead of running every stage and failing the candidate for a
+    missing figure at the end."""
+    for name, t in recipe.gate.rules.model_dump().items():
+        need = GATE_RULES[name].needs
+        if t is None or need is None:
+            continue
+        what, has = _NEEDS[need]
+        if not has(recipe):
+            raise recipe.error(("gate", "rules", name), f"{name} needs {what}; this recipe computes no "
+                               f"{METRICS[GATE_RULES[name].metric].label}: add one or remove the rule")
 
 
 def _check_workloads(recipe: Recipe) -> None:

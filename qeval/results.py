@@ -523,6 +523,7 @@ class Behaviour(_Closed):
     flips_pass_to_fail: int | None = None
     flips_fail_to_pass: int | None = None
     flip_rate: float | None = None
+    n_compared: int | None = None  # checks decided on both the tier and the reference (the paired test's n)
     budget_exhausted_rate: float | None = None
     thinking_exhausted_rate: float | None = None
     rouge_l: float | None = None
@@ -584,6 +585,7 @@ class LongContextDepth(_Closed):
     flips_pass_to_fail: int | None = None
     flips_fail_to_pass: int | None = None
     flip_rate: float | None = None
+    n_compared: int | None = None  # questions decided on both the tier and the reference
     budget_exhausted_rate: float | None = None
     fidelity: Fidelity | None = None
 
@@ -777,6 +779,10 @@ class GateRuleRow(_Closed):
     value: Any = None
     threshold: Any = None
     message: str = ""
+    # behaviour rules decided on evidence (qeval.analysis.evidence): "pass" | "fail" | "not enough
+    # evidence", and {method, n, p_value, observed, tolerance, detectable, interval, alpha, power, why}
+    outcome: str | None = None
+    evidence: dict[str, Any] | None = None
 
 
 class GateCandidate(_Closed):
@@ -786,6 +792,7 @@ class GateCandidate(_Closed):
     status: str | None = None
     verdict: Literal["pass", "fail", "not run"]  # "not run": left out by --tiers, neither pass nor fail
     failed_rules: list[str] = Field(default_factory=list)
+    undecided_rules: list[str] = Field(default_factory=list)  # rules whose suites could not decide
     rules: list[GateRuleRow] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
@@ -901,6 +908,9 @@ class GateFile(_Closed):
     reference: str
     depth: int
     rules: dict[str, float] = Field(default_factory=dict)
+    confidence: float | None = None  # the behaviour rules' confidence and power (qeval.analysis.evidence)
+    power: float | None = None
+    insufficient_evidence: Literal["fail", "warn", "pass"] | None = None  # what "not enough evidence" does
     noise_floor: GateNoiseFloor | None = None
     warnings: list[str] = Field(default_factory=list)
     judged: int | None = None  # candidates the gate judged (those --tiers asked for)

@@ -40,7 +40,8 @@ def tier(mem_gib=None, dec=None, kld=None, status="ok", **kw):
     for k, v in kw.items():
         if k in ("same_top_rate", "ppl_ratio"):
             t["quality"]["fidelity"][k] = v
-        elif k in ("pass_rate", "pass_ci_low", "flip_rate", "budget_exhausted_rate"):
+        elif k in ("pass_rate", "pass_ci_low", "flip_rate", "budget_exhausted_rate", "flips_pass_to_fail",
+                   "flips_fail_to_pass", "n_compared"):
             t["quality"]["behaviour"][k] = v
         else:
             t[k] = v
@@ -101,11 +102,17 @@ def test_unknown_quality_metric():
 # ---- gate -----------------------------------------------------------------------------------
 
 REF = tier(4.0, 10.0, None, pass_rate=0.80, load={"users_at_slo": 2})
-CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.70, pass_rate=0.78,
-            flip_rate=0.10, budget_exhausted_rate=0.05, load={"users_at_slo": 4})
+# 400 checks paired with the reference: 20 pass->fail, 8 fail->pass (drop 0.03, flip rate 0.07)
+CAND = tier(2.0, 20.0, 0.02, same_top_rate=0.92, ppl_ratio=1.02, pass_ci_low=0.70, pass_rate=0.77,
+            flip_rate=0.07, flips_pass_to_fail=20, flips_fail_to_pass=8, n_compared=400,
+            budget_exhausted_rate=0.05, load={"users_at_slo": 4})
 REF["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.90}, "4096": {"recall": 0.5}}}
-CAND["quality"]["long_context"] = {"depths": {str(D): {"recall": 0.85, "recall_ci_low": 0.75},
-                                              "4096": {"recall": 0.0, "recall_ci_low": 0.0}}}
+# 200 questions paired at the gate depth: 10 down, 2 up (drop 0.04); at 4096 all 100 lost
+CAND["quality"]["long_context"] = {"depths": {
+    str(D): {"recall": 0.86, "recall_ci_low": 0.75, "flips_pass_to_fail": 10, "flips_fail_to_pass": 2,
+             "n_compared": 200, "flip_rate": 0.06},
+    "4096": {"recall": 0.0, "recall_ci_low": 0.0, "flips_pass_to_fail": 50, "flips_fail_to_pass": 0,
+             "n_compared": 100, "flip_rate": 0.5}}}
 CAND["quality"]["output_length"] = {"n_answers": 4, "mean_new_tokens": 90.0, "ref_mean_new_tokens": 60.0,
                                    "mean_ratio": 1.5}
 
@@ -114,9 +121,9 @@ RULE_CASES = {
     "max_kld_mean": (0.03, 0.01),
     "min_same_top_rate": (0.90, 0.95),
     "max_ppl_ratio": (1.05, 1.01),
-    "min_pass_rate_rel": (0.80, 0.90),        # 0.70 >= 0.64 ; 0.70 < 0.72
-    "min_recall_rel": (0.80, 0.90),           # at the gate depth: 0.75 >= 0.72 ; 0.75 < 0.81
-    "max_flip_rate": (0.15, 0.05),
+    "min_pass_rate_rel": (0.90, 0.99),        # drop 0.03 <= 0.08 tolerated (seen from 0.017) ; 0.03 > 0.008, p 0.018
+    "min_recall_rel": (0.90, 0.99),           # at the gate depth: drop 0.04 <= 0.09 ; 0.04 > 0.009, p 0.019
+    "max_flip_rate": (0.15, 0.03),            # 28/400: bounds [0.051, 0.095]
     "max_peak_memory_gib": (2.5, 1.5),
     "max_peak_memory_rel": (0.6, 0.4),        # 2 GiB / 4 GiB = 0.5
     "min_decode_tokens_per_s": (15.0, 25.0),
@@ -144,7 +151,7 @@ def test_each_rule_passes_and_fails(rule):
     bad = _gate({rule: bad_t}).candidate("cand")
     assert not bad.passed
     assert [r.rule for r in bad.failed_rules] == [rule]
-    assert "is not" in bad.failed_rules[0].message
+    assert "is not" in bad.failed_rules[0].message or "FAILS" in bad.failed_rules[0].message
 
 
 def test_boundary_value_passes():
@@ -152,19 +159,22 @@ def test_boundary_value_passes():
     assert r.passed
 
 
-def test_pass_rate_rel_threshold_is_relative_to_reference():
-    res = _gate({"min_pass_rate_rel": 0.8}).candidate("cand").rules[1]
-    assert res.value == 0.70 and res.threshold == pytest.approx(0.64)
-    assert "reference pass rate 0.8" in res.message
+def test_pass_rate_rel_is_paired_with_the_reference_and_its_tolerance_is_relative():
+    res = _gate({"min_pass_rate_rel": 0.9}).candidate("cand").rules[1]
+    assert res.value == pytest.approx(0.03) and res.threshold == pytest.approx(0.08)  # (1 - 0.9) x 0.8
+    assert "reference pass rate 0.800" in res.message and "McNemar exact" in res.message
+    ev = res.evidence
+    assert ev["n"] == 400 and ev["p_value"] == pytest.approx(0.0178, abs=1e-3) and ev["detectable"] < 0.08
+    assert res.outcome == "pass"
 
 
 MISSING = {  # rule -> a CAND copy without the figure it needs
     "max_kld_mean": ("quality", "fidelity", "kld_mean"),
     "min_same_top_rate": ("quality", "fidelity", "same_top_rate"),
     "max_ppl_ratio": ("quality", "fidelity", "ppl_ratio"),
-    "min_pass_rate_rel": ("quality", "behaviour", "pass_ci_low"),
-    "min_recall_rel": ("quality", "long_context", "depths", str(D), "recall_ci_low"),
-    "max_flip_rate": ("quality", "behaviour", "flip_rate"),
+    "min_pass_rate_rel": ("quality", "behaviour", "flips_pass_to_fail"),
+    "min_recall_rel": ("quality", "long_context", "depths", str(D), "flips_pass_to_fail"),
+    "max_flip_rate": ("quality", "behaviour", "flips_fail_to_pass"),
     "max_peak_memory_gib": ("memory", "peak_bytes", str(D)),
     "max_peak_memory_rel": ("memory", "peak_bytes", str(D)),
     "min_decode_tokens_per_s": ("speed", str(D)),
@@ -189,14 +199,14 @@ def test_missing_metric_fails_closed(rule):
 
 
 def test_recall_rel_is_judged_at_the_gate_depth():
-    res = _gate({"min_recall_rel": 0.8}).candidate("cand").rules[1]
-    assert res.value == 0.75 and res.threshold == pytest.approx(0.72)
-    assert f"at depth {D} (quality.long_context.depths.{D}.recall_ci_low)" in res.message
-    assert "reference long-context recall 0.9" in res.message
-    # the candidate's recall at 4096 is 0 and does not count at the gate depth 1024; at 4096 it fails
+    res = _gate({"min_recall_rel": 0.9}).candidate("cand").rules[1]
+    assert res.value == pytest.approx(0.04) and res.threshold == pytest.approx(0.09)
+    assert res.evidence["n"] == 200 and res.passed
+    assert "reference long-context recall 0.900" in res.message
+    # the candidate lost every question at 4096; that does not count at the gate depth 1024; at 4096 it fails
     deep = evaluate_gate(None, typed({"bf16": REF, "cand": CAND}),
                          {"reference": "bf16", "rules": {"min_recall_rel": 0.8}}, 4096).candidate("cand")
-    assert not deep.passed and deep.rules[1].value == 0.0
+    assert not deep.passed and deep.rules[1].value == pytest.approx(0.5) and deep.rules[1].outcome == "fail"
     ref = json.loads(json.dumps(REF))
     del ref["quality"]["long_context"]["depths"][str(D)]
     r = _gate({"min_recall_rel": 0.8}, {"bf16": ref, "cand": CAND}).candidate("cand").rules[1]

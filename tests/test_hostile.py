@@ -330,7 +330,9 @@ add(
     Case("suite-path-nosuchuser", 8, ["validate", "{D}/r.yaml"], 2, ("{D}/r.yaml:6", "suites[0].path", "no such user"),
          files={"r.yaml": GOOD + "suites: [{name: s, path: ~nosuchuser1234/s.jsonl, kind: long_output}]\n"}),
     recipe("control-good", 8, GOOD, 0),
-    recipe("control-float-1e-3", 8, GOOD + "gate: {rules: {max_kld_mean: 1e-3}}\n", 0),
+    recipe("control-float-1e-3", 8, GOOD + "gate: {rules: {min_decode_rel: 1e-3}}\n", 0),
+    recipe("rule-never-computed", 8, GOOD + "gate: {rules: {max_kld_mean: 0.5}}\n", 2,
+           "{D}/r.yaml", "gate.rules.max_kld_mean", "needs a long_output or multi_turn suite"),
 )
 
 # ---- 9. messages --------------------------------------------------------------------------

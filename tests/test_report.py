@@ -230,10 +230,17 @@ def test_plots_without_data():
 def test_report_needs_no_torch(tmp_path):
     d = tmp_path / "r"
     shutil.copytree(FIXTURE, d)
-    code = ("import sys; sys.modules['torch'] = None\n"   # any 'import torch' now raises
+    # any 'import torch' now raises ImportError (a finder, not sys.modules['torch'] = None: scipy
+    # reads sys.modules['torch'] to recognise tensors and would trip on a None there)
+    code = ("import sys\n"
+            "class NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError('torch is blocked in this test')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
             "from qeval.report import rebuild_outputs\n"
             f"o = rebuild_outputs({str(d)!r})\n"
-            "assert 'transformers' not in sys.modules\n"
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules\n"
             "print(o.exit_code())\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, timeout=120)

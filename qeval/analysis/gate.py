@@ -41,6 +41,7 @@ from ..metrics import GATE_RULES, GIB, METRICS, GateRule
 from ..metrics import value as metric_value
 from ..recipe import GateSpec, LoadSpec, ParetoSpec, ReportSpec, SpeedSpec, validation_error
 from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, get_path, load_run, short_error
+from .evidence import FAIL, INSUFFICIENT, PASS, paired_rate_rule, share_rule
 from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, rule_below_floor
 
 #: Rule names in the order they are checked and reported (qeval.metrics.GATE_RULES).
@@ -65,12 +66,24 @@ class RuleResult:
         threshold: the bound the value is compared with (for ``min_pass_rate_rel``:
             rule x reference pass rate; None when it cannot be formed).
         message: one line a person can read.
+        outcome: ``pass``, ``fail`` or ``not enough evidence`` for the rules decided on
+            evidence (:mod:`qeval.analysis.evidence`), else None (``passed`` says it all).
+        evidence: :meth:`qeval.analysis.evidence.Evidence.to_dict` (method, p-value,
+            tolerance, detectable damage, ...) for those rules, else None.
     """
     rule: str
     passed: bool
     value: Any
     threshold: Any
     message: str
+    outcome: str | None = None
+    evidence: dict | None = None
+
+    @property
+    def undecided(self) -> bool:
+        """The rule's suite could not decide (``not enough evidence``); ``passed`` then
+        follows the recipe's ``gate.insufficient_evidence``."""
+        return self.outcome == INSUFFICIENT
 
 
 @dataclass
@@ -99,6 +112,11 @@ class CandidateVerdict:
     def failed_rules(self) -> list[RuleResult]:
         return [r for r in self.rules if not r.passed]
 
+    @property
+    def undecided_rules(self) -> list[RuleResult]:
+        """Rules whose suites could not decide (``not enough evidence``)."""
+        return [r for r in self.rules if r.undecided]
+
 
 @dataclass
 class GateReport:
@@ -111,6 +129,9 @@ class GateReport:
         candidates: one :class:`CandidateVerdict` per candidate, in recipe order.
         noise_floor: the measured floor used for the notes (None: not measured).
         warnings: lines about the gate itself (a KLD rule below the floor).
+        insufficient_evidence: the recipe's policy for a rule its suites cannot decide
+            (``fail``, ``warn``, ``pass``).
+        confidence, power: the behaviour rules' level and required power.
     """
     reference: str
     depth: int
@@ -118,6 +139,9 @@ class GateReport:
     candidates: list[CandidateVerdict] = field(default_factory=list)
     noise_floor: NoiseFloor | None = None
     warnings: list[str] = field(default_factory=list)
+    insufficient_evidence: str = "fail"
+    confidence: float = 0.95
+    power: float = 0.8
 
     @property
     def judged(self) -> list[CandidateVerdict]:
@@ -148,7 +172,10 @@ class GateReport:
         n, total = len(self.judged), len(self.candidates)
         over = f"over {n} candidate{'s' if n != 1 else ''}" if n == total else f"over {n} of {total} candidates"
         skipped = f" (not run, --tiers: {', '.join(self.not_run)})" if self.not_run else ""
-        return f"gate: {'PASS' if self.passed else 'FAIL'} {over}{skipped} (exit {self.exit_code()})"
+        n_und = sum(len(c.undecided_rules) for c in self.judged)
+        undecided = (f"; {n_und} rule{'s' if n_und != 1 else ''} without enough evidence "
+                     f"({self.insufficient_evidence})" if n_und else "")
+        return f"gate: {'PASS' if self.passed else 'FAIL'} {over}{skipped}{undecided} (exit {self.exit_code()})"
 
     def candidate(self, tier: str) -> CandidateVerdict:
         """The verdict for ``tier``; KeyError if it was not a candidate."""
@@ -169,6 +196,8 @@ class GateReport:
             "reference": self.reference,
             "depth": self.depth,
             "rules": dict(self.rules),
+            "confidence": self.confidence, "power": self.power,
+            "insufficient_evidence": self.insufficient_evidence,
             "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
             "warnings": list(self.warnings),
             "judged": len(self.judged),
@@ -176,6 +205,7 @@ class GateReport:
             "candidates": [
                 {"tier": c.tier, "status": c.status, "verdict": c.verdict,
                  "failed_rules": [r.rule for r in c.failed_rules],
+                 "undecided_rules": [r.rule for r in c.undecided_rules],
                  "rules": [asdict(r) for r in c.rules], "notes": list(c.notes)}
                 for c in self.candidates],
         }
@@ -278,9 +308,64 @@ def _what(rule: GateRule, depth: int, reference: str | None = None) -> str:
     return f"{m.label}{unit}{at} ({m.where(depth)})"
 
 
+def _paired_counts(rule: GateRule, cand: TierResult, depth: int) -> tuple[int, int, int] | None:
+    """``(down, up, paired)`` of a rule decided on evidence (:attr:`GateRule.counts`). Results
+    written before ``n_compared`` existed give it as (down + up) / flip rate, or the decided
+    checks when nothing flipped. None when the flips are missing."""
+    down_m, up_m, n_m = rule.counts  # type: ignore[misc]
+    b, c = metric_value(cand, down_m, depth), metric_value(cand, up_m, depth)
+    if b is None or c is None:
+        return None
+    n = metric_value(cand, n_m, depth)
+    if n is None:
+        rate = metric_value(cand, "lc_flip_rate" if n_m.startswith("lc_") else "flip_rate", depth)
+        if rate:
+            n = round((b + c) / rate)
+        else:
+            n = metric_value(cand, "lc_n_questions" if n_m.startswith("lc_") else "n_checks", depth)
+    if n is None:
+        return None
+    return int(b), int(c), int(n)
+
+
+def _evidence_rule(rule: GateRule, t: float, cand: TierResult, ref: TierResult | None, ref_name: str, depth: int,
+                   spec: GateSpec) -> RuleResult:
+    """A behaviour rule decided on evidence (:mod:`qeval.analysis.evidence`): a missing
+    figure fails closed; ``not enough evidence`` passes or fails by ``spec.insufficient_evidence``."""
+    alpha = 1.0 - spec.confidence
+    counts = _paired_counts(rule, cand, depth)
+    if counts is None:
+        miss = f"missing the flips against the reference ({METRICS[rule.counts[0]].where(depth)})"  # type: ignore[index]
+        return RuleResult(rule.name, False, None, t, miss + (f": {rule.missing_hint}" if rule.missing_hint else ""))
+    b, c, n = counts
+    if rule.evidence == "share":
+        ev = share_rule(b + c, n, t, alpha=alpha, power=spec.power)
+        value, threshold = ev.observed, t
+    else:
+        if ref is None or ref.status != STATUS_OK:
+            why = "has no result" if ref is None else f"has status {ref.status}"
+            return RuleResult(rule.name, False, None, None, f"reference tier {ref_name!r} {why}, so "
+                                                            f"{rule.name} has no reference rate")
+        rm = METRICS[rule.reference_metric]  # type: ignore[index]
+        r = metric_value(ref, rm.name, depth)
+        if r is None:
+            return RuleResult(rule.name, False, None, None, f"reference tier {ref_name!r} lacks {rm.where(depth)}")
+        ev = paired_rate_rule(b, c, n, r, t, alpha=alpha, power=spec.power, what=rm.label)
+        value, threshold = ev.observed, ev.tolerance
+    if ev.outcome == INSUFFICIENT:
+        passed = spec.insufficient_evidence != "fail"
+        msg = f"{rule.name}: not enough evidence ({spec.insufficient_evidence}): {ev.why}"
+    else:
+        passed = ev.outcome == PASS
+        msg = f"{rule.name}: {'ok' if passed else 'FAILS'}: {ev.why}"
+    return RuleResult(rule.name, passed, value, threshold, msg, outcome=ev.outcome, evidence=ev.to_dict())
+
+
 def _check_rule(rule: GateRule, t: float, cand: TierResult, ref: TierResult | None, ref_name: str,
-                depth: int) -> RuleResult:
+                depth: int, spec: GateSpec | None = None) -> RuleResult:
     """Apply one rule (:data:`qeval.metrics.GATE_RULES`) with threshold ``t`` to a candidate."""
+    if rule.evidence is not None:
+        return _evidence_rule(rule, t, cand, ref, ref_name, depth, spec or GateSpec())
     ref_ok = ref is not None and ref.status == STATUS_OK
 
     def ref_missing() -> str | None:
@@ -374,7 +459,9 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
         names = list(spec.candidates)
     else:
         names = [n for n in tier_order(recipe, tiers) if n != ref_name]
-    report = GateReport(reference=ref_name, depth=int(depth), rules=set_rules, noise_floor=noise_floor)
+    report = GateReport(reference=ref_name, depth=int(depth), rules=set_rules, noise_floor=noise_floor,
+                        insufficient_evidence=spec.insufficient_evidence, confidence=spec.confidence,
+                        power=spec.power)
     below = rule_below_floor(set_rules, noise_floor)
     if below:
         report.warnings.append(below)
@@ -403,7 +490,7 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
                                                 f"not judged: tier has {short}"))
             else:
                 verdict.rules.append(_check_rule(GATE_RULES[rule], float(set_rules[rule]), cand,  # type: ignore[arg-type]
-                                                 ref, ref_name, int(depth)))
+                                                 ref, ref_name, int(depth), spec))
         if why is None:
             _floor_notes(verdict, cand, noise_floor, below)  # type: ignore[arg-type]
         report.candidates.append(verdict)

@@ -113,7 +113,8 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
         ref_segments: the reference's segments keyed by ``(item, turn)``.
     Returns:
         dict with pass_rate, pass_ci_low/high, n_checks, flips_pass_to_fail,
-        flips_fail_to_pass, flip_rate, budget_exhausted_rate, thinking_exhausted_rate,
+        flips_fail_to_pass, flip_rate, n_compared (checks decided on both sides: the paired
+        test's n), budget_exhausted_rate, thinking_exhausted_rate,
         rouge_l, chrf, first_divergence_mean, identical_rate, n_items, n_answers,
         checks_timed_out.
     """
@@ -150,7 +151,7 @@ def summarise_behaviour(tier_segments: list[dict], ref_segments: dict[tuple, dic
         "pass_rate": rate, "pass_ci_low": lo, "pass_ci_high": hi,
         "n_checks": int(sum(len(v) for v in by_item.values())),
         "flips_pass_to_fail": p2f, "flips_fail_to_pass": f2p,
-        "flip_rate": (p2f + f2p) / compared if compared else None,
+        "flip_rate": (p2f + f2p) / compared if compared else None, "n_compared": compared,
         "budget_exhausted_rate": sum(not s["finished"] for s in tier_segments) / n if n else None,
         "thinking_exhausted_rate": (sum(thinking_exhausted(s["text"], s["finished"], s.get("reasoning"))
                                         for s in tier_segments) / n if n else None),

@@ -828,7 +828,8 @@ def summarise_long_context(segments: list[dict], ref_by_key: dict[tuple, dict] |
     Returns:
         ``{"depths": {"<depth>": {recall, recall_ci_low, recall_ci_high (percentile bootstrap
         95 % interval resampling items, as for the other suites), n_questions, n_items,
-        by_kind {kind: share passed}, flips_pass_to_fail, flips_fail_to_pass, flip_rate
+        by_kind {kind: share passed}, flips_pass_to_fail, flips_fail_to_pass, flip_rate,
+        n_compared (questions decided on both sides; None for the reference)
         (Dutta et al. 2024, arXiv:2407.09141), budget_exhausted_rate, fidelity}}}``.
     """
     out: dict[str, dict] = {}
@@ -854,6 +855,7 @@ def summarise_long_context(segments: list[dict], ref_by_key: dict[tuple, dict] |
                "flips_pass_to_fail": p2f if ref_by_key is not None else None,
                "flips_fail_to_pass": f2p if ref_by_key is not None else None,
                "flip_rate": (p2f + f2p) / compared if compared else None,
+               "n_compared": compared if ref_by_key is not None else None,
                "budget_exhausted_rate": sum(not s["finished"] for s in segs) / len(segs),
                "fidelity": (fidelity or {}).get(d)}
         out[str(d)] = row

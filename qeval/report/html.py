@@ -191,10 +191,12 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         not_run = status_rule.message if status_rule is not None and not status_rule.passed else None
         if c.not_run:
             cands.append({"tier": c.tier, "status": "not run", "verdict": c.verdict, "cls": "skip", "failed": [],
+                          "undecided": [],
                           "rules": [], "not_run": None, "n_unjudged": 0, "notes": c.notes})
             continue
         cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict, "cls": c.verdict,
                       "failed": c.failed_rules, "rules": c.rules, "not_run": not_run,
+                      "undecided": [r for r in c.undecided_rules if r.passed],
                       "n_unjudged": len(c.rules) - 1, "notes": c.notes})
 
     def signed(v: float | None, fmt: str) -> str:
@@ -289,6 +291,8 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         capacity_legend=plan_legend(cap), plots=plot_list,
         depths=a.depths, build=tab.html["build"], memory=tab.html["memory"], depth_headers=tab.html_depth_headers,
         quality=tab.html["quality"], table_rows=rows, floor_text=floor_line(a), warnings=a.gate.warnings,
+        confidence=f"{a.gate.confidence:.0%}", power=f"{a.gate.power:.0%}",
+        insufficient_evidence=a.gate.insufficient_evidence,
         reviews=list((reviews or {}).values()), review_limit=REPORT_LIMIT,
         lc_depths=tab.lc_depths, lc_depth_headers=tab.html_lc_depth_headers,
         lc_tail_headers=tab.html["long_context"]["headers"][1 + len(tab.html_lc_depth_headers):],

@@ -41,6 +41,7 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         unjudged = len(c.failed_rules) - len(judged)
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
+        lines += [f"       {r.message}" for r in c.undecided_rules if r.passed]  # failing ones are above
         lines += [f"       note: {n}" for n in c.notes]
     gate_file = outs.gate_file  # gate.json as written (qeval.results.GateFile)
     lad = gate_file.ladder
