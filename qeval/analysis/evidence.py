@@ -67,6 +67,7 @@ class Evidence:
         interval: the one-sided bounds used (share rules), else None.
         alpha, power: the test's level and the power of the detectable figure.
         why: one line: the figures and the reason for the outcome.
+        short: the same in a few words, for the terminal.
     """
     outcome: Outcome
     method: str
@@ -79,6 +80,7 @@ class Evidence:
     alpha: float
     power: float
     why: str
+    short: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -160,7 +162,9 @@ def paired_rate_rule(b: int, c: int, n: int, ref_rate: float, rule: float, *, al
         reason = (f"{see}, more than the {tolerance:.3f} the rule guards against" if det is None or det > tolerance
                   else "the drop is beyond the tolerance but not shown")
         out, why = INSUFFICIENT, f"{figures}; {reason}"
-    return Evidence(out, method, n, p, drop, tolerance, det, None, alpha, power, why)
+    short = (f"{b} down, {c} up of {n} checks, McNemar p={p:.2g}; drop {drop if drop is not None else 0:.3f}, "
+             f"tolerated {tolerance:.3f}, detectable " + (f"{det:.3f}" if det is not None else "none"))
+    return Evidence(out, method, n, p, drop, tolerance, det, None, alpha, power, why, short)
 
 
 def share_rule(k: int, n: int, bound: float, *, alpha: float = 0.05, power: float = 0.8,
@@ -190,7 +194,8 @@ def share_rule(k: int, n: int, bound: float, *, alpha: float = 0.05, power: floa
         shown = f"a {what} of {det:.3f} or more would be shown above it" if det is not None else \
             f"no {what} would be shown above it"
         out, why = INSUFFICIENT, f"{figures}: the interval straddles the bound ({n} checks: {shown})"
-    return Evidence(out, method, n, p, rate, bound, det, (lo, hi), alpha, power, why)
+    short = f"{k} of {n} checks flipped, {1 - alpha:.0%} bounds [{lo:.3f}, {hi:.3f}] against {bound:g}"
+    return Evidence(out, method, n, p, rate, bound, det, (lo, hi), alpha, power, why, short)
 
 
 def cp_bounds(k: int, n: int, alpha: float) -> tuple[float, float]:

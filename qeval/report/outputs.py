@@ -41,7 +41,7 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         unjudged = len(c.failed_rules) - len(judged)
         why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
-        lines += [f"       {r.message}" for r in c.undecided_rules if r.passed]  # failing ones are above
+        lines += evidence_lines(c, g)
         lines += [f"       note: {n}" for n in c.notes]
     gate_file = outs.gate_file  # gate.json as written (qeval.results.GateFile)
     lad = gate_file.ladder
@@ -64,6 +64,32 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         lines.append(f"junit: {outs.junit_xml}")
     lines.append(g.verdict_line())
     return outs.exit_code(), "\n".join(lines)
+
+
+_FIDELITY_SHORT = {"max_kld_mean": ("KLD", "<="), "min_same_top_rate": ("same-top", ">="),
+                   "max_ppl_ratio": ("PPL ratio", "<=")}
+
+
+def evidence_lines(c, g) -> list[str]:
+    """What a judged candidate's quality verdict rests on, for the terminal: one line of its
+    fidelity rules (with the KLD as a multiple of the noise floor) and one per behaviour rule
+    decided on evidence (:mod:`qeval.analysis.evidence`: its outcome, counts and p-value).
+    Rules that failed are named above; a candidate not judged gets none."""
+    if c.status != "ok":
+        return []
+    fid = []
+    for r in c.rules:
+        if r.rule in _FIDELITY_SHORT and isinstance(r.value, (int, float)):
+            label, op = _FIDELITY_SHORT[r.rule]
+            floor = (f" ({r.value / g.noise_floor.kld_mean:.1f}x the noise floor)"
+                     if r.rule == "max_kld_mean" and g.noise_floor and g.noise_floor.kld_mean else "")
+            fid.append(f"{label} {r.value:.4g}{floor} {op} {r.threshold:g}")
+    out = [f"       fidelity: {'; '.join(fid)}"] if fid else []
+    for r in c.rules:
+        if r.evidence:
+            policy = f" ({g.insufficient_evidence})" if r.undecided else ""
+            out.append(f"       {r.rule}: {r.outcome}{policy}: {r.evidence.get('short') or r.evidence.get('why')}")
+    return out
 
 
 def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str | None, context: int, users: int,
