@@ -139,7 +139,43 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
     rules = {k: v for k, v in g.rules.model_dump().items() if v is not None}
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
                  f"depth {recipe.gate_depth}; rules {rules or 'none'}")
+    lines += power_lines(recipe)
     return "\n".join(lines)
+
+
+def power_lines(recipe) -> list[str]:
+    """What the suites can decide, before anything runs: for each paired behaviour rule
+    set, the checks the suites give and the smallest drop they detect
+    (:func:`qeval.analysis.evidence.detectable_drop` at the gate's confidence and power),
+    beside the drop the rule guards against as a share of the reference's rate."""
+    from .analysis.evidence import detectable_drop  # start-up time: scipy, only where the gate has such rules
+    from .measure.long_context import load_long_context  # start-up time: suite files, same
+    from .measure.suites import load_suite  # start-up time: suite files, same
+    g, rules = recipe.gate, recipe.gate.rules
+    wanted = [(n, t) for n, t in (("min_pass_rate_rel", rules.min_pass_rate_rel),
+                                  ("min_recall_rel", rules.min_recall_rel)) if t is not None]
+    if not wanted:
+        return []
+    checks = questions = 0
+    for s in recipe.suites:
+        path = recipe.resolve_path(s.path)
+        if s.kind == "long_context":
+            items = load_long_context(path, s.name)[: s.limit or None]
+            questions += sum(len(i.questions) for i in items)
+        else:
+            items = load_suite(path, s.name, multi_turn=s.kind == "multi_turn")[: s.limit or None]
+            checks += sum(len(t.checks) for i in items for t in i.turns)
+    out = []
+    for name, t in wanted:
+        n = checks if name == "min_pass_rate_rel" else questions
+        det = detectable_drop(n, 1 - g.confidence, g.power)
+        sees = f"see a drop of {det:.3f}" if det is not None else "see no drop"
+        out.append(f"power    {name} {t:g}: {n} paired {'checks' if name == 'min_pass_rate_rel' else 'questions'} "
+                   f"{sees} ({g.confidence:.0%} confidence, {g.power:.0%} power); the rule guards against "
+                   f"{1 - t:.2f} x the reference's rate, so it decides where that rate is at least "
+                   + (f"{min(det / (1 - t), 1.0):.2f}" if det is not None and t < 1 else "- (never)")
+                   + f"; otherwise not enough evidence ({g.insufficient_evidence})")
+    return out
 
 
 def floor_roots(recipe) -> list[Path]:
