@@ -681,13 +681,23 @@ def _line_for(lines: dict[tuple, int], loc: tuple) -> int | None:
     return lines.get((), None)
 
 
+#: A key longer than this is shortened in messages (values are, by _short_value): an unknown
+#: key of 900,000 characters would otherwise be echoed whole in the one-line error.
+MAX_KEY_CHARS = 60
+
+
+def _short_key(part: Any) -> str:
+    text = str(part)
+    return text if len(text) <= MAX_KEY_CHARS else f"{text[:MAX_KEY_CHARS - 20]}...({len(text)} characters)"
+
+
 def _fmt_loc(loc: tuple) -> str:
     s = ""
     for part in loc:
         if isinstance(part, int):
             s += f"[{part}]"
         else:
-            s += ("." if s else "") + str(part)
+            s += ("." if s else "") + _short_key(part)
     return s or "(top level)"
 
 
@@ -762,7 +772,8 @@ def validation_error(e: ValidationError, data: Any, *, file: str | Path | None =
             m = get_method(str(tier.get("method"))) if isinstance(tier, dict) else None
             if m is not None:
                 allowed = set(m.spec.model_fields)
-        near = difflib.get_close_matches(full[-1], sorted(allowed - {full[-1]}), n=1, cutoff=0.75)
+        near = (difflib.get_close_matches(full[-1], sorted(allowed - {full[-1]}), n=1, cutoff=0.75)
+                if len(full[-1]) <= MAX_KEY_CHARS else [])
         if near:
             msg += f" (did you mean {near[0]!r}?)"
     return QevalInputError(msg, file=file, line=_line_for(lines or {}, full), field=_fmt_loc(full))
@@ -958,8 +969,9 @@ def _check_workloads(recipe: Recipe) -> None:
 
 
 def check_context(recipe: Recipe, max_context: int | None) -> None:
-    """Every speed depth + ``decode_tokens`` and the load depth + ``output_tokens`` fit the
-    model's context (tokens); nothing is checked when it is unknown.
+    """Every speed depth + ``decode_tokens``, and the load depth, every grid depth
+    (``load.depths``) and the interference prompt + ``output_tokens``, fit the model's
+    context (tokens); nothing is checked when it is unknown.
 
     Raises:
         QevalInputError: naming the depth's field and line.
@@ -976,6 +988,10 @@ def check_context(recipe: Recipe, max_context: int | None) -> None:
         where = ("load", "depth") if ld.depth is not None else ("speed", "main_depth")
         raise recipe.error(where, f"load depth {recipe.load_depth} + output_tokens {ld.output_tokens} exceeds the "
                                   f"model's maximum context of {max_context} tokens")
+    for i, d in enumerate(ld.depths or [] if ld.enabled else []):  # the depth x concurrency grid
+        if d + ld.output_tokens > max_context:
+            raise recipe.error(("load", "depths", i), f"grid depth {d} + output_tokens {ld.output_tokens} exceeds "
+                                                      f"the model's maximum context of {max_context} tokens")
     inter = ld.interference
     if ld.enabled and inter is not None and inter.prompt_tokens + ld.output_tokens > max_context:
         raise recipe.error(("load", "interference", "prompt_tokens"), f"{inter.prompt_tokens} + output_tokens "

@@ -6,15 +6,21 @@ storage URL, and each tier method's own checks that need no model
 (:meth:`~qeval.tiers.base.TierMethod.check_at_validate`)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
 from .errors import QevalInputError
 from .executors import executor_names
 from .measure.lmeval import check_task
-from .measure.long_context import check_depths_fit, check_depths_hold_items, load_long_context
+from .hashing import file_sha256
+from .measure.long_context import (check_depths_against_needs, check_depths_fit,
+                                   deepest_needs, load_long_context)
 from .measure.suites import load_suite
 from .osutil import stderr_fd_to
+from .paths import cache_root
+from .results import atomic_write_json
 from .recipe import check_context, check_data_paths
 from .source import find_package_gguf, gguf_context_length, model_max_context, model_source_path, resolve_source
 from .storage import check_protocol, is_url
@@ -145,16 +151,70 @@ def check_long_context_depths(recipe, folder: Path | None = None, gguf_file: boo
                 raise recipe.error(field, e.message) from None
         if folder is None and gguf is None:
             return False
-    try:
-        from transformers import AutoTokenizer  # start-up time: transformers loads only where a tokenizer is needed
-        with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):  # GGUF reading prints notices
-            tok = (AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) if gguf is not None
-                   else AutoTokenizer.from_pretrained(str(folder)))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise recipe.error(field, f"cannot load the model's tokenizer from {gguf or folder} to check the long_context "
-                                  f"depths: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}") from None
-    check_depths_hold_items(recipe, tok)
+    cache = _needs_cache_file(recipe, folder, gguf)
+    needs = _read_needs(cache)
+    if needs is None:
+        try:
+            from transformers import AutoTokenizer  # start-up time: transformers loads only where a tokenizer is needed
+            with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):  # GGUF reading prints notices
+                tok = (AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) if gguf is not None
+                       else AutoTokenizer.from_pretrained(str(folder)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise recipe.error(field, f"cannot load the model's tokenizer from {gguf or folder} to check the "
+                                      f"long_context depths: {e.__class__.__name__}: "
+                                      f"{' '.join(str(e).split())[:200]}") from None
+        needs = deepest_needs(recipe, tok)
+        _write_needs(cache, needs)
+    check_depths_against_needs(recipe, needs)
     return True
+
+
+#: Part of the key of the cached long-context needs: bump when min_depth's arithmetic changes.
+NEEDS_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def _needs_cache_file(recipe, folder: Path | None, gguf: Path | None) -> Path | None:
+    """Where the tokens each long_context suite's deepest item needs are kept for this
+    tokenizer and these suite files (``$QEVAL_CACHE/validate/lc-needs-<key>.json``): the key
+    hashes the tokenizer's files (name, size, modification time), each long_context suite's
+    file content and limit, the transformers version and :data:`NEEDS_VERSION`. So the
+    tokenizer (and transformers, seconds of start-up) loads once per change, not per
+    ``qeval validate``. None when it cannot be formed (the check then runs uncached)."""
+    try:
+        from importlib.metadata import version  # start-up time: stdlib, only with a long_context suite
+        tf = version("transformers")
+    except Exception:  # noqa: BLE001 - no metadata: no cache, the check still runs
+        return None
+    src = gguf if gguf is not None else folder
+    try:
+        files = [src] if gguf is not None else [src / n for n in _TOKENIZER_FILES if (src / n).is_file()]
+        ident = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        suites = [[i, file_sha256(recipe.resolve_path(s.path)), s.limit] for i, s in enumerate(recipe.suites)
+                  if s.kind == "long_context"]
+    except OSError:
+        return None
+    key = hashlib.sha256(json.dumps([ident, suites, tf, NEEDS_VERSION]).encode()).hexdigest()[:16]
+    return cache_root() / "validate" / f"lc-needs-{key}.json"
+
+
+def _read_needs(path: Path | None) -> dict[int, dict] | None:
+    if path is None:
+        return None
+    try:
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _write_needs(path: Path | None, needs: dict[int, dict]) -> None:
+    if path is None:
+        return
+    try:
+        atomic_write_json(path, {str(k): v for k, v in needs.items()})
+    except OSError:
+        pass  # a read-only cache: checked again next time
 
 
 def _local_checkpoint(model, base: Path | None = None) -> Path | None:

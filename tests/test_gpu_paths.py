@@ -486,9 +486,13 @@ def test_bandwidth_probe_scales_with_the_device():
     assert probe_size_bytes("cuda", total_memory=141 * GB, free_memory=140 * GB) == 4 * GIB  # H200
     assert probe_size_bytes("cuda", total_memory=24 * GIB, free_memory=20 * GIB) == 1 * GIB
     assert probe_size_bytes("cuda", total_memory=80 * GIB, free_memory=2 * GIB) == 512 * MIB  # what fits
-    assert probe_size_bytes("cpu", llc_bytes=32 * MIB) == 256 * MIB
-    assert probe_size_bytes("cpu", llc_bytes=96 * MIB) == 768 * MIB
-    assert probe_size_bytes("cpu", llc_bytes=1 * GIB) == 2 * GIB
+    roomy = 64 * GIB
+    assert probe_size_bytes("cpu", llc_bytes=32 * MIB, available_memory=roomy) == 256 * MIB
+    assert probe_size_bytes("cpu", llc_bytes=96 * MIB, available_memory=roomy) == 768 * MIB
+    assert probe_size_bytes("cpu", llc_bytes=1 * GIB, available_memory=roomy) == 2 * GIB
+    # a machine with little memory free: the two buffers take a quarter of it, never below 32 MiB
+    assert probe_size_bytes("cpu", llc_bytes=1 * GIB, available_memory=4 * GIB) == 512 * MIB
+    assert probe_size_bytes("cpu", llc_bytes=32 * MIB, available_memory=100 * MIB) == 32 * MIB
 
 
 # ---- the GPU smoke script ----------------------------------------------------------------------

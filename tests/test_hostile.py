@@ -331,11 +331,20 @@ add(
          files={"r.yaml": GOOD + "suites: [{name: s, path: ~nosuchuser1234/s.jsonl, kind: long_output}]\n"}),
     recipe("control-good", 8, GOOD, 0),
     recipe("control-float-1e-3", 8, GOOD + "gate: {rules: {min_decode_rel: 1e-3}}\n", 0),
+    Case("key-900k-characters", 8, ["validate", "{D}/r.yaml"], 2,
+         ("{D}/r.yaml:", "...(900000 characters): unknown field"),
+         files={"r.yaml": GOOD + "? " + "k" * 900_000 + "\n: 1\n"},
+         check=lambda d, res: _short_line(res)),
     recipe("rule-never-computed", 8, GOOD + "gate: {rules: {max_kld_mean: 0.5}}\n", 2,
            "{D}/r.yaml", "gate.rules.max_kld_mean", "needs a long_output or multi_turn suite"),
 )
 
 # ---- 9. messages --------------------------------------------------------------------------
+
+
+def _short_line(res: dict) -> None:
+    """The one-line error stays one short line whatever the size of what it names."""
+    assert len(res["stderr"]) < 400 and res["stderr"].count("\n") <= 1, res["stderr"][:400]
 
 
 def _no_value_error(d: Path, res: dict) -> None:

@@ -42,10 +42,9 @@ with a margin, so the decision logic is written here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
-
-from scipy.stats import beta, binom, binomtest
 
 PASS, FAIL, INSUFFICIENT = "pass", "fail", "not enough evidence"
 Outcome = Literal["pass", "fail", "not enough evidence"]
@@ -98,6 +97,7 @@ def mcnemar_worse_p(b: int, c: int) -> float:
     """
     if b + c == 0:
         return 1.0
+    from scipy.stats import binomtest  # start-up time: scipy.stats costs 0.6 s; the gate's CLI paths load lazily
     return float(binomtest(int(b), int(b + c), 0.5, alternative="greater").pvalue)
 
 
@@ -119,10 +119,12 @@ def detectable_drop(n: int, alpha: float = 0.05, power: float = 0.8) -> float | 
     k = fewest_significant_flips(alpha)
     if n < k:
         return None
+    def at_least_k(d: float) -> float:  # P(Binomial(n, d) >= k), k small: 1 - the first k terms (math.comb)
+        return 1.0 - sum(math.comb(n, i) * d ** i * (1 - d) ** (n - i) for i in range(k))
     lo, hi = 0.0, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        if float(binom.sf(k - 1, n, mid)) >= power:
+        if at_least_k(mid) >= power:
             hi = mid
         else:
             lo = mid
@@ -181,6 +183,7 @@ def share_rule(k: int, n: int, bound: float, *, alpha: float = 0.05, power: floa
     if n == 0:
         return Evidence(INSUFFICIENT, method, 0, None, None, bound, None, None, alpha, power,
                         f"no compared checks: the {what} is unknown")
+    from scipy.stats import binomtest  # start-up time: as in mcnemar_worse_p
     lo, hi = cp_bounds(k, n, alpha)
     p = float(binomtest(k, n, bound, alternative="greater").pvalue) if 0 < bound < 1 else None
     rate = k / n
@@ -203,6 +206,7 @@ def cp_bounds(k: int, n: int, alpha: float) -> tuple[float, float]:
     ``(beta.ppf(alpha, k, n - k + 1), beta.ppf(1 - alpha, k + 1, n - k))``, 0 and 1 at the
     ends (Clopper & Pearson 1934; scipy's ``binomtest(...).proportion_ci`` computes the
     same, one bound at a time)."""
+    from scipy.stats import beta  # start-up time: as in mcnemar_worse_p
     lo = 0.0 if k == 0 else float(beta.ppf(alpha, k, n - k + 1))
     hi = 1.0 if k == n else float(beta.ppf(1 - alpha, k + 1, n - k))
     return lo, hi

@@ -29,14 +29,16 @@ def _llc_bytes() -> int | None:
 
 
 def probe_size_bytes(device: str, total_memory: int | None = None, free_memory: int | None = None,
-                     llc_bytes: int | None = None) -> int:
+                     llc_bytes: int | None = None, available_memory: int | None = None) -> int:
     """Buffer size of the bandwidth copy, scaled to the device (STREAM's rule: each array
     well beyond the last-level cache, and long enough to time).
 
     CUDA: 1/32 of the GPU's memory, between 1 GiB and 4 GiB (an H200's 141 GB gives 4 GiB;
     256 MiB moves in ~0.1 ms there, too short to time), and at most a quarter of the free
     memory (source and destination must fit). CPU: 8 x the last-level cache, at least
-    256 MiB, at most 2 GiB.
+    256 MiB, at most 2 GiB, and at most an eighth of the memory available now
+    (``available_memory``, default psutil's ``virtual_memory().available``: the two buffers
+    then take a quarter of it), never below 32 MiB.
     """
     if device == "cuda":
         if total_memory is None or free_memory is None:
@@ -45,7 +47,11 @@ def probe_size_bytes(device: str, total_memory: int | None = None, free_memory: 
         size = min(4 * GIB, max(GIB, total_memory // 32))
         return int(max(256 * MIB, min(size, free_memory // 4)))
     llc = _llc_bytes() if llc_bytes is None else llc_bytes
-    return int(min(2 * GIB, max(256 * MIB, 8 * (llc or 0))))
+    if available_memory is None:
+        import psutil  # start-up time: only the environment stage sizes the probe
+        available_memory = int(psutil.virtual_memory().available)
+    size = min(2 * GIB, max(256 * MIB, 8 * (llc or 0)))
+    return int(max(32 * MIB, min(size, available_memory // 8)))
 
 
 def measure_bandwidth(device: str = "cpu", size_bytes: int | None = None, repeats: int = 5) -> float:

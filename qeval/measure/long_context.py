@@ -562,27 +562,49 @@ def min_depth(item: LongContextItem, tokenizer: Any, system: str | None = None) 
     return overhead + facts, _need(overhead, facts)
 
 
-def check_depths_hold_items(recipe, tokenizer: Any) -> None:
-    """Every depth of every long_context suite holds each of the suite's items that a run
-    renders (the first ``limit``), as :func:`render` will need with the model's
-    ``tokenizer`` (:func:`min_depth`); run before any stage so the reference pass does not
-    stop on it.
-
-    Raises:
-        QevalInputError: naming the recipe's ``suites[i].depths[j]`` line (the first depth
-            too short), the item that needs the deepest document with its file and line, and
-            that depth.
-    """
+def deepest_needs(recipe, tokenizer: Any) -> dict[int, dict]:
+    """Per long_context suite (by its index in ``recipe.suites``), the item that needs the
+    deepest document among those a run renders (the first ``limit``) and what it needs with
+    the model's ``tokenizer`` (:func:`min_depth`): ``{i: {"id", "source", "fixed", "need"}}``
+    in tokens. Plain numbers, so a caller may cache them (``qeval validate``)."""
+    out: dict[int, dict] = {}
     for i, s in enumerate(recipe.suites):
         if s.kind != "long_context":
             continue
         items = load_long_context(recipe.resolve_path(s.path), s.name)
         needs = [(it, *min_depth(it, tokenizer)) for it in (items[: s.limit] if s.limit else items)]
         it, fixed, need = max(needs, key=lambda x: x[2])  # the item that needs the deepest document
-        for j, d in enumerate(s.depths or []):
-            if d < need:
+        out[i] = {"id": it.id, "source": it.source, "fixed": int(fixed), "need": int(need)}
+    return out
+
+
+def check_depths_against_needs(recipe, needs: dict[int, dict]) -> None:
+    """Every depth of every long_context suite at least what :func:`deepest_needs` found.
+
+    Raises:
+        QevalInputError: naming the recipe's ``suites[i].depths[j]`` line (the first depth
+            too short), the item that needs the deepest document with its file and line, and
+            that depth.
+    """
+    for i, n in needs.items():
+        for j, d in enumerate(recipe.suites[i].depths or []):
+            if d < n["need"]:
                 raise recipe.error(("suites", i, "depths", j),
-                                   f"{_too_short(it, d, fixed, need)} (item {it.source}; the model's tokenizer)")
+                                   f"depth {d} is too short for item {n['id']!r}: its title, facts and questions "
+                                   f"take {n['fixed']} tokens; use a depth of at least {n['need']} (item "
+                                   f"{n['source']}; the model's tokenizer)")
+
+
+def check_depths_hold_items(recipe, tokenizer: Any) -> None:
+    """Every depth of every long_context suite holds each of the suite's items that a run
+    renders (the first ``limit``), as :func:`render` will need with the model's
+    ``tokenizer`` (:func:`min_depth`); run before any stage so the reference pass does not
+    stop on it (:func:`deepest_needs`, then :func:`check_depths_against_needs`).
+
+    Raises:
+        QevalInputError: as :func:`check_depths_against_needs`.
+    """
+    check_depths_against_needs(recipe, deepest_needs(recipe, tokenizer))
 
 
 def render(item: LongContextItem, tokenizer: Any, depth: int, system: str | None = None) -> RenderedItem:

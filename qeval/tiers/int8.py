@@ -15,7 +15,10 @@ stored bytes of quantized layers) are shared with :mod:`qeval.tiers.gptq`.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -25,6 +28,7 @@ from pydantic import Field
 from ..engines import get_engine
 from ..engines.hf import HFEngine, load_hf_model, tensor_storage_bytes
 from ..errors import QevalInputError
+from ..paths import cache_root
 from ..weight_formats import PerRow
 from .base import HfTierSpec, TierContext, TierMethod
 
@@ -60,13 +64,43 @@ def source_parameter_count(source_path: str, trust_remote_code: bool = False) ->
 
 def decoder_linear_shapes(source_path: str, trust_remote_code: bool = False) -> dict[str, tuple[int, int]]:
     """``{module name: (in_features, out_features)}`` of the ``nn.Linear`` layers the
-    quantizers convert (every Linear except the output head), from a meta-device model."""
+    quantizers convert (every Linear except the output head), from a meta-device model.
+
+    Cached in ``$QEVAL_CACHE/validate/linear-shapes-<key>.json`` (key: the checkpoint's
+    ``config.json`` bytes and the transformers and torch versions), so ``qeval validate``
+    does not import torch and transformers (seconds) to learn what it learned before; never
+    cached with ``trust_remote_code`` (the model's own code may change under the same config)."""
+    cache = None if trust_remote_code else _shapes_cache_file(source_path)
+    if cache is not None:
+        try:
+            return {k: (int(v[0]), int(v[1])) for k, v in json.loads(cache.read_text()).items()}
+        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+            pass
     import torch  # start-up time: torch loads only in stage processes
 
     m = meta_model(source_path, trust_remote_code)
     out_emb = m.get_output_embeddings()
-    return {n: (mod.in_features, mod.out_features) for n, mod in m.named_modules()
-            if isinstance(mod, torch.nn.Linear) and mod is not out_emb}
+    shapes = {n: (mod.in_features, mod.out_features) for n, mod in m.named_modules()
+              if isinstance(mod, torch.nn.Linear) and mod is not out_emb}
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(shapes))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a read-only cache: built again next time
+    return shapes
+
+
+def _shapes_cache_file(source_path: str) -> Path | None:
+    """:func:`decoder_linear_shapes`' cache file, None when the config cannot be read."""
+    try:
+        cfg = (Path(source_path) / "config.json").read_bytes()
+    except OSError:
+        return None
+    key = hashlib.sha256(cfg + f"|{lib_version('transformers')}|{lib_version('torch')}".encode()).hexdigest()[:16]
+    return cache_root() / "validate" / f"linear-shapes-{key}.json"
 
 
 
