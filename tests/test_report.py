@@ -496,7 +496,7 @@ def _rates(capacity_rps: float) -> dict:
             now += service
             r.outcome, r.ended_s = "completed", now
             recs.append(RequestRecord(r.index, 16, r.arrival_s, times, [1, 2, 3, 4]))
-        return OpenLoopRun(q.requests, recs, "continuous", kv_bytes_peak=4096)
+        return OpenLoopRun(q.requests, recs, "continuous", kv_bytes_peak=4096, tally=q.tally)
 
     return rate_sweep(None, lambda s, k: [1], rates=[0.5, 1.0, 2.0, 4.0], sweep_points=None, process="constant",
                       seed=0, requests=8, duration_s=None, slots=1, max_waiting=2, timeout_s=3.0, output_tokens=4,

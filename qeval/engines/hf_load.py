@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..measure.arrivals import WaitingQueue, WallClock
-from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.load import LazyPrompts, LoadRun, NotAdmitted, PromptFor, RequestRecord, admitted_prompt
 from ..measure.openloop import OpenLoopRun
 from .hf import cache_nbytes
 from .hf_interference import serve_with_long_prompt  # noqa: F401 - the interference loop beside the serve one
@@ -93,11 +93,12 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         ValueError: bad arguments.
     """
     _check(concurrency, output_tokens, requests_per_stream, prefill_chunk)
-    prompts = {(s, k): [int(t) for t in prompt_for(s, k)] for s in range(concurrency)
-               for k in range(requests_per_stream)}
-    if any(not p for p in prompts.values()):
+    # prompts made as requests start (LazyPrompts), never a table of concurrency x requests
+    # entries; the first sizes the KV cache and is checked before anything is built
+    first = [int(t) for t in prompt_for(0, 0)]
+    if not first:
         raise ValueError("every prompt needs at least one token")
-    per_seq = max(len(p) for p in prompts.values()) + output_tokens
+    per_seq = len(first) + output_tokens
     if max_context is not None and per_seq > max_context:
         raise NotAdmitted(f"{per_seq} tokens per sequence is beyond the model's context of {max_context}")
     kvpt = kv_bytes_per_token or engine.kv_bytes_per_token(64)
@@ -107,11 +108,13 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
     if scheduling not in ("auto", "continuous", "static"):
         raise ValueError(f"scheduling {scheduling!r}: expected auto, continuous or static")
     if shared_prefix:
-        prefix = prompts[(0, 0)][:shared_prefix]
-        if any(p[:shared_prefix] != prefix or len(p) <= shared_prefix for p in prompts.values()):
+        prefix = first[:shared_prefix]
+        if len(first) <= shared_prefix:
             raise ValueError(f"every prompt must start with the same {shared_prefix} tokens and have its own part")
+        prompts = LazyPrompts(prompt_for, len(first), prefix=prefix)
         return _static(engine, prompts, concurrency, output_tokens, requests_per_stream, prefill_chunk, pad_id,
                        prefix=prefix if reuse_prefix else None, shared_prefix=shared_prefix)
+    prompts = LazyPrompts(prompt_for, len(first))
     want_cb = scheduling == "continuous" or (scheduling == "auto" and engine.kv_cache == "model")
     error = None
     if want_cb:
@@ -355,7 +358,7 @@ def _static_batch(engine: Any, batch: list[list[int]], output_tokens: int, prefi
     return times, toks, cache, (forwards,)
 
 
-def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int, max_waiting: int,
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[float], slots: int, max_waiting: int,
                     timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
                     kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
                     max_context: int | None = None, clock: Any = None, stream: int = 0,
@@ -383,17 +386,20 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
         ValueError: bad arguments.
     """
     import torch  # start-up time: torch loads only in stage processes
-    if len(arrivals) == 0:
-        raise ValueError("an open-loop point needs at least one arrival")
     _check(slots, output_tokens, 1, prefill_chunk)
     clock = clock or WallClock()
     if not isinstance(clock, WallClock):
         raise ValueError("the transformers open loop runs on the wall clock")
     queue = WaitingQueue(arrivals, max_waiting, timeout_s)
-    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(queue.requests))]
-    if any(not p for p in prompts):
+    if queue.next_arrival() is None:
+        raise ValueError("an open-loop point needs at least one arrival")
+    # prompts are made when a request gets a place and dropped when it ends (memory bounded by
+    # the slots, not the schedule); the point's first prompt sizes the KV cache, as every
+    # prompt of a point has the load depth (admitted_prompt checks it)
+    first = [int(t) for t in prompt_for(stream, 0)]
+    if not first:
         raise ValueError("every prompt needs at least one token")
-    per_seq = max(len(p) for p in prompts) + output_tokens
+    per_seq = len(first) + output_tokens
     if max_context is not None and per_seq > max_context:
         raise NotAdmitted(f"{per_seq} tokens per sequence is beyond the model's context of {max_context}")
     kvpt = kv_bytes_per_token or engine.kv_bytes_per_token(64)
@@ -403,8 +409,8 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
     records: list[RequestRecord] = []
     kv_peak = batches = 0
     with torch.inference_mode():
-        _warm_up(engine, prompts[:slots], output_tokens, prefill_chunk, pad_id,  # every batch it may form
-                 rows=range(1, min(slots, len(prompts)) + 1))
+        _warm_up(engine, [first] * slots, output_tokens, prefill_chunk, pad_id,  # every batch it may form
+                 rows=range(1, slots + 1))
         clock.start()
         now = 0.0
         while True:
@@ -415,7 +421,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
                     break
                 now = clock.idle_until(nxt)
                 continue
-            batch = [prompts[r.index] for r in take]
+            batch = [admitted_prompt(prompt_for, stream, r.index, len(first)) for r in take]
             times, toks, cache, _ = _static_batch(engine, batch, output_tokens, prefill_chunk, pad_id, clock.t0)
             kv_peak = max(kv_peak, cache_nbytes(cache))
             del cache
@@ -425,7 +431,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
                 records.append(RequestRecord(r.index, len(batch[j]), r.arrival_s, list(times),
                                              [row[j] for row in toks]))
             now = clock.now()
-    return OpenLoopRun(requests=queue.requests, completed=records, scheduling="static",
+    return OpenLoopRun(requests=queue.requests, completed=records, scheduling="static", tally=queue.tally,
                        kv_bytes_peak=kv_peak or None, kv_pool_bytes=None,
                        details={"engine": "qeval static batches (transformers cache)", "slots": slots,
                                 "batches": batches, "prefill_chunk": prefill_chunk, "kv_cache": engine.kv_cache})

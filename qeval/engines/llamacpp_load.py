@@ -34,12 +34,12 @@ context and hides per-token times, so the loop is written here over ``llama_batc
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ..measure.arrivals import Request, WaitingQueue, WallClock
-from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.load import LazyPrompts, LoadRun, NotAdmitted, PromptFor, RequestRecord, admitted_prompt
 from ..measure.openloop import OpenLoopRun
 from .llamacpp_interference import serve_with_long_prompt  # noqa: F401 - the interference loop beside the serve one
 
@@ -104,17 +104,18 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
     if concurrency < 1 or output_tokens < 1 or requests_per_stream < 1 or prefill_chunk < 1:
         raise ValueError("concurrency, output_tokens, requests_per_stream and prefill_chunk must be >= 1")
     L = engine._L
-    prompts = {(s, k): [int(t) for t in prompt_for(s, k)] for s in range(concurrency)
-               for k in range(requests_per_stream)}
-    for p in prompts.values():
-        if not p:
-            raise ValueError("every prompt needs at least one token")
-        engine._check_ids(p)
-    prefix = prompts[(0, 0)][:shared_prefix] if shared_prefix else []
-    if shared_prefix and any(p[:shared_prefix] != prefix or len(p) <= shared_prefix for p in prompts.values()):
+    # prompts made as requests start (LazyPrompts), never a table of concurrency x requests
+    # entries; the first sizes the context and is checked before anything is built
+    first = [int(t) for t in prompt_for(0, 0)]
+    if not first:
+        raise ValueError("every prompt needs at least one token")
+    engine._check_ids(first)
+    prefix = first[:shared_prefix] if shared_prefix else []
+    if shared_prefix and len(first) <= shared_prefix:
         raise ValueError(f"every prompt must start with the same {shared_prefix} tokens and have its own part")
+    prompts = LazyPrompts(prompt_for, len(first), prefix=prefix or None, check=engine._check_ids)
     reuse = bool(prefix) and reuse_prefix
-    ctx, batch, info = _open_context(engine, max(len(p) for p in prompts.values()) + output_tokens, concurrency,
+    ctx, batch, info = _open_context(engine, len(first) + output_tokens, concurrency,
                                      prefill_chunk, kv_budget_bytes, prefix_tokens=len(prefix) if reuse else 0)
     n_ctx, n_ctx_seq, n_batch, pool, kv_per_token = (info[k] for k in ("n_ctx", "n_ctx_seq", "n_batch", "pool",
                                                                         "kv_per_token"))
@@ -186,7 +187,7 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
         L.llama_free(ctx)
 
 
-def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int, max_waiting: int,
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[float], slots: int, max_waiting: int,
                     timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
                     kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
                     max_context: int | None = None, clock: Any = None, stream: int = 0) -> OpenLoopRun:
@@ -215,18 +216,20 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
         NotAdmitted: as :func:`serve_closed_loop` (context, KV budget, no KV slot).
         ValueError: bad arguments (no arrival, slots / output_tokens / prefill_chunk < 1).
     """
-    if len(arrivals) == 0 or slots < 1 or output_tokens < 1 or prefill_chunk < 1:
+    if slots < 1 or output_tokens < 1 or prefill_chunk < 1:
         raise ValueError("an open-loop point needs arrivals, and slots, output_tokens, prefill_chunk >= 1")
     L = engine._L
     clock = clock or WallClock()
     queue = WaitingQueue(arrivals, max_waiting, timeout_s)
-    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(queue.requests))]
-    for p in prompts:
-        if not p:
-            raise ValueError("every prompt needs at least one token")
-        engine._check_ids(p)
-    ctx, batch, info = _open_context(engine, max(len(p) for p in prompts) + output_tokens, slots, prefill_chunk,
-                                     kv_budget_bytes)
+    if queue.next_arrival() is None:
+        raise ValueError("an open-loop point needs arrivals, and slots, output_tokens, prefill_chunk >= 1")
+    # prompts are made when a request gets a place and dropped when it ends: memory follows the
+    # slots, not the schedule; the point's first prompt sizes the context (admitted_prompt)
+    first = [int(t) for t in prompt_for(stream, 0)]
+    if not first:
+        raise ValueError("every prompt needs at least one token")
+    engine._check_ids(first)
+    ctx, batch, info = _open_context(engine, len(first) + output_tokens, slots, prefill_chunk, kv_budget_bytes)
     vocab = engine.vocab_size
     try:
         mem = L.llama_get_memory(ctx)
@@ -241,7 +244,9 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
             for r in queue.admit(now, len(free)):
                 s = free.pop(0)
                 owner[s.idx] = r
-                s.begin(prompts[r.index], r.arrival_s)  # TTFT counts from the arrival (queue wait in it)
+                p = admitted_prompt(prompt_for, stream, r.index, len(first))
+                engine._check_ids(p)
+                s.begin(p, r.arrival_s)  # TTFT counts from the arrival (queue wait in it)
             active = [s for s in streams if s.idx in owner]
             if not active:
                 nxt_t = queue.next_arrival()
@@ -262,7 +267,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
                 r.outcome, r.ended_s = "completed", now
                 records.append(RequestRecord(r.index, len(s.prompt), r.arrival_s, s.times, s.toks))
                 L.llama_memory_seq_rm(mem, s.idx, -1, -1)
-        return OpenLoopRun(requests=queue.requests, completed=records, scheduling="continuous",
+        return OpenLoopRun(requests=queue.requests, completed=records, scheduling="continuous", tally=queue.tally,
                            kv_bytes_peak=int(round(kv_peak * info["kv_per_token"])), kv_pool_bytes=info["pool"],
                            details={"n_ctx": info["n_ctx"], "n_ctx_seq": info["n_ctx_seq"],
                                     "n_batch": info["n_batch"], "slots": slots, "steps": steps,

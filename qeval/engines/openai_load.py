@@ -23,10 +23,10 @@ import json
 import math
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from ..measure.arrivals import Request
-from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord
+from ..measure.arrivals import KEEP_RECORDS, Request, Tally
+from ..measure.load import LoadRun, NotAdmitted, PromptFor, RequestRecord, admitted_prompt
 from ..measure.openloop import OpenLoopRun
 from .openai import chunk_token_ids
 
@@ -137,7 +137,7 @@ class _TimedOut(Exception):
     """No first token within the queue's timeout."""
 
 
-def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[float], slots: int | None,
+def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[float], slots: int | None,
                     max_waiting: int, timeout_s: float, output_tokens: int, prefill_chunk: int = 256,
                     kv_budget_bytes: float | None = None, kv_bytes_per_token: float | None = None,
                     max_context: int | None = None, clock: Any = None, stream: int = 0,
@@ -166,20 +166,26 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
         ValueError: no arrival, output_tokens < 1 or timeout_s <= 0.
     """
     import httpx  # start-up time: only served tiers talk HTTP
-    if len(arrivals) == 0 or output_tokens < 1 or not timeout_s > 0:
+    if output_tokens < 1 or not timeout_s > 0:
+        raise ValueError("an open-loop point needs arrivals, output_tokens >= 1 and timeout_s > 0")
+    it = iter(arrivals)
+    nxt = next(it, None)
+    if nxt is None:
         raise ValueError("an open-loop point needs arrivals, output_tokens >= 1 and timeout_s > 0")
     client = engine.client
     limit = float(timeout_s) if math.isfinite(timeout_s) else None  # a sweep's ends wait without limit
-    reqs = [Request(i, float(t)) for i, t in enumerate(arrivals)]  # the client never refuses: the server does
-    prompts = [[int(t) for t in prompt_for(stream, i)] for i in range(len(reqs))]
+    cap = client_cap(slots, max_waiting, max_in_flight)
+    tally = Tally()
+    reqs: list[Request] = []  # the first KEEP_RECORDS arrivals and every one sent
     records: list[RequestRecord] = []
     by_status: dict[str, int] = {}
     lock = threading.Lock()
     gate = threading.Semaphore(max_in_flight) if max_in_flight else None
+    open_now = [0]
     t0 = time.perf_counter()
 
-    def one(i: int) -> None:
-        r = reqs[i]
+    def one(r: Request) -> None:
+        i = r.index
         if gate is not None:
             gate.acquire()
         sent = time.perf_counter() - t0
@@ -187,8 +193,10 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
         toks: list[int] = []
         times: list[float] = []
         status: str | None = None
+        prompt: list[int] = []
         try:
-            body = client.body(prompts[i], output_tokens, stream=True, ignore_eos=True)
+            prompt = [int(t) for t in prompt_for(stream, i)]  # made when sent, dropped when it ends
+            body = client.body(prompt, output_tokens, stream=True, ignore_eos=True)
             wait = httpx.Timeout(limit, connect=10.0 if limit is None else min(limit, 10.0))
             with client.http.stream("POST", "/v1/completions", json=body, timeout=wait) as resp:
                 if resp.status_code != 200:
@@ -218,9 +226,10 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
                 gate.release()
         end = time.perf_counter() - t0
         with lock:
+            open_now[0] -= 1
             if status is None and len(toks) >= 1:
                 r.outcome, r.ended_s = "completed", times[-1]
-                records.append(RequestRecord(i, len(prompts[i]), r.arrival_s, times, toks))
+                records.append(RequestRecord(i, len(prompt), r.arrival_s, times, toks))
                 return
             r.ended_s = end
             if status == "timeout":
@@ -233,18 +242,64 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Sequence[fl
             by_status[key] = by_status.get(key, 0) + 1
 
     threads: list[threading.Thread] = []
-    for i, r in enumerate(reqs):
+    while nxt is not None:
+        r = Request(tally.arrived, float(nxt))
+        tally.arrived += 1
+        tally.first_arrival_s = r.arrival_s if tally.first_arrival_s is None else tally.first_arrival_s
+        tally.last_arrival_s = r.arrival_s
+        nxt = next(it, None)
         d = r.arrival_s - (time.perf_counter() - t0)
         if d > 0:
             time.sleep(d)
-        th = threading.Thread(target=one, args=(i,), daemon=True, name=f"qeval-arrival-{i}")
+        with lock:
+            full = open_now[0] >= cap
+            if not full:
+                open_now[0] += 1
+        if full:  # the client holds no more open requests than its cap: this one is not sent
+            r.outcome, r.ended_s = "refused", r.arrival_s
+            tally.refused += 1
+            tally.end(r.arrival_s)
+            key = f"client at its cap of {cap} open requests"
+            by_status[key] = by_status.get(key, 0) + 1
+            if r.index < KEEP_RECORDS:
+                reqs.append(r)
+            continue
+        reqs.append(r)
+        th = threading.Thread(target=one, args=(r,), daemon=True, name=f"qeval-arrival-{r.index}")
         th.start()
         threads.append(th)
+        if len(threads) > 2 * cap:
+            threads = [t for t in threads if t.is_alive()]  # ended ones let go: memory follows the open requests
     for th in threads:
         th.join()
+    # every request sent is in reqs with its outcome; the client's own refusals are counted in
+    # tally (refused) and in reqs only among the first KEEP_RECORDS: take the server's from reqs
+    sent = [r for r in reqs if r.admitted_s is not None]
+    tally.refused += sum(r.outcome == "refused" for r in sent)
+    tally.timed_out += sum(r.outcome == "timed_out" for r in sent)
+    for r in sent:
+        if r.outcome in ("refused", "timed_out") and r.ended_s is not None:
+            tally.end(r.ended_s)
+    reqs = [r for r in reqs if r.admitted_s is not None or r.index < KEEP_RECORDS]
     if any(r.outcome == "failed" for r in reqs):
         engine._alive()  # a dead server is the reason (ServerFailed, its log tail printed)
     return OpenLoopRun(requests=reqs, completed=sorted(records, key=lambda x: x.stream), scheduling="server",
-                       failed_by_status=by_status,
+                       failed_by_status=by_status, tally=tally,
                        details={"dialect": client.dialect, "server": engine.backend, "slots": slots,
-                                "client_timeout_s": limit, "max_in_flight": max_in_flight})
+                                "client_timeout_s": limit, "max_in_flight": max_in_flight, "client_cap": cap})
+
+
+#: The most requests the served client holds open at once beyond the server's own slots and
+#: queue: an arrival that finds the client at its cap is counted refused (by the client,
+#: ``failed_by_status``), so a schedule of 1,000,000 req/s neither starts a million threads
+#: nor holds a million prompts; the server refuses long before (HTTP 503 past its queue).
+CLIENT_HEADROOM = 64
+
+
+def client_cap(slots: int | None, max_waiting: int, max_in_flight: int | None) -> int:
+    """Requests the served open loop holds open at once: ``max_in_flight`` where set (a
+    sweep's ends: its own limit, the rest wait in the client, never refused), else the
+    server's slots and queue plus :data:`CLIENT_HEADROOM`."""
+    if max_in_flight:
+        return 1 << 30  # the semaphore bounds what is in flight; waiting in the client is the point
+    return int((slots or 1) + max(max_waiting, 0) + CLIENT_HEADROOM)

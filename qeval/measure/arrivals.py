@@ -28,18 +28,22 @@ Neither a refusal nor a drop is an error of the tier: they are counted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Literal
 
 import numpy as np
 
 Process = Literal["poisson", "constant"]
 
 
-def arrival_times(rate_rps: float, *, process: Process = "poisson", seed: int = 0, requests: int | None = None,
-                  duration_s: float | None = None) -> np.ndarray:
+def iter_arrival_times(rate_rps: float, *, process: Process = "poisson", seed: int = 0,
+                       requests: int | None = None, duration_s: float | None = None) -> Iterator[float]:
     """Arrival times (s since the point started, ascending, the first at 0) of an open-loop
-    point.
+    point, drawn as they are consumed: memory does not grow with ``rate x duration``.
+
+    The gaps come from one ``numpy.random.default_rng(seed)`` in blocks of
+    :data:`GAP_BLOCK` draws; numpy's generator gives the same sequence whether it is drawn
+    in one call or in blocks, so the times are those of one long draw.
 
     Args:
         rate_rps: mean arrivals per second (> 0).
@@ -48,12 +52,9 @@ def arrival_times(rate_rps: float, *, process: Process = "poisson", seed: int = 
         requests: how many arrivals; or
         duration_s: every arrival before this many seconds (exactly one of the two).
 
-    Returns:
-        float64 array, shape ``[n]`` (n >= 1).
-
     Raises:
         ValueError: rate <= 0, an unknown process, not exactly one of requests and
-            duration_s, requests < 1 or duration_s <= 0.
+            duration_s, requests < 1 or duration_s <= 0 (when the first time is asked for).
     """
     if not rate_rps or not np.isfinite(rate_rps) or rate_rps <= 0:
         raise ValueError(f"rate {rate_rps!r} must be a positive number of requests/s")
@@ -65,20 +66,39 @@ def arrival_times(rate_rps: float, *, process: Process = "poisson", seed: int = 
         raise ValueError("requests must be >= 1")
     if duration_s is not None and not duration_s > 0:
         raise ValueError("duration_s must be > 0")
+    return _arrivals(float(rate_rps), process, seed, requests, duration_s)
+
+
+#: Gaps drawn at a time by :func:`iter_arrival_times` (32 KiB of float64).
+GAP_BLOCK = 4096
+
+
+def _arrivals(rate: float, process: str, seed: int, requests: int | None, duration_s: float | None) -> Iterator[float]:
     rng = np.random.default_rng(seed)
-    n = requests if requests is not None else max(1, int(np.ceil(duration_s * rate_rps * 1.5)) + 16)
-    while True:
-        if process == "constant":
-            gaps = np.full(n - 1, 1.0 / rate_rps)
-        else:
-            gaps = rng.exponential(1.0 / rate_rps, size=n - 1)
-        t = np.concatenate([[0.0], np.cumsum(gaps)])
-        if requests is not None:
-            return t
-        if t[-1] >= duration_s:
-            return t[t < duration_s]
-        n *= 2  # too few drawn for the duration (rare): draw again, longer, from a fresh generator
-        rng = np.random.default_rng(seed)
+    t, n = 0.0, 0
+    yield 0.0
+    n = 1
+    while requests is None or n < requests:
+        k = GAP_BLOCK if requests is None else min(GAP_BLOCK, requests - n)
+        gaps = np.full(k, 1.0 / rate) if process == "constant" else rng.exponential(1.0 / rate, size=k)
+        for g in gaps:
+            t += float(g)
+            if duration_s is not None and t >= duration_s:
+                return
+            yield t
+            n += 1
+
+
+def arrival_times(rate_rps: float, *, process: Process = "poisson", seed: int = 0, requests: int | None = None,
+                  duration_s: float | None = None) -> np.ndarray:
+    """:func:`iter_arrival_times` as a float64 array, shape ``[n]`` (n >= 1): for the
+    short schedules of tests and benchmarks; the load stage consumes the iterator.
+
+    Raises:
+        ValueError: as :func:`iter_arrival_times`.
+    """
+    return np.fromiter(iter_arrival_times(rate_rps, process=process, seed=seed, requests=requests,
+                                          duration_s=duration_s), dtype=np.float64)
 
 
 @dataclass
@@ -99,29 +119,69 @@ class Request:
     ended_s: float | None = None
 
 
+#: Arrivals a :class:`WaitingQueue` keeps a record of one by one (the rest are counted):
+#: an open-loop point offered 1,000,000 req/s for a minute holds 10,000 records, not 60 million.
+KEEP_RECORDS = 10_000
+
+
 @dataclass
+class Tally:
+    """Counts of one open-loop point's arrivals, complete whatever was kept one by one:
+    ``arrived``, ``refused``, ``timed_out``, the first and last arrival (s) and the last end
+    of a request that never got a place (s; None when none)."""
+    arrived: int = 0
+    refused: int = 0
+    timed_out: int = 0
+    first_arrival_s: float | None = None
+    last_arrival_s: float | None = None
+    last_unserved_end_s: float | None = None
+
+    def end(self, t: float) -> None:
+        self.last_unserved_end_s = t if self.last_unserved_end_s is None else max(self.last_unserved_end_s, t)
+
+
 class WaitingQueue:
     """The bounded waiting queue of one open-loop point (rules in the module docstring).
+
+    Arrivals are pulled from ``arrivals`` (any iterable, e.g. :func:`iter_arrival_times`)
+    as the clock reaches them, so the queue holds at most ``max_waiting + free`` requests
+    and memory does not grow with the schedule's length: every arrival is counted in
+    :attr:`tally`; :attr:`requests` keeps a record of the first ``keep`` arrivals and of
+    every request that got a place (those the engine serves, bounded by what it can serve).
 
     Args:
         arrivals: arrival times (s), ascending.
         max_waiting: most requests waiting (>= 0; 0: a request finding no free slot is refused).
         timeout_s: longest wait for a place (> 0), s.
-    """
-    arrivals: Sequence[float]
-    max_waiting: int
-    timeout_s: float
-    requests: list[Request] = field(init=False)
-    _next: int = field(init=False, default=0)
-    _queue: list[Request] = field(init=False, default_factory=list)
+        keep: arrivals recorded one by one beyond the admitted ones (default :data:`KEEP_RECORDS`).
 
-    def __post_init__(self) -> None:
-        if self.max_waiting < 0 or not self.timeout_s > 0:
+    Raises:
+        ValueError: max_waiting < 0, timeout_s <= 0, or arrival times that go back.
+    """
+
+    def __init__(self, arrivals: Iterable[float], max_waiting: int, timeout_s: float, keep: int = KEEP_RECORDS):
+        if max_waiting < 0 or not timeout_s > 0:
             raise ValueError("max_waiting must be >= 0 and timeout_s > 0")
-        ts = [float(t) for t in self.arrivals]
-        if any(b < a for a, b in zip(ts, ts[1:])):
+        self.max_waiting, self.timeout_s, self.keep = int(max_waiting), float(timeout_s), int(keep)
+        if isinstance(arrivals, (list, tuple, np.ndarray)):  # held already: checked now (an iterator: as drawn)
+            if any(float(b) < float(a) for a, b in zip(arrivals, arrivals[1:])):
+                raise ValueError("arrival times must be ascending")
+        self._it = iter(arrivals)
+        self._peek: float | None = None
+        self._pull()
+        self.tally = Tally()
+        self.requests: list[Request] = []
+        self._queue: list[Request] = []
+
+    def _pull(self) -> None:
+        last = self._peek
+        try:
+            self._peek = float(next(self._it))
+        except StopIteration:
+            self._peek = None
+            return
+        if last is not None and self._peek < last:
             raise ValueError("arrival times must be ascending")
-        self.requests = [Request(i, t) for i, t in enumerate(ts)]
 
     @property
     def waiting(self) -> int:
@@ -130,33 +190,48 @@ class WaitingQueue:
 
     def next_arrival(self) -> float | None:
         """Arrival time of the next request not yet seen, or None when all have arrived."""
-        return self.requests[self._next].arrival_s if self._next < len(self.requests) else None
+        return self._peek
 
     def done(self) -> bool:
         """Every request has arrived and none is waiting."""
-        return self._next >= len(self.requests) and not self._queue
+        return self._peek is None and not self._queue
+
+    def _record(self, r: Request) -> None:
+        if r.index < self.keep:
+            self.requests.append(r)
 
     def admit(self, now: float, free: int) -> list[Request]:
         """One step boundary at ``now`` with ``free`` slots: arrivals join or are refused,
         overdue waiters are dropped, and up to ``free`` requests leave the queue (returned,
         marked running with ``admitted_s = now``)."""
-        while self._next < len(self.requests) and self.requests[self._next].arrival_s <= now:
-            r = self.requests[self._next]
-            self._next += 1
+        tally = self.tally
+        while self._peek is not None and self._peek <= now:
+            r = Request(tally.arrived, self._peek)
+            tally.arrived += 1
+            tally.first_arrival_s = r.arrival_s if tally.first_arrival_s is None else tally.first_arrival_s
+            tally.last_arrival_s = r.arrival_s
+            self._pull()
+            self._record(r)
             if len(self._queue) >= self.max_waiting + max(free, 0):
                 r.outcome, r.ended_s = "refused", r.arrival_s
+                tally.refused += 1
+                tally.end(r.arrival_s)
             else:
                 self._queue.append(r)
         keep = []
         for r in self._queue:
             if now - r.arrival_s > self.timeout_s:
                 r.outcome, r.ended_s = "timed_out", r.arrival_s + self.timeout_s
+                tally.timed_out += 1
+                tally.end(r.ended_s)
             else:
                 keep.append(r)
         self._queue = keep
         out, self._queue = self._queue[:max(free, 0)], self._queue[max(free, 0):]
         for r in out:
             r.outcome, r.admitted_s = "running", now
+            if r.index >= self.keep:
+                self.requests.append(r)  # every request that got a place is kept: the engine serves it
         return out
 
 

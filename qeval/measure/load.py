@@ -291,6 +291,48 @@ def summarize(points: Sequence[dict], slo: Slo | None) -> dict:
 PromptFor = Callable[[int, int], Sequence[int]]
 
 
+def admitted_prompt(prompt_for: PromptFor, stream: int, index: int, max_len: int) -> list[int]:
+    """The prompt of a request that got a place in an open-loop point, made now (token ids),
+    no longer than ``max_len`` (the point's first prompt, which sized its KV cache).
+
+    Raises:
+        ValueError: an empty prompt, or one longer than ``max_len``.
+    """
+    p = [int(t) for t in prompt_for(stream, index)]
+    if not p or len(p) > max_len:
+        raise ValueError(f"prompt {index} of the point has {len(p)} tokens; an open-loop point's prompts "
+                         f"have from 1 to {max_len} (its first prompt's length, which sized the KV cache)")
+    return p
+
+
+class LazyPrompts:
+    """``prompts[(stream, k)]``: a closed-loop point's prompts, each made when a request
+    starts (token ids from ``prompt_for``), never a table of concurrency x requests entries
+    (4096 streams x 1,000,000 requests would be 4e9 of them); checked as made: not empty,
+    at most ``max_len`` tokens (the first prompt's length, which sized the KV cache), starting
+    with ``prefix`` where one is shared, and by ``check`` (an engine's own id check).
+
+    Raises (on access):
+        ValueError: a prompt that fails those checks.
+    """
+
+    def __init__(self, prompt_for: PromptFor, max_len: int, prefix: Sequence[int] | None = None,
+                 check: Callable[[list[int]], None] | None = None):
+        self.prompt_for, self.max_len, self.check = prompt_for, int(max_len), check
+        self.prefix = [int(t) for t in prefix] if prefix else None
+
+    def __getitem__(self, key: tuple[int, int]) -> list[int]:
+        p = [int(t) for t in self.prompt_for(*key)]
+        if not p or len(p) > self.max_len:
+            raise ValueError(f"prompt {key} has {len(p)} tokens; a point's prompts have from 1 to {self.max_len} "
+                             "(its first prompt's length, which sized the KV cache)")
+        if self.prefix is not None and (p[:len(self.prefix)] != self.prefix or len(p) <= len(self.prefix)):
+            raise ValueError(f"every prompt must start with the same {len(self.prefix)} tokens and have its own part")
+        if self.check is not None:
+            self.check(p)
+        return p
+
+
 def distinct_prompts(base: Sequence[int], depth: int, stride: int = 97) -> PromptFor:
     """``prompt_for(stream, k)``: ``depth`` token ids cut from ``base`` (tiled) at an offset
     that differs for every (stream, k), so no two requests of a run share a prompt.

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .arrivals import Request
+from .arrivals import Request, Tally
 from .load import RequestRecord, Slo, meets_request_slo, percentiles
 
 #: Outcomes a finished request can have (:class:`qeval.measure.arrivals.Request`).
@@ -49,7 +49,9 @@ class OpenLoopRun:
     """What an engine's open-loop loop returns.
 
     Attributes:
-        requests: every arrival's fate (outcome, arrival, admission and end times, s).
+        requests: arrivals' fates (outcome, arrival, admission and end times, s): every
+            arrival without ``tally``; with it, the ones recorded one by one (the first
+            :data:`~qeval.measure.arrivals.KEEP_RECORDS` and every one that got a place).
         completed: a :class:`~qeval.measure.load.RequestRecord` per completed request
             (``stream`` is the request's index in the schedule; ``start_s`` its arrival).
         scheduling: continuous | static | server.
@@ -57,6 +59,9 @@ class OpenLoopRun:
         kv_pool_bytes: KV bytes allocated for the point (None if it grows on demand).
         failed_by_status: served tiers: HTTP status (str) -> requests that got it.
         details: engine extras.
+        tally: every arrival counted (:class:`~qeval.measure.arrivals.Tally`: arrived,
+            refused, timed out, first and last arrival), where ``requests`` keeps only some;
+            None: ``requests`` holds every arrival.
     """
     requests: list[Request]
     completed: list[RequestRecord]
@@ -65,6 +70,7 @@ class OpenLoopRun:
     kv_pool_bytes: int | None = None
     failed_by_status: dict[str, int] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    tally: Tally | None = None
 
 
 def offered_rate(arrivals: Sequence[float], rate_rps: float | None = None) -> float | None:
@@ -86,8 +92,8 @@ def rate_point_stats(run: OpenLoopRun, *, kind: str = "rate", rate_rps: float | 
         ValueError: no request arrived, a request still waiting or running, or a completed
             request without tokens.
     """
-    reqs = run.requests
-    if not reqs:
+    reqs, tally = run.requests, run.tally
+    if not reqs and (tally is None or not tally.arrived):
         raise ValueError("an open-loop point needs at least one request")
     if any(r.outcome not in OUTCOMES for r in reqs):
         raise ValueError("every request must have ended (completed, refused, timed_out or failed)")
@@ -95,11 +101,22 @@ def rate_point_stats(run: OpenLoopRun, *, kind: str = "rate", rate_rps: float | 
     if any(not r.token_times_s for r in recs):
         raise ValueError("every completed request needs at least one new token")
     counts = {o: sum(1 for r in reqs if r.outcome == o) for o in OUTCOMES}
-    n = len(reqs)
-    first = float(min(r.arrival_s for r in reqs))
     ends = [float(r.ended_s) for r in reqs if r.ended_s is not None] + [float(x.token_times_s[-1]) for x in recs]
+    if tally is None:
+        n = len(reqs)
+        first = float(min(r.arrival_s for r in reqs))
+        arrivals = sorted(r.arrival_s for r in reqs)
+    else:  # every request that got a place is in reqs; the others are counted only
+        counts["refused"], counts["timed_out"] = tally.refused, tally.timed_out
+        n = tally.arrived
+        first = float(tally.first_arrival_s or 0.0)
+        arrivals = [first, float(tally.last_arrival_s or first)] if n > 1 else [first]
+        if tally.last_unserved_end_s is not None:
+            ends.append(float(tally.last_unserved_end_s))
     dur = max(ends) - first if ends else 0.0
-    offered = offered_rate(sorted(r.arrival_s for r in reqs), rate_rps) if kind == "rate" else None
+    offered = (offered_rate(arrivals, rate_rps) if tally is None else
+               ((n - 1) / (arrivals[-1] - arrivals[0]) if n > 1 and arrivals[-1] > arrivals[0] else rate_rps)) \
+        if kind == "rate" else None
     achieved = counts["completed"] / dur if dur > 0 else None
     errors = counts["refused"] + counts["timed_out"] + counts["failed"]
     n_out = sum(len(r.token_ids) for r in recs)

@@ -19,11 +19,12 @@ engine's closed-loop serve function (same module): requests arriving at each rat
 from __future__ import annotations
 
 import importlib
+import math
 from contextlib import nullcontext
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from .arrivals import arrival_times
+from .arrivals import iter_arrival_times
 from .interference import interference_stats
 from .load import NotAdmitted, PromptFor, Slo, admission, distinct_prompts, not_admitted_point, point_stats, summarize
 from .openloop import knee, not_run_point, rate_point_stats, stop_reason, sweep_rates
@@ -169,7 +170,7 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
                   kv_bytes_per_token=kv_bytes_per_token, max_context=max_context)
     n_fixed = requests or max(2, int(round(duration_s or 1)))
 
-    def run(kind: str, rate: float | None, times: Sequence[float], **kw: Any) -> dict:
+    def run(kind: str, rate: float | None, times: Iterable[float], expected: int, **kw: Any) -> dict:
         stream = 1000 + len(points)
         if peak is not None:
             peak.reset()
@@ -177,13 +178,13 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
         with (pool_phase(f"load at {kind} {rate or ''}".rstrip()) if pool_phase is not None
               else nullcontext()) as pool:
             try:
-                r = serve(engine, prompt_for, arrivals=[float(t) for t in times], stream=stream, **common, **kw)
+                r = serve(engine, prompt_for, arrivals=times, stream=stream, **common, **kw)
             except NotAdmitted as e:
                 progress(f"load: {kind} {rate or ''} not admitted: {e}")
-                return not_run_point(rate, kind, len(times), str(e))
+                return not_run_point(rate, kind, expected, str(e))
             except _oom_types() as e:
                 progress(f"load: {kind} {rate or ''} ran out of memory")
-                return not_run_point(rate, kind, len(times), f"out of memory: {e.__class__.__name__}: {e}"[:300])
+                return not_run_point(rate, kind, expected, f"out of memory: {e.__class__.__name__}: {e}"[:300])
             if pool is not None:
                 r.details["kv_pool"] = pool  # its "after" counters are filled as the phase ends
         p = rate_point_stats(r, kind=kind, rate_rps=rate, slo=slo, max_error_rate=max_error_rate,
@@ -196,11 +197,11 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
     if sweep_points:
         inf = float("inf")
         progress(f"load: sweep: synchronous ({n_fixed} requests one at a time)")
-        sync = run("synchronous", None, [0.0] * n_fixed, slots=1, max_waiting=n_fixed, timeout_s=inf,
+        sync = run("synchronous", None, [0.0] * n_fixed, n_fixed, slots=1, max_waiting=n_fixed, timeout_s=inf,
                    **({"max_in_flight": 1} if _served(serve) else {}))
         points.append(sync)
         progress(f"load: sweep: throughput ({n_fixed} requests at once, {slots} slots)")
-        thr = run("throughput", None, [0.0] * n_fixed, slots=slots, max_waiting=n_fixed, timeout_s=inf)
+        thr = run("throughput", None, [0.0] * n_fixed, n_fixed, slots=slots, max_waiting=n_fixed, timeout_s=inf)
         points.append(thr)
         lo, hi = sync.get("achieved_rps"), thr.get("achieved_rps")
         if not lo or not hi:
@@ -210,10 +211,12 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
     for i, rate in enumerate(todo):
         if stopped:
             break
-        times = arrival_times(rate, process=process, seed=seed + i, requests=requests, duration_s=duration_s)
-        progress(f"load: {rate:g} req/s ({process}, {len(times)} requests, queue {max_waiting}, "
-                 f"timeout {timeout_s:g} s)")
-        p = run("rate", rate, times, slots=slots, max_waiting=max_waiting, timeout_s=timeout_s)
+        # drawn as the clock reaches them: memory follows the slots and the queue, not rate x duration
+        times = iter_arrival_times(rate, process=process, seed=seed + i, requests=requests, duration_s=duration_s)
+        expected = requests or max(1, int(math.ceil(rate * float(duration_s or 0))))
+        progress(f"load: {rate:g} req/s ({process}, " + (f"{requests} requests" if requests else
+                 f"{duration_s:g} s, about {expected} requests") + f", queue {max_waiting}, timeout {timeout_s:g} s)")
+        p = run("rate", rate, times, expected, slots=slots, max_waiting=max_waiting, timeout_s=timeout_s)
         points.append(p)
         stopped = stop_reason(p, max_error_rate=max_error_rate, saturation_share=saturation_share)
         if stopped:
