@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -153,10 +153,13 @@ class RunProgress:
         plan: ``tier.stage`` of the stages to run (:func:`planned_stages`).
         lanes: untimed stages side by side (for the estimate).
         history_file: default ``$QEVAL_CACHE/stage_times.json``.
+        clock: seconds now (default ``time.time``): the elapsed time and the running stages'
+            ages in the estimate read it (tests pass a fake one; rich's own elapsed column in
+            a terminal keeps rich's clock).
     """
 
     def __init__(self, console: Console, recipe_name: str, plan: list[str], lanes: int = 1,
-                 history_file: Path | None = None) -> None:
+                 history_file: Path | None = None, clock: Callable[[], float] = time.time) -> None:
         self.console = console
         self.name = recipe_name
         self.todo = list(plan)
@@ -166,7 +169,8 @@ class RunProgress:
         self.history = read_history(recipe_name, history_file)
         self.times: dict[str, float] = {}
         self.started: dict[str, float] = {}
-        self.t0 = time.time()
+        self.clock = clock
+        self.t0 = clock()
         self.lock = threading.Lock()
         self.interactive = console.is_terminal
         self.progress: Progress | None = None
@@ -189,7 +193,7 @@ class RunProgress:
         write_history(self.name, self.times, self.history_file)
 
     def _eta_text(self) -> str:
-        now = time.time()
+        now = self.clock()
         return eta_text(self.todo, self.history, self.lanes, {k: now - v for k, v in self.started.items()})
 
     # -- callbacks ----------------------------------------------------------------------
@@ -201,7 +205,7 @@ class RunProgress:
         key = f"{RUN_SCOPE if tier == 'run' else tier}.{stage}"
         with self.lock:
             if msg == "starting":
-                self.started[key] = time.time()
+                self.started[key] = self.clock()
             if self.progress is None:
                 return
             text = f"  [bold]{escape(stage)}[/] [cyan]{escape(tier)}[/] {escape(msg if msg != 'starting' else '')}"
@@ -230,5 +234,5 @@ class RunProgress:
                 self.progress.console.print(escape(line), highlight=False)
             else:
                 done = self.total - len(self.todo)
-                self.console.print(f"{escape(line)}  [{done}/{self.total}, {_clock(time.time() - self.t0)} elapsed, "
+                self.console.print(f"{escape(line)}  [{done}/{self.total}, {_clock(self.clock() - self.t0)} elapsed, "
                                    f"{escape(self._eta_text())}]", highlight=False)

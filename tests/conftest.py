@@ -4,6 +4,7 @@ depth text, and helpers to write recipes for it."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +38,61 @@ def pytest_collection_modifyitems(config, items):
     file, unlisted files keep theirs, after the listed ones)."""
     rank = {name: i for i, name in enumerate(FILE_ORDER)}
     items.sort(key=lambda it: rank.get(Path(str(it.fspath)).name, len(FILE_ORDER)))
+
+
+# ---- no silent skips in CI -----------------------------------------------------------------
+#: With this set to 1 (.ci/run sets it), a skipped test fails unless its reason is one of
+#: :data:`ALLOWED_SKIPS`: CI installs everything else the suite needs, so any other skip means
+#: a test that did not run and a pass that says nothing.
+STRICT_SKIPS_ENV = "QEVAL_STRICT_SKIPS"
+#: The skips CI cannot avoid: ``(pattern searched in the reason, case-insensitive, why allowed)``.
+ALLOWED_SKIPS = (
+    (r"\bvLLM\b.*\b(parser|venv)\b.*\bnot (installed|present|found)\b",
+     "vLLM's own parser lives in a separate venv (python tools/vllm_args.py setup) that CI does not build"),
+    (r"\b(CUDA|GPU)\b.*\b(not available|unavailable|not found|not present)\b|\bno (CUDA|GPU)\b"
+     r"|\bneeds? (a )?(CUDA|GPU)\b|\bthis machine has (CUDA|a GPU)\b",
+     "whether this machine has a GPU: CI has none; a GPU machine skips the CPU-only checks"),
+)
+
+
+def _skip_reason(longrepr) -> str:
+    """The reason of a skipped report (its longrepr is ``(path, line, "Skipped: reason")``)."""
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def allowed_skip(reason: str) -> bool:
+    """Whether a skip with ``reason`` is one of :data:`ALLOWED_SKIPS`."""
+    return any(re.search(pattern, reason, re.IGNORECASE) for pattern, _ in ALLOWED_SKIPS)
+
+
+def _strict_skip(report, what: str) -> None:
+    """Under ``QEVAL_STRICT_SKIPS=1`` turn a skipped report whose reason is not allowed into
+    a failure naming ``what`` and the reason (an xfail, also reported as skipped, is left)."""
+    if os.environ.get(STRICT_SKIPS_ENV) != "1" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report.longrepr)
+    if allowed_skip(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{STRICT_SKIPS_ENV}=1: {what} skipped ({reason}); only the skips in "
+                       f"tests/conftest.py ALLOWED_SKIPS may skip here: install what it needs")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skipped test (a skip in its setup, body or fixtures, or a skip mark) fails under
+    ``QEVAL_STRICT_SKIPS=1`` unless its reason is allowed (:func:`_strict_skip`)."""
+    outcome = yield
+    _strict_skip(outcome.get_result(), f"test {item.nodeid}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped while it is collected (a module-level
+    ``pytest.importorskip``): that never reaches :func:`pytest_runtest_makereport`."""
+    outcome = yield
+    _strict_skip(outcome.get_result(), f"module {collector.nodeid}")
 
 
 def build_tiny_llama(folder: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,

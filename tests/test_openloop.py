@@ -297,14 +297,21 @@ def test_hf_open_loop_refuses_past_slots_plus_queue_and_answers_as_alone(tiny):
 
 
 class _Status:
-    """A fake llama-server: a prompt starting 429 or 500 gets that status, 999 waits 3 s
-    before its first chunk, anything else streams 2 token ids."""
+    """A fake llama-server: a prompt starting 429 or 500 gets that status, 999 sends nothing
+    until the test sets :attr:`go` (after the client gave up on it; :attr:`held` is set once
+    that request reached the server), anything else streams 2 token ids."""
+
+    #: Longest the 999 request is held if the test never sets ``go`` (a hang guard only).
+    HANG_S = 60.0
 
     def __init__(self):
         import json
         import threading
-        import time
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.held = threading.Event()
+        self.go = threading.Event()
+        srv = self
 
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -326,7 +333,8 @@ class _Status:
                     self.end_headers()
                     return
                 if first == 999:
-                    time.sleep(3.0)
+                    srv.held.set()
+                    srv.go.wait(srv.HANG_S)
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -345,6 +353,10 @@ class _Status:
 
 
 def test_served_open_loop_counts_http_errors_by_status_and_drops_after_the_timeout():
+    """Against a server that answers 429, 500, nothing, or tokens: refused, failed,
+    timed_out and completed, counted by status. The silent request is held by the server
+    until the client has returned, so it times out whatever the machine's speed; the
+    client's limit only has to exceed what a local answer of two tokens takes."""
     from qeval.engines.openai import Client
     from qeval.engines.openai_load import serve_open_loop
     srv = _Status()
@@ -359,11 +371,14 @@ def test_served_open_loop_counts_http_errors_by_status_and_drops_after_the_timeo
     prompts = {0: [1, 2], 1: [429, 1], 2: [500, 1], 3: [999, 1], 4: [3, 4]}
     try:
         run = serve_open_loop(Eng(), lambda s, i: prompts[i], arrivals=[0.0] * 5, slots=None, max_waiting=0,
-                              timeout_s=0.5, output_tokens=2)
+                              timeout_s=2.0, output_tokens=2)
+        reached = srv.held.is_set()  # read before go is set: 999 was still held when the client returned
     finally:
+        srv.go.set()  # the client has given up on 999 (or failed): let its handler end
         Eng.client.close()
         srv.httpd.shutdown()
         srv.httpd.server_close()
+    assert reached  # 999's timeout is the server's silence, not a refused connection
     assert [r.outcome for r in run.requests] == ["completed", "refused", "failed", "timed_out", "completed"]
     assert run.failed_by_status == {"429": 1, "500": 1, "timeout": 1}
     assert [x.token_ids for x in run.completed] == [[7, 8], [7, 8]]

@@ -34,25 +34,46 @@ def test_estimate_pairs_untimed_stages_and_needs_history():
     assert estimate_remaining(todo + ["b.measure"], hist) is None  # a first run: no figure invented
 
 
+class FakeClock:
+    """Seconds that move only when the test says (``RunProgress(clock=...)``): the elapsed
+    time and the running stages' ages on each line are then exact."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_log_lines_and_history(tmp_path):
+    """One line per finished stage in a log: its seconds, done of total, the time elapsed
+    since the display began (from its clock) and the estimate, which counts a running
+    stage's age against its earlier time; the history keeps the last time of each stage."""
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=200)
     hist = tmp_path / "times.json"
     write_history("r", {"t.measure": 12.0}, hist)
-    with RunProgress(console, "r", ["_run.source", "t.measure", "t.quality"], lanes=2, history_file=hist) as p:
+    clock = FakeClock(100.0)
+    with RunProgress(console, "r", ["_run.source", "t.measure", "t.quality"], lanes=2, history_file=hist,
+                     clock=clock) as p:
         p.event("run", "source", "starting")
-        p.stage_end("_run", "source", 3.25, True)
-        p.event("t", "measure", "starting")
+        p.event("t", "measure", "starting")          # beside source (two lanes)
+        clock.now = 103.25
+        p.stage_end("_run", "source", 3.25, True)    # measure has run 3.25 s of its earlier 12
+        clock.now = 105.0
         p.event("t", "measure", "depth 1024")
+        clock.now = 110.0
         p.stage_end("t", "measure", 10.0, True)
+        clock.now = 175.0
         p.stage_end("t", "quality", 7.5, False)
-    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    # source had no earlier time; measure had 12 s, quality none: a lower bound, and what it lacks
-    assert lines[0].split() == ["3.2", "s", "source", "(run)", "[1/3,", "0:00", "elapsed,", "at", "least", "0:12",
-                                "left", "(1", "stage", "not", "timed", "here", "before)]"]
-    assert "measure t" in lines[1] and "[2/3" in lines[1]
-    assert "FAILED quality t" in lines[2] and "[3/3" in lines[2]
-    assert len(lines) == 3  # no spinner frames in a log
+    lines = [ln.strip() for ln in buf.getvalue().splitlines() if ln.strip()]
+    # source had no earlier time; measure had 12 s (8.75 of it left), quality none: a lower
+    # bound, and what it lacks; then only quality, never timed here; then nothing left
+    assert lines == [
+        "3.2 s  source (run)  [1/3, 0:03 elapsed, at least 0:09 left (1 stage not timed here before)]",
+        "10.0 s  measure t  [2/3, 0:10 elapsed, time left unknown: no earlier run of this recipe on this machine]",
+        "7.5 s  FAILED quality t  [3/3, 1:15 elapsed, finishing]",
+    ]  # no spinner frames in a log
     assert read_history("r", hist) == {"t.measure": 10.0, "_run.source": 3.25, "t.quality": 7.5}
     hist.write_text("not json")
     assert read_history("r", hist) == {}  # a broken history file is no error
