@@ -278,6 +278,11 @@ class RunLayout:
         """``stages/<scope>.<stage>.json`` (or ``.error.json``); raises as :meth:`tier_result`."""
         return self._join(self.stages_dir, f"{scope}.{stage}{'.error' if error else ''}.json")
 
+    def stage_partial(self, scope: str, stage: str) -> Path:
+        """``stages/<scope>.<stage>.partial.json``: what a stage measured so far, written as
+        each point completes (the load stage), kept when the stage is stopped."""
+        return self._join(self.stages_dir, f"{scope}.{stage}.partial.json")
+
     def log(self, scope: str, stage: str) -> Path:
         """``logs/<scope>.<stage>.log``; raises as :meth:`tier_result`."""
         return self._join(self.logs_dir, f"{scope}.{stage}.log")
@@ -920,6 +925,9 @@ class GateFile(_Closed):
     pareto: ParetoSection
     ladder: LadderSection
     slow_path: dict[str, str] = Field(default_factory=dict)
+    # {tier: "load stopped after the closed loop at 2 streams: ..."}: the tiers whose load stage
+    # stopped early; their knee and ladder rungs come from the points it finished (partial)
+    load_stopped: dict[str, str] = Field(default_factory=dict)
 
 
 class Timings(_Closed):
@@ -1248,6 +1256,20 @@ def stage_done(layout: RunLayout, scope: str, stage: str) -> bool:
 def write_stage_error(layout: RunLayout, scope: str, stage: str, error: StageError) -> None:
     """Write ``stages/<scope>.<stage>.error.json`` atomically."""
     atomic_write_json(layout.stage(scope, stage, error=True), error)
+
+
+def read_partial_load(layout: RunLayout, tier: str) -> dict | None:
+    """The load stage's partial section (``stages/<tier>.load.partial.json``: the points
+    measured before the stage stopped; :func:`qeval.worker.stage_load` writes it after each
+    point), or None when there is none or it cannot be read."""
+    p = layout.stage_partial(tier, "load")
+    if not p.exists():
+        return None
+    try:
+        d = read_json(p, expect=dict)
+    except (QevalInputError, ValueError):
+        return None
+    return d.get("load") if isinstance(d.get("load"), dict) else None
 
 
 def read_stage_error(layout: RunLayout, scope: str, stage: str) -> StageError | None:

@@ -238,9 +238,14 @@ class GridSection(_LoadModel):
 
 class LoadSection(_LoadModel):
     """A tier's ``load`` section: the closed-loop sweep's figures and points, the open-loop
-    ``arrivals`` (None when the recipe has none), or ``error`` with no points when the
-    load stage failed (the tier's other results stand)."""
+    ``arrivals`` (None when the recipe has none), or ``error`` when the load stage failed
+    (the tier's other results stand), with the points it finished before it stopped
+    (``partial``, ``stopped``: written point by point, so a timeout, a signal or a memory
+    error loses none)."""
     error: str | None = Field(None, description="the load stage failed: its one-line reason")
+    partial: bool = Field(False, description="the stage stopped before its end: these are the points it finished")
+    stopped: str | None = Field(None, description="why and where a partial section stopped ('load stopped at "
+                                "arrivals 4 req/s after 60 s: load timed out after 60 s')")
     depth: Count | None = Field(None, description="prompt tokens per request")
     output_tokens: Count | None = Field(None, description="new tokens per request (end of sequence ignored)")
     requests_per_stream: Count | None = Field(None, description="closed loop: requests each stream sends in turn")

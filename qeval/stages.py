@@ -27,7 +27,8 @@ from .failures import failure_text, reason_from_log, signal_reason
 from .paths import torch_extensions_dir
 from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite_dict, stable_tier_dict
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
-                      QuantInfo, RunLayout, TierResult, read_stage, read_stage_error, stage_done, write_tier_result)
+                      QuantInfo, RunLayout, StageError, TierResult, read_partial_load, read_stage, read_stage_error,
+                      stage_done, write_stage_error, write_tier_result)
 from .source import model_source_path
 from .stage_proc import StageProcess, start_stage
 from .storage import OPTIONS_ENV, run_rel, storage_for
@@ -324,7 +325,13 @@ class TierRunner:
             out = self.run_stage(stage, tier, timeout=self.stage_timeout(stage), fingerprint=fp)
             self.push(RunLayout.tier_files(tier))  # a finished stage survives this machine (resume elsewhere)
             if not out.ok and stage == "load":  # the load sweep failing loses neither speed nor quality
-                self.on_event(tier, "load", f"load sweep failed: {out.reason}")
+                if read_stage_error(self.layout, tier, "load") is None:  # killed (timeout, signal): say why
+                    write_stage_error(self.layout, tier, "load",
+                                      StageError(error=out.reason or "load stage failed", type="exception"))
+                kept = read_partial_load(self.layout, tier)
+                n = len((kept or {}).get("points") or []) + len(((kept or {}).get("arrivals") or {}).get("points") or [])
+                self.on_event(tier, "load", f"load sweep failed: {out.reason}"
+                              + (f" ({n} points measured before it stopped are kept)" if n else ""))
                 continue
             if not out.ok:
                 failed = out
@@ -382,8 +389,15 @@ class TierRunner:
             res.quant = QuantInfo.model_validate(quant)
         if res.load is None and self.recipe.load.enabled:
             err = read_stage_error(self.layout, tier, "load")
-            if err is not None:  # the sweep failed; the tier's other results stand
-                res.load = LoadSection(error=err.error or "load stage failed")
+            if err is not None:  # the sweep failed; the tier's other results stand, and so do its finished points
+                why = err.error or "load stage failed"
+                kept = read_partial_load(self.layout, tier)
+                if kept:
+                    where = kept.pop("_at", None) or "its last finished point"
+                    res.load = LoadSection.model_validate(
+                        {**kept, "error": why, "partial": True, "stopped": f"load stopped after {where}: {why}"})
+                else:
+                    res.load = LoadSection(error=why)
         write_tier_result(self.layout, res)
         self.push(RunLayout.tier_files(tier))
         return res

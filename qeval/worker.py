@@ -45,8 +45,8 @@ from .measure.serving import grid_sweep, interference_sweep, load_sweep, prefix_
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
 from .quality_stages import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .recipe import Recipe, validation_error
-from .results import (RUN_SCOPE, RunLayout, StageError, json_text, read_run_info, read_stage, write_stage,
-                      write_stage_error)
+from .results import (RUN_SCOPE, RunLayout, StageError, atomic_write_json, json_text, read_run_info, read_stage,
+                      write_stage, write_stage_error)
 from .source import model_max_context, resolve_source
 from .stages import FRESH_ENV, load_fingerprint
 from .storage import OPTIONS_ENV, publish_source, storage_for
@@ -420,20 +420,47 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
                   prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
                   kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget,
                   max_context=src.max_context, pool_tokens=pool_tokens, progress=_progress)
-    out = load_sweep(engine, distinct_prompts(base, depth), depth=depth, **common)
+    # every finished point goes to stages/<tier>.load.partial.json at once: a stage stopped by
+    # its timeout, a signal or a memory error keeps what it measured (qeval.stages.TierRunner.finish)
+    journal: dict = {}
+    partial = layout.stage_partial(tier, "load")
+    partial.unlink(missing_ok=True)  # an earlier attempt's points are not this one's
+
+    def keep(at: str, key: str | None = None, section: dict | None = None) -> None:
+        if section is not None:
+            if key is None:
+                journal.update(section)
+            else:
+                journal[key] = section
+        journal["_at"] = at
+        atomic_write_json(partial, {"load": json.loads(json_text(journal))})
+
+    def closed_point(sec: dict) -> None:
+        keep(f"the closed loop at {sec['points'][-1]['concurrency']} streams", None, sec)
+
+    def open_point(sec: dict) -> None:
+        last = sec["points"][-1]
+        keep(f"the open loop at {last.get('rate_rps') or last.get('kind')}"
+             + (" req/s" if last.get("rate_rps") else ""), "arrivals", sec)
+
+    out = load_sweep(engine, distinct_prompts(base, depth), depth=depth, on_point=closed_point, **common)
     if ld.depths:  # the grid: the main sweep is its cell row at the load depth
         out["grid"] = grid_sweep(engine, lambda d: distinct_prompts(base, d), depths=ld.depths,
                                  measured={depth: dict(out)}, **common)
+        keep("the depth x concurrency grid", "grid", out["grid"])
     if ld.shared_prefix_tokens:
         modes = {"on": [True], "off": [False], "both": [False, True]}[ld.prefix_cache]
         out["prefix"] = prefix_sweep(engine, base, depth=depth, prefix_tokens=ld.shared_prefix_tokens, modes=modes,
                                      how=_reuse_how(engine), **common)
+        keep("the shared-prefix workload", "prefix", out["prefix"])
     if ld.interference is not None:
         it = ld.interference
         fresh = distinct_prompts(base, depth)
         out["interference"] = interference_sweep(
             engine, [fresh(2000 + s, 0) for s in range(it.streams)], distinct_prompts(base, it.prompt_tokens)(3000, 0),
             chunk_sizes=it.chunk_sizes, progress=_progress)
+        keep("the long-prompt interference workload", "interference", out["interference"])
+    inject_fault(tier, "load", "points")
     if ld.arrivals is not None:  # the open loop: the same prompts' source, fresh prompts per point
         ar, q = ld.arrivals, ld.queue
         out["arrivals"] = rate_sweep(
@@ -443,7 +470,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
             output_tokens=ld.output_tokens, prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s),
             max_error_rate=ld.slo.max_error_rate, saturation_share=ar.saturation_share, peak=peak,
             kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget, max_context=src.max_context,
-            progress=_progress)
+            progress=_progress, on_point=open_point)
     out["slo"] = {"ttft_p95_s": ld.slo.ttft_p95_s, "itl_p95_s": ld.slo.itl_p95_s,
                   "max_error_rate": ld.slo.max_error_rate}
     out.update({"engine": engine.name, "backend": engine.backend, "device": engine_device, "threads": recipe.threads,
@@ -484,8 +511,9 @@ STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "m
           "reference": stage_reference, "floor": stage_floor, "quality": stage_quality}
 
 
-#: The named points of a stage where :func:`inject_fault` may act, in the order they come.
-FAULT_POINTS = ("start", "mid", "write")
+#: The named points of a stage where :func:`inject_fault` may act, in the order they come
+#: (``points``: the load stage, after its closed-loop workloads and before its open loop).
+FAULT_POINTS = ("start", "points", "mid", "write")
 
 
 def _fault_at(spec: str | None, tier: str, stage: str, point: str) -> list[str] | None:
@@ -534,7 +562,8 @@ def inject_fault(tier: str, stage: str, point: str, layout: RunLayout | None = N
         if name == "QEVAL_TEST_CRASH":
             if len(parts) > 3 and parts[3]:
                 sig = signal.Signals[parts[3]]
-                signal.signal(sig, signal.SIG_DFL)
+                if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+                    signal.signal(sig, signal.SIG_DFL)
                 os.kill(os.getpid(), sig)
             os.abort()
         if name == "QEVAL_TEST_KILL_RUN":

@@ -68,3 +68,43 @@ def test_lazy_prompts_are_made_on_access_and_checked():
     bad = LazyPrompts(lambda s, k: [1, 2, 3], 4, prefix=[7, 7])
     with pytest.raises(ValueError, match="same 2 tokens"):
         bad[(0, 0)]
+
+
+def test_a_load_stage_killed_after_its_points_keeps_them_in_the_row_the_gate_and_the_report(tiny_llama, tmp_path):
+    """The load stage of one tier is killed (SIGKILL at its named point ``points``: after the
+    closed loop's two points, before the open loop) as the out-of-memory killer or a
+    timeout would: the tier still finishes ok with both points in its row, marked partial
+    with where and why it stopped, an error file in the run folder, the stop in gate.json,
+    the printed verdict and the report, and its users at SLO from the points it measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import GATE, write_recipe
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers="  - {name: bf16, method: bf16}\n"
+                                                                    "  - {name: b2, method: bf16}\n",
+                          suites=False, extra="gate: {reference: bf16, rules: {min_decode_rel: 0.001}}")
+    text = recipe.read_text().replace("load: {enabled: true,", "load: {enabled: true, arrivals: {rates: [1.0], "
+                                      "requests: 2}, queue: {max_waiting: 1, timeout_s: 1.0},")
+    recipe.write_text(text)
+    env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_TEST_CRASH="b2:load:points:SIGKILL")
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_dir = next((tmp_path / "res" / "tiny").iterdir())
+    row = json.loads((run_dir / "tiers" / "b2.json").read_text())
+    assert row["status"] == "ok"
+    load = row["load"]
+    assert [pt["concurrency"] for pt in load["points"]] == [1, 2] and all(pt["admitted"] for pt in load["points"])
+    assert load["partial"] is True and load["arrivals"] is None
+    assert load["stopped"].startswith("load stopped after the closed loop at 2 streams: load process killed by SIGKILL")
+    assert isinstance(load["users_at_slo"], int)
+    assert json.loads((run_dir / "stages" / "b2.load.error.json").read_text())["error"].startswith("load process killed")
+    gate = json.loads((run_dir / "gate.json").read_text())
+    assert gate["load_stopped"] == {"b2": load["stopped"]}
+    assert f"partial load: b2: {load['stopped']}" in p.stdout
+    html = (run_dir / "report.html").read_text()
+    assert "partial: load stopped after the closed loop at 2 streams: load process killed by SIGKILL" in html
+    full = json.loads((run_dir / "tiers" / "bf16.json").read_text())["load"]
+    assert full["partial"] is False and full["arrivals"]["points"]  # the other tier's stage ran to its end

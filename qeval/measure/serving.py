@@ -61,7 +61,8 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
                requests_per_stream: int, prefill_chunk: int, slo: Slo | None, peak: Any = None,
                kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
                max_context: int | None = None, shared_prefix: int = 0, reuse_prefix: bool = False,
-               pool_tokens: int | None = None, progress: Callable[[str], None] = lambda s: None) -> dict:
+               pool_tokens: int | None = None, progress: Callable[[str], None] = lambda s: None,
+               on_point: Callable[[dict], None] | None = None) -> dict:
     """Measure every concurrency (ascending) on ``engine``.
 
     Args:
@@ -77,6 +78,9 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
             (True: serve the prefix from a reused KV cache; False: prefill it per request).
         pool_tokens: KV cells of the engine's shared pool (a server's context size); a
             point needing more is not admitted (None: not checked).
+        on_point: called after each point with the section as it stands (the same dict
+            this returns, over the points so far): the load stage writes it to the run
+            folder, so a stage stopped later keeps what it measured.
 
     Returns:
         the tier's ``load`` section: ``depth``, ``output_tokens``, ``requests_per_stream``,
@@ -92,6 +96,17 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
     if serve is None:
         raise ValueError(f"engine {getattr(engine, 'name', engine)!r} cannot batch")
     points: list[dict] = []
+
+    def section(pts: list[dict]) -> dict:
+        out = {"depth": int(depth), "output_tokens": int(output_tokens), "requests_per_stream": int(requests_per_stream),
+               "prefill_chunk": int(prefill_chunk),
+               "slo": {"ttft_p95_s": slo.ttft_p95_s, "itl_p95_s": slo.itl_p95_s} if slo else None,
+               "scheduling": sorted({p["scheduling"] for p in pts if p.get("scheduling")}),
+               "kv_bytes_per_token": kv_bytes_per_token, "kv_budget_bytes": kv_budget_bytes,
+               "points": list(pts)}
+        out.update(summarize(pts, slo))
+        return out
+
     for c in sorted(set(int(x) for x in concurrency)):
         why = admission(concurrency=c, depth=depth, output_tokens=output_tokens,
                         kv_bytes_per_token=kv_bytes_per_token, max_context=max_context,
@@ -99,6 +114,8 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
         if why:
             progress(f"load: concurrency {c} not admitted: {why}")
             points.append(not_admitted_point(c, requests_per_stream, why))
+            if on_point is not None:
+                on_point(section(points))
             continue
         progress(f"load: concurrency {c} ({requests_per_stream} requests per stream, depth {depth}, "
                  f"{output_tokens} new tokens each)")
@@ -121,18 +138,16 @@ def load_sweep(engine: Any, prompt_for: PromptFor, *, concurrency: Sequence[int]
         if run is None:
             progress(f"load: concurrency {c} not admitted: {why}")
             points.append(not_admitted_point(c, requests_per_stream, why))
+            if on_point is not None:
+                on_point(section(points))
             continue
         p = point_stats(run, slo)
         p["peak_bytes"] = peak.read() if peak is not None else None
         points.append(p)
-    out = {"depth": int(depth), "output_tokens": int(output_tokens), "requests_per_stream": int(requests_per_stream),
-           "prefill_chunk": int(prefill_chunk),
-           "slo": {"ttft_p95_s": slo.ttft_p95_s, "itl_p95_s": slo.itl_p95_s} if slo else None,
-           "scheduling": sorted({p["scheduling"] for p in points if p.get("scheduling")}),
-           "kv_bytes_per_token": kv_bytes_per_token, "kv_budget_bytes": kv_budget_bytes,
-           "points": points}
-    out.update(summarize(points, slo))
-    return out
+        if on_point is not None:
+            on_point(section(points))
+
+    return section(points)
 
 
 def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | None, sweep_points: int | None,
@@ -141,7 +156,8 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
                max_error_rate: float | None, saturation_share: float, peak: Any = None,
                kv_bytes_per_token: float | None = None, kv_budget_bytes: float | None = None,
                max_context: int | None = None, serve: Callable[..., Any] | None = None,
-               progress: Callable[[str], None] = lambda s: None) -> dict:
+               progress: Callable[[str], None] = lambda s: None,
+               on_point: Callable[[dict], None] | None = None) -> dict:
     """The open-loop sweep of one tier: each rate of ``rates`` ascending, or a sweep
     (the synchronous rate: ``n`` requests one at a time; the saturated throughput: all
     ``n`` at once, no queue limit, no timeout; then ``sweep_points`` rates evenly between),
@@ -153,6 +169,7 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
         requests / duration_s: the length of each point (one of them).
         slots: requests served at once; max_waiting, timeout_s: the queue (load.queue).
         serve: the open-loop function (default :func:`open_loop_function` of the engine).
+        on_point: called after each point with the section as it stands (as :func:`load_sweep`).
 
     Returns:
         a dict of :class:`qeval.results_load.ArrivalsSection`'s fields.
@@ -194,15 +211,27 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
 
     stopped = None
     todo: list[float] = sorted(float(x) for x in rates) if rates else []
+
+    def arrivals_section(pts: list[dict]) -> dict:
+        ran = {p.get("rate_rps") for p in pts if p.get("kind") == "rate"}
+        return {"mode": "sweep" if sweep_points else "rates", "process": process, "seed": int(seed),
+                "slots": int(slots), "max_waiting": int(max_waiting), "timeout_s": float(timeout_s),
+                "saturation_share": float(saturation_share), "requests_per_point": requests,
+                "duration_s": duration_s, "points": list(pts), "knee": knee(pts), "stopped": stopped,
+                "not_run_rps": [r for r in todo if r not in ran] if stopped else []}
     if sweep_points:
         inf = float("inf")
         progress(f"load: sweep: synchronous ({n_fixed} requests one at a time)")
         sync = run("synchronous", None, [0.0] * n_fixed, n_fixed, slots=1, max_waiting=n_fixed, timeout_s=inf,
                    **({"max_in_flight": 1} if _served(serve) else {}))
         points.append(sync)
+        if on_point is not None:
+            on_point(arrivals_section(points))
         progress(f"load: sweep: throughput ({n_fixed} requests at once, {slots} slots)")
         thr = run("throughput", None, [0.0] * n_fixed, n_fixed, slots=slots, max_waiting=n_fixed, timeout_s=inf)
         points.append(thr)
+        if on_point is not None:
+            on_point(arrivals_section(points))
         lo, hi = sync.get("achieved_rps"), thr.get("achieved_rps")
         if not lo or not hi:
             stopped = "the sweep's ends did not complete (synchronous or throughput point failed)"
@@ -221,12 +250,9 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
         stopped = stop_reason(p, max_error_rate=max_error_rate, saturation_share=saturation_share)
         if stopped:
             progress(f"load: {stopped}")
-    ran = {p.get("rate_rps") for p in points if p.get("kind") == "rate"}
-    return {"mode": "sweep" if sweep_points else "rates", "process": process, "seed": int(seed), "slots": int(slots),
-            "max_waiting": int(max_waiting), "timeout_s": float(timeout_s),
-            "saturation_share": float(saturation_share), "requests_per_point": requests,
-            "duration_s": duration_s, "points": points, "knee": knee(points), "stopped": stopped,
-            "not_run_rps": [r for r in todo if r not in ran] if stopped else []}
+        if on_point is not None:
+            on_point(arrivals_section(points))
+    return arrivals_section(points)
 
 
 def _served(serve: Callable[..., Any]) -> bool:

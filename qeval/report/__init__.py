@@ -63,7 +63,9 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
     md, csv_text = _tables_text(a, slow)
     gate_file = GateFile.model_validate({**a.gate.to_dict(), "quality_metric": a.quality_metric,
                                          "pareto": a.pareto.to_dict(), "ladder": a.ladder.to_dict(),
-                                         "slow_path": {n: s.text for n, s in slow.items()}})
+                                         "slow_path": {n: s.text for n, s in slow.items()},
+                                         "load_stopped": {n: t.load.stopped for n, t in a.tiers.items()
+                                                          if t.load is not None and t.load.stopped}})
     reviews = run_reviews(layout.root, list(a.tiers), a.reference)
     files = {layout.table_md: md, layout.table_csv: csv_text, layout.gate_json: json_text(gate_file),
              layout.report_html: render_report(run, a, spec, reviews=reviews)}

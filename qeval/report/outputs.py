@@ -59,6 +59,8 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
                          + (f"  quality {q:.4g}" if q is not None else ""))
     for name, text in gate_file.slow_path.items():
         lines.append(f"  slow path: {name}: {text}")
+    for name, text in gate_file.load_stopped.items():
+        lines.append(f"  partial load: {name}: {text}")
     lines.append(f"report: {outs.report_html}")
     if outs.junit_xml:
         lines.append(f"junit: {outs.junit_xml}")

@@ -399,7 +399,9 @@ def _notes(r: Row) -> Cell:
         notes.append(f"{timed_out} check{'s' if timed_out > 1 else ''} timed out (not judged)")
     if not r.ok and r.t.error:
         notes.append(short_error(r.t.error))  # a failed tier's error may hold a whole log
-    if r.t.load is not None and r.t.load.error:
+    if r.t.load is not None and r.t.load.stopped:
+        notes.append(f"partial load: {short_error(r.t.load.stopped)}")
+    elif r.t.load is not None and r.t.load.error:
         notes.append(f"load sweep failed: {short_error(r.t.load.error)}")
     return "; ".join(notes), {"slow_path": bool(r.slow)}
 
@@ -654,9 +656,12 @@ def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
         load = t.load
         if load is None:
             continue
-        if load.error:
+        if load.error and not load.points:
             rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {short_error(load.error)}"])
             continue
+        if load.stopped:  # the points the stage finished before it stopped, then why it stopped
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"partial: {short_error(load.stopped)}"])
         for p in load.points:
             c = p.concurrency
             if not p.admitted:
