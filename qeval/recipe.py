@@ -201,7 +201,7 @@ class ArrivalsSpec(_Strict):
     seed: int = Field(0, ge=0, le=2**63 - 1, description="numpy Generator seed of the schedules")
     requests: int | None = Field(None, gt=0, le=MAX_COUNT, description="arrivals per point (default 16)")
     duration_s: float | None = Field(None, gt=0, le=MAX_SECONDS, description="seconds of arrivals per point "
-                                     "(instead of requests)")
+                                     "(instead of requests; rates only: a sweep counts requests)")
     saturation_share: float = Field(0.25, gt=0, lt=1, description="a point is saturated (and a sweep stops) when "
                                     "the achieved rate is below the offered by more than this share")
 
@@ -222,6 +222,9 @@ class ArrivalsSpec(_Strict):
             raise ValueError("set exactly one of 'rates' (requests/s) and 'sweep'")
         if self.requests is not None and self.duration_s is not None:
             raise ValueError("set at most one of 'requests' and 'duration_s' per point")
+        if self.sweep is not None and self.duration_s is not None:
+            raise ValueError("a sweep's synchronous and throughput ends are counted in requests: set 'requests', "
+                             "not 'duration_s' (seconds, for rates only)")
         if self.requests is None and self.duration_s is None:
             self.requests = 16
         return self

@@ -458,7 +458,8 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
         fresh = distinct_prompts(base, depth)
         out["interference"] = interference_sweep(
             engine, [fresh(2000 + s, 0) for s in range(it.streams)], distinct_prompts(base, it.prompt_tokens)(3000, 0),
-            chunk_sizes=it.chunk_sizes, progress=_progress)
+            chunk_sizes=it.chunk_sizes, progress=_progress, kv_bytes_per_token=meas.memory.kv_bytes_per_token,
+            kv_budget_bytes=budget, max_context=src.max_context)
         keep("the long-prompt interference workload", "interference", out["interference"])
     inject_fault(tier, "load", "points")
     if ld.arrivals is not None:  # the open loop: the same prompts' source, fresh prompts per point

@@ -185,7 +185,7 @@ def rate_sweep(engine: Any, prompt_for: PromptFor, *, rates: Sequence[float] | N
     points: list[dict] = []
     common = dict(output_tokens=output_tokens, prefill_chunk=prefill_chunk, kv_budget_bytes=kv_budget_bytes,
                   kv_bytes_per_token=kv_bytes_per_token, max_context=max_context)
-    n_fixed = requests or max(2, int(round(duration_s or 1)))
+    n_fixed = int(requests or 16)  # a sweep's ends are counted in requests (the recipe refuses duration_s with a sweep)
 
     def run(kind: str, rate: float | None, times: Iterable[float], expected: int, **kw: Any) -> dict:
         stream = 1000 + len(points)
@@ -322,19 +322,36 @@ def interference_function(engine: Any) -> Callable[..., Any] | None:
 
 def interference_sweep(engine: Any, stream_prompts: Sequence[Sequence[int]], long_prompt: Sequence[int], *,
                        chunk_sizes: Sequence[int], before_tokens: int = 4, after_tokens: int = 4,
-                       progress: Callable[[str], None] = lambda s: None) -> dict:
+                       progress: Callable[[str], None] = lambda s: None, kv_bytes_per_token: float | None = None,
+                       kv_budget_bytes: float | None = None, max_context: int | None = None) -> dict:
     """One long prompt landing on ``len(stream_prompts)`` decoding streams, unchunked (the
     whole prompt in one engine step) and at each of ``chunk_sizes`` (tokens per step), with
     the stall figures of :func:`qeval.measure.interference.interference_stats` per run.
 
+    Admission first, as every load point's (:func:`~qeval.measure.load.admission`): the
+    streams' KV (prompt + ``before_tokens + after_tokens`` each) and the long prompt's must
+    fit ``kv_budget_bytes``, and the long prompt the model's context; otherwise nothing runs.
+
     Returns:
         a dict of :class:`qeval.results_load.InterferenceSection`'s fields; ``not_measured``
-        says why when the engine has no interference loop, or refuses the prompt or fails
-        (the runs before it are kept; the load stage goes on).
+        says why when the point is not admitted, the engine has no interference loop, or it
+        refuses the prompt or fails (the runs before it are kept; the load stage goes on).
     """
     out: dict[str, Any] = {"prompt_tokens": len(long_prompt), "streams": len(stream_prompts),
                            "stream_depth": max((len(p) for p in stream_prompts), default=0), "rows": [],
                            "not_measured": None}
+    tail = before_tokens + after_tokens
+    tokens = sum(len(p) + tail for p in stream_prompts) + len(long_prompt) + after_tokens
+    if max_context is not None and len(long_prompt) + after_tokens > max_context:
+        out["not_measured"] = (f"not admitted: the {len(long_prompt)}-token prompt + {after_tokens} new tokens is "
+                               f"beyond the model's context of {max_context}")
+        return out
+    if kv_bytes_per_token and kv_budget_bytes is not None and tokens * kv_bytes_per_token > kv_budget_bytes:
+        out["not_measured"] = (f"not admitted: KV cache of {tokens} tokens ({len(stream_prompts)} streams and the long "
+                               f"prompt) = {tokens * kv_bytes_per_token / 2**30:.2f} GiB exceeds the KV budget of "
+                               f"{max(kv_budget_bytes, 0) / 2**30:.2f} GiB")
+        progress(f"load: interference {out['not_measured']}")
+        return out
     fn = interference_function(engine)
     if fn is None:
         name = getattr(engine, "name", "engine")
