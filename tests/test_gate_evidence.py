@@ -168,3 +168,10 @@ def test_every_shipped_recipe_fails_a_tier_with_real_damage(recipe):
     assert not c.passed and quality_rules, [r.message for r in c.rules]
     # and the primary fidelity rule sees it on its own
     assert any(r.rule in ("max_kld_mean", "min_same_top_rate", "max_ppl_ratio") for r in quality_rules)
+
+
+def test_a_rule_that_allows_losing_everything_passes_without_power():
+    """min_pass_rate_rel 0 tolerates a drop of the whole reference rate: no suite size is
+    needed to see that it holds."""
+    r = paired_rate_rule(b=3, c=0, n=7, ref_rate=3 / 7, rule=0.0)
+    assert r.outcome == PASS and "losing every check" in r.why

