@@ -34,7 +34,7 @@ from .executors import make_executor
 from .paths import cache_root, staging_dir
 from .pipeline import default_lanes
 from .progress import RunProgress, planned_stages
-from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe
+from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe, load_time_floor
 from .report.outputs import OUTPUT_NAMES, build_outputs, plan_text
 from .report.review import item_changes_markdown, tier_review
 from .report.show import show as show_review
@@ -140,6 +140,14 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
                  f"depth {recipe.gate_depth}; rules {rules or 'none'}")
     lines += power_lines(recipe)
+    floor = load_time_floor(recipe)
+    if floor:
+        n = len(only) if only is not None else len(recipe.tiers)
+        total = sum(t for _, t in floor)
+        parts = "; ".join(f"{w}: {t:,.0f} s" for w, t in floor)
+        lines.append(f"time     load stage: at least {total:,.0f} s per tier ({parts}), {total * n:,.0f} s over "
+                     f"{n} tiers, before the closed loop and the workloads (measured, not bounded here); each "
+                     f"stage stops at load.timeout_s {recipe.load.timeout_s:g} s")
     return "\n".join(lines)
 
 
@@ -226,6 +234,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         fresh: bool = typer.Option(False, "--fresh", help="recompute the reference pass and quality results "
                                    "instead of reusing cached ones with the same content key (speed, memory "
                                    "and load are always measured anew)"),
+        estimate: bool = typer.Option(False, "--estimate", help="print the plan and what it can be known to cost "
+                                      "before it runs (the load stage's least time, the gate rules' power), "
+                                      "then exit without running"),
         ) -> None:
     """Quantize, measure and judge every tier of RECIPE; exit code follows the gate."""
     resume = None
@@ -240,6 +251,9 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
         r = load_recipe(recipe)
         subset = _parse_tiers(r, tiers)  # before the static checks, which read the model (seconds)
         depths_checked = static_checks(r, gguf_tokenizer=False)
+        if estimate:
+            out.print(describe_plan(r, subset), highlight=False)
+            raise typer.Exit(0)
         chosen = make_executor(executor, ray_address) if executor else \
             make_executor(r.executor, ray_address, recipe=r)
         junit_path = check_output_file(junit, field="--junit") if junit is not None else None
@@ -285,6 +299,10 @@ def run(recipe: Path = typer.Argument(..., help="recipe YAML"),
     except QevalInputError as e:
         _fail(e)
     console.print(f"[bold]qeval[/] run [cyan]{escape(r.name)}[/] -> {escape(str(run_dir))}", highlight=False)
+    floor = load_time_floor(r)
+    if floor:  # time said before it is spent (qeval run --estimate prints the whole plan)
+        console.print(f"  load: at least {sum(t for _, t in floor):,.0f} s per tier of open-loop arrivals, then "
+                      "what the closed loop and the workloads take", highlight=False)
     progress = RunProgress(console, r.name, planned_stages(r, runner.tiers, runner.layout),
                            lanes=default_lanes(r, None if r.device == "auto" else r.device))
 

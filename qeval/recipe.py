@@ -960,8 +960,38 @@ def _check_rules_computed(recipe: Recipe) -> None:
                                f"{METRICS[GATE_RULES[name].metric].label}: add one or remove the rule")
 
 
+def load_time_floor(recipe: Recipe) -> list[tuple[str, float]]:
+    """The least wall time (s) each part of a tier's load stage takes, from its settings alone
+    (before any speed is known): an open-loop rate point lasts at least as long as its
+    arrivals (``duration_s``, or ``(requests - 1) / rate``), whatever the engine does; the
+    closed-loop points, the grid and the workloads take what the engine needs (measured,
+    not bounded here: 0). ``[(what, seconds)]``, empty without a load stage."""
+    ld = recipe.load
+    if not ld.enabled or ld.arrivals is None or not ld.arrivals.rates:
+        return []
+    ar = ld.arrivals
+    return [(f"open loop at {r:g} req/s", float(ar.duration_s) if ar.duration_s else (ar.requests - 1) / r)
+            for r in ar.rates]
+
+
+def _check_load_time(recipe: Recipe) -> None:
+    """Time said before it is spent: the load stage's least wall time
+    (:func:`load_time_floor`) within ``load.timeout_s``, or one line naming the longest point
+    and the estimate."""
+    floor = load_time_floor(recipe)
+    total = sum(t for _, t in floor)
+    if floor and total > recipe.load.timeout_s:
+        what, worst = max(floor, key=lambda x: x[1])
+        raise recipe.error(("load", "arrivals"), f"the open loop alone takes at least {total:,.0f} s per tier "
+                           f"({len(floor)} rate points; {what}: {worst:,.0f} s of arrivals), beyond load.timeout_s "
+                           f"{recipe.load.timeout_s:g} s: the stage would be stopped; shorten duration_s or requests, "
+                           "or raise load.timeout_s")
+
+
 def _check_workloads(recipe: Recipe) -> None:
-    """The load section's workload fields (:class:`_LoadWorkloads`) against the load depth."""
+    """The load section's workload fields (:class:`_LoadWorkloads`) against the load depth,
+    and the load stage's least time against its timeout (:func:`_check_load_time`)."""
+    _check_load_time(recipe)
     ld = recipe.load
     if ld.shared_prefix_tokens is not None and ld.shared_prefix_tokens >= recipe.load_depth:
         raise recipe.error(("load", "shared_prefix_tokens"), f"a shared prefix of {ld.shared_prefix_tokens} tokens "

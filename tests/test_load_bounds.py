@@ -127,3 +127,22 @@ def test_interference_is_admitted_against_the_kv_budget_and_the_context_before_a
     fits = interference_sweep(stub, [[1] * 16], [2] * 64, chunk_sizes=[64], kv_bytes_per_token=23040,
                               kv_budget_bytes=8 * 2 ** 30, max_context=8192)
     assert "has no loop" in fits["not_measured"]  # admitted: it went on to the engine
+
+
+def test_run_estimate_prints_the_plan_and_runs_nothing(tmp_path):
+    """``qeval run --estimate``: the plan with the load stage's least time from its settings
+    (the default recipe: 2 rates x 3 s of arrivals = 6 s per tier, 7 tiers) and the gate
+    rules' power, exit 0, and no run folder."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(repo / "recipes" / "smollm2-135m.yaml"),
+                        "--estimate", "--out", str(tmp_path / "res")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache")))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("time     load stage: at least 6 s per tier (open loop at 0.5 req/s: 3 s; open loop at 4 req/s: 3 s), "
+            "42 s over 7 tiers") in p.stdout
+    assert "power    min_pass_rate_rel 0.5: 21 paired checks see a drop of 0.299" in p.stdout
+    assert not (tmp_path / "res").exists()
