@@ -988,11 +988,23 @@ def _check_load_time(recipe: Recipe) -> None:
                            "or raise load.timeout_s")
 
 
+#: Most requests one closed-loop point may ask for (streams x requests per stream): at 1,000
+#: requests/s, more than most engines serve with fresh prompts, a point of this many runs
+#: 17 minutes; 4096 streams x 1,000,000 requests would run for weeks and be stopped.
+MAX_CLOSED_LOOP_REQUESTS = 1_000_000
+
+
 def _check_workloads(recipe: Recipe) -> None:
     """The load section's workload fields (:class:`_LoadWorkloads`) against the load depth,
-    and the load stage's least time against its timeout (:func:`_check_load_time`)."""
+    the load stage's least time against its timeout (:func:`_check_load_time`), and the
+    requests a closed-loop point asks for (:data:`MAX_CLOSED_LOOP_REQUESTS`)."""
     _check_load_time(recipe)
     ld = recipe.load
+    if ld.enabled and max(ld.concurrency) * ld.requests_per_stream > MAX_CLOSED_LOOP_REQUESTS:
+        raise recipe.error(("load", "requests_per_stream"), f"{max(ld.concurrency)} streams x "
+                           f"{ld.requests_per_stream} requests = {max(ld.concurrency) * ld.requests_per_stream:,} "
+                           f"requests in one closed-loop point, beyond {MAX_CLOSED_LOOP_REQUESTS:,} (at 1,000 "
+                           "requests/s, 17 minutes): the stage would be stopped by its timeout")
     if ld.shared_prefix_tokens is not None and ld.shared_prefix_tokens >= recipe.load_depth:
         raise recipe.error(("load", "shared_prefix_tokens"), f"a shared prefix of {ld.shared_prefix_tokens} tokens "
                            f"leaves no own part in a request of {recipe.load_depth} tokens (the load depth): it "

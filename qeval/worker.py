@@ -198,7 +198,7 @@ def stage_prepare(recipe, run_dir: Path, tier: str) -> dict:
     resolved = method.check(spec, ctx)
     if not method.needs_artifact:
         return {"artifact": None, "reused": True, "resolved": resolved, "info": {}}
-    fields = method.key_fields(spec, ctx)
+    fields = method.artifact_fields(spec, ctx)  # the spec's fields and the builder code's hash
     fields["resolved"] = resolved
     base = rss_bytes() or 0
 

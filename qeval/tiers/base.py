@@ -209,6 +209,34 @@ class TierMethod:
         """The inputs that identify this tier's artifact (hashed into the cache key)."""
         return {"method": self.method, "source_sha256": ctx.source_sha256}
 
+    #: qeval modules beside the method's own classes whose code builds its artifact (a
+    #: converter, a quantize helper): their sources join :meth:`code_sha256`.
+    builder_modules: ClassVar[tuple[str, ...]] = ()
+
+    def code_sha256(self) -> str:
+        """SHA-256 (16 hex digits) over the source files of the code that builds this
+        method's artifact: every qeval module defining a class of the method's MRO (its own
+        module, the base) and :attr:`builder_modules`. It joins the artifact's cache key
+        (:meth:`artifact_fields`), so an upgrade that changes a quantizer rebuilds its
+        artifacts instead of serving what the old code wrote; a change elsewhere in qeval
+        does not."""
+        import hashlib  # start-up time: only the prepare stage keys artifacts
+        import importlib
+        import sys
+        names = [c.__module__ for c in type(self).__mro__ if c.__module__.startswith("qeval.")]
+        names += list(self.builder_modules)
+        h = hashlib.sha256()
+        for name in sorted(set(names)):
+            mod = sys.modules.get(name) or importlib.import_module(name)
+            path = Path(getattr(mod, "__file__", "") or "")
+            h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+        return h.hexdigest()[:16]
+
+    def artifact_fields(self, spec: Any, ctx: TierContext) -> dict:
+        """:meth:`key_fields` and ``code``: :meth:`code_sha256` (what the prepare stage keys
+        the artifact by)."""
+        return {**self.key_fields(spec, ctx), "code": self.code_sha256()}
+
     def check(self, spec: Any, ctx: TierContext) -> dict:
         """Validate the spec against the model before any work; returns resolved
         parameters (e.g. the group size ``auto`` picked). Raises QevalInputError."""

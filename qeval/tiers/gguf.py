@@ -62,6 +62,7 @@ class GgufTier(TierSpec):
 class GgufMethod(TierMethod):
     """A llama.cpp GGUF file of ``spec.type``, served by any engine that opens GGUF files
     (default: llama.cpp)."""
+    builder_modules = ("qeval.engines.gguf_convert", "qeval.engines.llamacpp")  # convert, quantize_gguf
     method = "gguf"
     spec = GgufTier
     transient_dtype_copies = 1.0  # the 16-bit intermediate GGUF, deleted once quantized

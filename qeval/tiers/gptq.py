@@ -310,6 +310,7 @@ class _GptqModelMethod(TierMethod):
     artifact is a gptqmodel checkpoint, which only gptqmodel's loader opens (into a
     transformers model on the ``hf`` engine)."""
     quant_method = "gptq"
+    builder_modules = ("qeval.tiers.int8", "qeval.calibration", "qeval.engines.bf16_matmul")  # shared helpers
     artifact_format = "gptqmodel"
     bytes_per_parameter = 0.6  # packed 4-bit weights, scales and zeros, source-dtype embeddings
     transient_dtype_copies = 1.0  # gptqmodel's offload folder (finished layers), deleted after
