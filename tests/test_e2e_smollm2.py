@@ -166,3 +166,33 @@ def test_default_model_smaller_weights_never_show_a_larger_peak(e2e_run):
     assert rows["gptq"]["memory"]["runtime_engine_bytes"] > bf16["memory"]["runtime_engine_bytes"] + 100 * MIB
     assert rows["gguf-q4_k_m"]["attention"]["engine"] == "llama.cpp"
     assert rows["gguf-q4_k_m"]["kv_cache_dtype"] == "f16" and rows["gguf-q4_k_m"]["flash_attn"] is False
+
+
+def test_the_ladders_and_knees_in_gate_json_follow_their_rules(e2e_run):
+    """The overload ladder, the rate ladder and each tier's knee as gate.json and the verdict
+    print them: rungs are the gate-passing tiers and the reference, by users at SLO (fewest
+    first) as printed; each rate rung's knee is the tier's own measured knee and the rungs
+    hold rising rates; the open loop's overload shows as refused or timed-out requests,
+    never as failures."""
+    run_dir, rows, p = e2e_run
+    gate = json.loads((run_dir / "gate.json").read_text())
+    passing = {c["tier"] for c in gate["candidates"] if c["verdict"] == "pass"} | {gate["reference"]}
+    lad = gate["ladder"]
+    assert lad["basis"] == "users_at_slo" and lad["load_depth"] == 64
+    steps = [s["tier"] for s in lad["steps"]]
+    assert set(steps) <= passing and set(steps) | set(lad["unplaced"]) == passing
+    users = [s["users_at_slo"] for s in lad["steps"]]
+    assert users == sorted(users)  # fewest first
+    printed = [ln.split()[1] for ln in p.stdout.splitlines() if ln[:5].strip().rstrip(".").isdigit()
+               and ln.startswith("  ") and "users" in ln]
+    assert printed == steps, p.stdout[-2000:]
+    rates = lad["rates"]
+    knees = [r["knee_rps"] for r in rates["steps"]]
+    assert knees == sorted(knees) and len(set(knees)) == len(knees)  # each rung holds a higher rate
+    for r in rates["steps"]:
+        assert rows[r["tier"]]["load"]["arrivals"]["knee"]["rate_rps"] == r["knee_rps"]
+    if rates["steps"]:
+        assert rates["refuse_above_rps"] == knees[-1] and rates["text"].startswith(f"serve {rates['steps'][0]['tier']}")
+    for n, t in rows.items():
+        for pt in t["load"]["arrivals"]["points"]:
+            assert pt["failed"] == 0, (n, pt)  # overload is refused or timed out, not a crash
