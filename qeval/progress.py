@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from .paths import cache_root
 from .results import RUN_SCOPE, RunLayout, stage_done
-from .stages import TIMED_STAGES
+from .stage_keys import TIMED_STAGES
 
 HISTORY_NAME = "stage_times.json"
 

@@ -30,15 +30,13 @@ from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIE
                       QuantInfo, RunLayout, StageError, TierResult, read_partial_load, read_stage, read_stage_error,
                       stage_done, write_stage_error, write_tier_result)
 from .source import model_source_path
+from .stage_keys import FRESH_ENV, TIMED_STAGES, load_fingerprint  # noqa: F401 - re-exported
 from .stage_proc import StageProcess, start_stage
 from .storage import OPTIONS_ENV, run_rel, storage_for
 from .tiers import get_method
 
-TIMED_STAGES = ("measure", "load", "env")
-
-#: Set to ``1`` in every stage's environment by ``qeval run --fresh``: the reference pass and
-#: the tiers' quality results are recomputed instead of reused from the cache.
-FRESH_ENV = "QEVAL_FRESH"
+# TIMED_STAGES, FRESH_ENV and load_fingerprint live below this module and the stage process
+# (qeval.stage_keys); re-exported here for the run's side
 
 
 def stage_threads(recipe: Recipe, stage: str) -> int:
@@ -134,13 +132,6 @@ def child_env(recipe: Recipe) -> dict[str, str]:
 
 
 # ---- running a run folder's stages -------------------------------------------------------
-
-def load_fingerprint(recipe_dict: dict) -> str:
-    """Hash of what shapes a load sweep beyond the tier's own fingerprint: the recipe's
-    ``load`` section. A finished load stage whose hash differs is run again on resume
-    (measure and quality stay valid)."""
-    return hashlib.sha256(json.dumps(recipe_dict.get("load"), sort_keys=True).encode()).hexdigest()[:16]
-
 
 class TierRunner:
     """Runs stages of one run folder in child processes and a tier's stages into its

@@ -48,7 +48,7 @@ from .recipe import Recipe, validation_error
 from .results import (RUN_SCOPE, RunLayout, StageError, atomic_write_json, json_text, read_run_info, read_stage,
                       write_stage, write_stage_error)
 from .source import model_max_context, resolve_source
-from .stages import FRESH_ENV, load_fingerprint
+from .stage_keys import FRESH_ENV, load_fingerprint
 from .storage import OPTIONS_ENV, publish_source, storage_for
 from .tiers import get_method
 from .tiers.base import TierContext

@@ -221,8 +221,8 @@ class TierMethod:
         artifacts instead of serving what the old code wrote; a change elsewhere in qeval
         does not."""
         import hashlib  # start-up time: only the prepare stage keys artifacts
-        import importlib
-        import sys
+        import importlib  # start-up time: as hashlib above
+        import sys  # start-up time: as hashlib above
         names = [c.__module__ for c in type(self).__mro__ if c.__module__.startswith("qeval.")]
         names += list(self.builder_modules)
         h = hashlib.sha256()
