@@ -40,6 +40,8 @@ def _quietly(fn) -> None:
     set and writable), then put them back."""
     path = os.environ.get("QEVAL_PRELOAD_LOG")
     try:
+        if path:  # a first run with a new QEVAL_CACHE: its folder does not exist yet
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if path else -1
     except OSError:
         fd = -1
