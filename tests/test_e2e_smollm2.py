@@ -19,7 +19,6 @@ pytestmark = pytest.mark.e2e
 # tiers that are quick on 2 cores, and GPTQ (the memory test below needs it); quantizing AWQ
 # is covered by tests/test_tiers_quant.py
 E2E_TIERS = ("bf16", "bf16-kv8", "int8", "gptq", "gguf-q4_k_m")
-MIB = 2 ** 20
 LC_DEPTHS = (1024, 1536)  # long-context depths: two, the first the shipped recipe's
 
 
@@ -161,9 +160,12 @@ def test_default_model_smaller_weights_never_show_a_larger_peak(e2e_run):
         assert split["weights_bytes"] < ref["weights_bytes"] / 2, n
     assert rows["gguf-q4_k_m"]["memory"]["peak_bytes"]["256"] < bf16["memory"]["peak_bytes"]["256"]
     gptq = rows["gptq"]["memory"]["peak_breakdown"]["256"]
-    assert gptq["other_bytes"] > bf16["memory"]["peak_breakdown"]["256"]["other_bytes"] + 16 * MIB
+    # margins as shares of BF16's measured runtime (the interpreter with its libraries: about
+    # 0.43 GiB here), not bytes copied from one run: GPTQ's repacked buffers were 33 MB of it
+    runtime = bf16["memory"]["runtime_bytes"]
+    assert gptq["other_bytes"] > bf16["memory"]["peak_breakdown"]["256"]["other_bytes"] + 0.03 * runtime
     # gptqmodel's import is a runtime cost now, named as such
-    assert rows["gptq"]["memory"]["runtime_engine_bytes"] > bf16["memory"]["runtime_engine_bytes"] + 100 * MIB
+    assert rows["gptq"]["memory"]["runtime_engine_bytes"] > bf16["memory"]["runtime_engine_bytes"] + 0.2 * runtime
     assert rows["gguf-q4_k_m"]["attention"]["engine"] == "llama.cpp"
     assert rows["gguf-q4_k_m"]["kv_cache_dtype"] == "f16" and rows["gguf-q4_k_m"]["flash_attn"] is False
 

@@ -143,6 +143,16 @@ def test_tiers_subset_gate_judges_what_ran(tiny_llama, tmp_path):
     assert "bf16-b  -- not run (--tiers)" in out
     g = subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(run_dir)], capture_output=True, text=True)
     assert g.returncode == 0 and "PASS over 1 of 2 candidates" in g.stdout
+    # the failing side: the one judged candidate fails a rule; the one not run is still not judged
+    run = json.loads((run_dir / "run.json").read_text())
+    run["recipe"]["gate"]["rules"] = {"min_decode_tokens_per_s": 1e9}
+    (run_dir / "run.json").write_text(json.dumps(run))
+    f = subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(run_dir)], capture_output=True, text=True)
+    assert f.returncode == 1, f.stdout[-2000:]
+    assert "gate: FAIL over 1 of 2 candidates (not run, --tiers: bf16-b) (exit 1)" in f.stdout
+    assert "FAIL bf16-kv8" in f.stdout and "bf16-b  -- not run (--tiers)" in f.stdout
+    verdicts = {c["tier"]: c["verdict"] for c in json.loads((run_dir / "gate.json").read_text())["candidates"]}
+    assert verdicts == {"bf16-kv8": "fail", "bf16-b": "not run"}
 
 
 def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
