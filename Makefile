@@ -16,7 +16,7 @@ comma := ,
 # is the CUDA build. On a CUDA machine whose pip finds a CPU wheel first, set TORCH_SPEC
 # (e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>").
 TORCH_SPEC ?= torch==2.13.0
-# llama-cpp-python compiles from source (qeval/engines/llama_build.py; README "Set-up: what
+# llama-cpp-python compiles from source (qeval/engines/llama_build.py; docs/setup.md "Set-up: what
 # each step costs"): as llama.cpp's release builds, ggml's CPU backend is one module per
 # instruction-set variant and the best one this machine may run is loaded at run time
 # (qeval/engines/ggml_cpu.py: never an AMX variant where the kernel does not grant AMX, and
@@ -41,7 +41,7 @@ PYTEST_WORKERS ?= 2
 # Files go out longest first (tests/conftest.py, FILE_ORDER): xdist's default reorder by test
 # count sent the end-to-end file last.
 PYTEST_ARGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
-# Offline / air-gapped install (README): on a connected machine with the target's Python and
+# Offline / air-gapped install (docs/gpu.md): on a connected machine with the target's Python and
 # architecture, `make wheelhouse [WHEELHOUSE=DIR] [TORCH=system] [CUDA=1]` collects every wheel and
 # sdist `make setup` needs (tools/wheelhouse.py); on the target, `make setup OFFLINE=1 WHEELHOUSE=DIR`
 # installs from it alone (pip --no-index --find-links, exported so the converter's and llama-server's

@@ -1,7 +1,7 @@
 """The offline install's pieces that run without a network: which build requirements the
 wheelhouse collects for an sdist (tools/wheelhouse.py), and what `make setup OFFLINE=1` /
 `TORCH=system` would run (``make -n``: nothing is executed). The install itself from a
-wheelhouse, in a network namespace, is a manual check (README "Offline / air-gapped install")."""
+wheelhouse, in a network namespace, is a manual check (docs/gpu.md "Offline / air-gapped install")."""
 from __future__ import annotations
 
 import importlib.util

@@ -42,7 +42,7 @@ import venv
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: The vLLM this repository is checked against (the README's GPU section names it).
+#: The vLLM this repository is checked against (the README's Limits and docs/gpu.md name it).
 VLLM_VERSION = "0.34.0"
 #: What importing vLLM's serve parser needs beside vLLM (``--no-deps``) and torch, with the
 #: versions vLLM's own metadata asks for where it pins them.
