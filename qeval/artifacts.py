@@ -78,6 +78,7 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     build replaces it, here and in the store."""
     key = artifact_key(fields)
     folder = artifact_dir(method, key)
+    _remove_dead_staging(folder, log)
     if fresh:
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,6 +115,30 @@ def get_or_build(method: str, fields: dict, build: Callable[[Path], dict],
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return _build(folder, tmp, key, fields, build, remote, log, replace=remote_bad)
+
+
+def _remove_dead_staging(folder: Path, log: Callable[[str], None]) -> None:
+    """Remove the staging folders ``<folder>.tmp<pid>`` of builds or fetches whose process
+    no longer runs (killed before its rename: SIGKILL, the OOM killer, a power cut run no
+    clean-up). A folder is left alone while its pid is a live process that started before
+    the folder's last change (another run building the same artifact now; 2 s of slack for
+    the coarse process start times); a pid gone, a zombie, or reused by a process started
+    after the folder was last written is a build that was stopped."""
+    import psutil  # start-up time: only stages that prepare an artifact need it
+    for tmp in folder.parent.glob(folder.name + ".tmp*"):
+        pid = tmp.name[len(folder.name) + 4:]
+        if not pid.isdigit() or not tmp.is_dir():
+            continue
+        try:
+            proc = psutil.Process(int(pid))
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= tmp.stat().st_mtime + 2.0:
+                continue  # its builder still runs
+        except psutil.NoSuchProcess:
+            pass
+        except (psutil.Error, OSError, OverflowError):
+            continue  # cannot tell (another user's process): not ours to remove
+        log(f"artifact {folder.name}: removing the staging folder of a build that was stopped ({tmp.name})")
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _build(folder: Path, tmp: Path, key: str, fields: dict, build: Callable[[Path], dict], remote: Any,
