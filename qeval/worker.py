@@ -478,6 +478,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
                 "memory_kind": peak.kind, "held_bytes": held, "kv_budget_source": budget_src})
     engine.close()
     out = json.loads(json_text(out))  # numpy scalars as the file will hold them (the section's models are strict)
+    partial.unlink(missing_ok=True)  # the whole section follows in the stage file
     return {"load": out, "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
 
 

@@ -292,7 +292,8 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[fl
 #: The most requests the served client holds open at once beyond the server's own slots and
 #: queue: an arrival that finds the client at its cap is counted refused (by the client,
 #: ``failed_by_status``), so a schedule of 1,000,000 req/s neither starts a million threads
-#: nor holds a million prompts; the server refuses long before (HTTP 503 past its queue).
+#: nor holds a million prompts. A server with a queue limit refuses before that (vLLM, SGLang:
+#: HTTP 429/503); llama-server queues without limit, so against it the cap is what refuses.
 CLIENT_HEADROOM = 64
 
 
