@@ -45,9 +45,11 @@ def e2e_run(tmp_path_factory):
             (tmp_path / "long_context_filler.jsonl").write_text((src.parent / "long_context_filler.jsonl").read_text())
             s.update(depths=list(LC_DEPTHS), fidelity_tokens=64, max_new_tokens=48)
     r["load"].update(concurrency=[1, 2], depth=64, output_tokens=8, requests_per_stream=1, prefill_chunk=32)
-    # the open loop at 0.25 and 4 req/s, 2 s of arrivals each: 1 request at the first rate, 8 at
-    # the second (still past saturation), dropped after 1 s waiting
-    r["load"]["arrivals"].update(rates=[0.25, 4], duration_s=2)
+    # the open loop at 0.25 and 200 req/s, 2 s of arrivals each: 1 request at the first rate, 400
+    # at the second, far past what 2 slots of a 135M model serve on any CPU (a request of 64
+    # prompt and 8 new tokens takes tens of ms at least): most are refused (queue of 1) or
+    # dropped after 1 s waiting; only the admitted ones cost compute
+    r["load"]["arrivals"].update(rates=[0.25, 200], duration_s=2)
     r["load"]["queue"]["timeout_s"] = 1.0
     # the load workloads at the reduced depth: a 32-token shared prefix of the 64, one 128-token
     # prompt landing on 2 decoding streams (unchunked and in 32-token chunks), the grid at 64 and 128
@@ -198,3 +200,7 @@ def test_the_ladders_and_knees_in_gate_json_follow_their_rules(e2e_run):
     for n, t in rows.items():
         for pt in t["load"]["arrivals"]["points"]:
             assert pt["failed"] == 0, (n, pt)  # overload is refused or timed out, not a crash
+        over = next(pt for pt in t["load"]["arrivals"]["points"] if pt["rate_rps"] == 200)
+        assert over["requests"] >= 390 and over["refused"] + over["timed_out"] > over["requests"] / 2, (n, over)
+        assert over["completed"] >= 1 and not over["meets_slo"]
+        assert t["load"]["arrivals"]["knee"]["above_rps"] in (200, None), (n, t["load"]["arrivals"]["knee"])
