@@ -507,6 +507,9 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         # engine on the same tokens and kept the review; not scored twice
         progress("fidelity: the noise floor's scoring of this tier (same engine, same tokens)")
         fid = floor.fidelity.model_dump()
+    elif getattr(engine, "fidelity_note", None):  # a chat-mode endpoint, a text one without top-k by id
+        progress(engine.fidelity_note)
+        fid = {"n_tokens": 0, "not_measured": engine.fidelity_note}
     else:
         fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
     fid_s = time.time() - t0

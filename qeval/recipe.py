@@ -926,6 +926,7 @@ def _cross_checks(recipe: Recipe) -> None:
     if g.depth is not None and g.depth not in sp.depths:
         raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
     _check_rules_computed(recipe)
+    _check_prompt_modes(recipe)
     if g.rules.min_recall_rel is not None:
         lc = recipe.long_context_depths
         if not lc:
@@ -933,6 +934,26 @@ def _cross_checks(recipe: Recipe) -> None:
         if recipe.gate_depth not in lc:
             raise recipe.error(("gate", "rules", "min_recall_rel"), f"the gate depth {recipe.gate_depth} is not one "
                                f"of the long_context depths {lc}")
+
+
+def _check_prompt_modes(recipe: Recipe) -> None:
+    """A ``prompt_mode: chat`` tier has no teacher-forced scoring (a chat route returns no
+    log-probabilities of the prompt's own tokens): refused when the gate judges it (or
+    scores against it) with a fidelity rule set (a rule on a ``quality.fidelity`` metric:
+    ``max_kld_mean``, ``min_same_top_rate``, ``max_ppl_ratio``), since the rule could
+    only fail it for a missing figure."""
+    g = recipe.gate
+    rules = [n for n, v in g.rules.model_dump().items()
+             if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
+    if not rules:
+        return
+    judged = set(g.candidates) if g.candidates else {t.name for t in recipe.tiers} - {g.reference}
+    for i, t in enumerate(recipe.tiers):
+        if getattr(t, "prompt_mode", None) == "chat" and (t.name in judged or t.name == g.reference):
+            raise recipe.error(("tiers", i, "prompt_mode"),
+                               f"prompt_mode chat has no teacher-forced log-probabilities, so gate rule "
+                               f"{rules[0]} cannot be measured on tier {t.name}: use prompt_mode text or tokens, "
+                               "or leave the tier out of gate.candidates")
 
 
 #: What each ``GateRule.needs`` asks of the recipe, in words, and whether the recipe has it.
@@ -1071,7 +1092,7 @@ def _check_serve(recipe: Recipe, i: int, spec: Any) -> None:
 #: left out of them while at their default, so a recipe that does not set them keeps its
 #: fingerprints and keys.
 LATER_TIER_DEFAULTS = {"engine": None, "endpoint": None, "serve": None, "calibration_matmul": "auto",
-                       "clip_search": True, "kv_residual_tokens": None}
+                       "clip_search": True, "kv_residual_tokens": None, "prompt_mode": None}
 
 
 def stable_tier_dict(spec: dict | None) -> dict | None:

@@ -496,6 +496,9 @@ class MeasureStage(_StageBase):
     decode_tokens: int | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None
+    served: dict[str, Any] | None = Field(None, description="a served tier: prompt_mode, token_counts (server "
+                                          "usage | source tokenizer on the text | server token ids), dialect, "
+                                          "tokenizer_check, fidelity (why not measurable, or None)")
     quant: QuantInfo = Field(default_factory=QuantInfo)
     memory: Memory = Field(default_factory=Memory)
     speed: dict[str, SpeedPoint] = Field(default_factory=dict)
@@ -517,6 +520,7 @@ class Fidelity(_Closed):
     kld_by_bucket: dict[str, float] = Field(default_factory=dict)
     kld_estimate: str | None = None  # None: full vocabulary; else e.g. "top-20 (...)": a server's top-k
     kld_topk: int | None = None      # k of that estimate
+    not_measured: str | None = None  # why there is no figure (a chat-mode endpoint: no teacher-forced scoring)
 
 
 class Behaviour(_Closed):
@@ -964,6 +968,7 @@ class TierResult(_Closed):
     decode_tokens: int | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None
+    served: dict[str, Any] | None = None  # a served tier's prompt mode and token-count source (MeasureStage.served)
     memory: Memory | None = None
     speed: dict[str, SpeedPoint] | None = None
     quality: Quality | None = None

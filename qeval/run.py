@@ -391,7 +391,7 @@ def check_endpoints(recipe: Recipe, tokenizer: Path | None) -> None:
             continue
         try:
             preflight_endpoint(t.endpoint, tokenizer=tokenizer, depth_text=recipe.resolve_path(recipe.speed.depth_text),
-                               depths=recipe.speed.depths)
+                               depths=recipe.speed.depths, prompt_mode=getattr(t, "prompt_mode", None))
         except EndpointError as e:  # TokenizerMismatch is one
             field = (e.field or "endpoint").split(".")
             raise recipe.error(("tiers", i, *field), e.message) from None

@@ -351,7 +351,7 @@ class TierRunner:
     #: Measure-stage fields copied into the tier result as they are.
     MEASURE_FIELDS = ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "kv_cache_dtype",
                       "attention", "memory", "speed", "load_seconds", "decode_mode", "decode_note", "decode_tokens",
-                      "sampling", "runtime")
+                      "sampling", "runtime", "served")
 
     def finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> TierResult:
         """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""

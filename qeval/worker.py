@@ -345,6 +345,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
         "decode_mode": engine.decode_mode, "decode_note": engine.decode_note, "sampling": engine.sampling,
         "decode_tokens": n_decode,
         "load_seconds": load_s, "runtime": runtime,
+        "served": engine.served_info() if hasattr(engine, "served_info") else None,
         "quant": quant,
         "memory": memory,
         "speed": speed,

@@ -47,6 +47,22 @@ servers' token-id extensions):
   also reports the top-``k`` estimate proper (:func:`qeval.measure.fidelity.topk_kld_rows`:
   the remaining mass in one bucket), labelled with ``k``.
 
+Prompt modes (the tier's ``prompt_mode``, :data:`PROMPT_MODES`): ``tokens`` (all of the
+above: token ids in and out; the default), ``text`` (``/v1/completions`` with the prompt as
+text: the source tokenizer decodes the ids qeval built, its own chat template included, and
+encodes the answer text back; Ollama, LM Studio, hosted completions) and ``chat``
+(``/v1/chat/completions`` with the suite's messages; the server renders its own template).
+In text and chat modes TTFT and inter-token times are the arrival times of the chunks that
+carry text (servers stream a token a chunk; counted tokens beyond the chunks take the last
+chunk's time); a
+token count is the server's ``usage.completion_tokens`` where it sends it, else the source
+tokenizer's count of the returned text, and :meth:`OpenAIEngine.served_info` says which
+(``token_counts``). A prompt that is token ids alone (a speed depth, a load request) goes to
+a chat server as one user message holding its decoded text. Fidelity is scored in text mode
+where the dialect returns top-k by token id (llama-server), one request per position on the
+decoded prefix (the server tokenizes that text itself); in chat mode, or on a dialect without
+top-k by id, it is not measurable (:attr:`OpenAIEngine.fidelity_note`).
+
 The API key is read from the environment variable the recipe names, sent only in the
 ``Authorization`` header, and never written to a file or a message.
 """
@@ -72,6 +88,16 @@ from .servers import (OPENAI, Dialect, EndpointSpec, Launch, ManagedServer, Pool
                       ServerFailed, dialect_for_owner, dialects, free_port, get_server, parse_serve)
 
 DEFAULT_TOPK = 20
+
+#: The tier's ``prompt_mode`` values: token ids to ``/v1/completions``, text to
+#: ``/v1/completions``, messages to ``/v1/chat/completions``.
+PROMPT_MODES = ("tokens", "text", "chat")
+
+#: Where a text or chat answer's token count came from (``served_info()["token_counts"]``).
+COUNT_USAGE = "server usage"
+COUNT_SOURCE = "source tokenizer on the text"
+#: Where a tokens-mode answer's count came from: the ids the server streamed.
+COUNT_IDS = "server token ids"
 
 
 class EndpointError(QevalInputError):
@@ -176,6 +202,26 @@ class Client:
         b.update(self.wire.extras(logprobs=int(logprobs), cache_prompt=cache_prompt))
         return b
 
+    def chat_body(self, messages: Sequence[dict], max_tokens: int, *, stream: bool,
+                  ignore_eos: bool = False) -> dict:
+        """A greedy ``/v1/chat/completions`` request body (``temperature 0``; ``ignore_eos``
+        only when asked: the speed sweep's fixed length); usage asked in the stream."""
+        b: dict[str, Any] = {"model": self.model, "messages": list(messages), "max_tokens": int(max_tokens),
+                             "temperature": 0.0, "top_p": 1.0, "stream": stream}
+        if stream:
+            b["stream_options"] = {"include_usage": True}
+        if ignore_eos:
+            b["ignore_eos"] = True
+        return b
+
+    def text_body(self, text: str, max_tokens: int, *, stream: bool, ignore_eos: bool = False,
+                  cache_prompt: bool = False) -> dict:
+        """A greedy ``/v1/completions`` request body with ``text`` as the prompt and no
+        log-probabilities asked (the answer is read as text)."""
+        b = self.body(text, max_tokens, stream=stream, ignore_eos=ignore_eos, logprobs=0, cache_prompt=cache_prompt)
+        b.pop("logprobs", None)
+        return b
+
     def token_ids(self, chunk: dict) -> list[int]:
         """Token ids of a chunk in this server's dialect."""
         return self.wire.token_ids(chunk)
@@ -232,6 +278,52 @@ def chunk_topk(chunk: dict, wire: Dialect | None = None) -> list[list[tuple[int,
     if wire is not None:
         return wire.topk(chunk)
     return next((rows for d in dialects() if (rows := d.topk(chunk))), [])
+
+
+def chunk_text(chunk: dict) -> tuple[str, str | None]:
+    """``(text piece, finish_reason)`` of a completion or chat chunk (or a whole answer):
+    ``choices[0].text``, or a chat delta's / message's ``content`` with its reasoning field
+    (:data:`REASONING_FIELDS`) put inline as ``<think>...</think>`` before it, so that the
+    answer's thinking is read as in the token modes (:func:`qeval.measure.behaviour.split_thinking`).
+    A piece holding thinking is marked for :class:`_TextJoin` (NUL, the thinking, NUL, any
+    answer text), which opens ``<think>`` once and closes it before the first answer text."""
+    for ch in (chunk.get("choices") or [])[:1]:
+        if "text" in ch:
+            return str(ch.get("text") or ""), ch.get("finish_reason")
+        m = ch.get("delta") if ch.get("delta") is not None else (ch.get("message") or {})
+        text, thought = message_parts(m)
+        return (f"\0{thought}\0{text}" if thought else text), ch.get("finish_reason")
+    return "", None
+
+
+class _TextJoin:
+    """Joins :func:`chunk_text` pieces: thinking between ``<think>`` and ``</think>``."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.thinking = False
+
+    def add(self, piece: str) -> bool:
+        """Add one chunk's piece; True when it carried any text."""
+        if not piece:
+            return False
+        if piece.startswith("\0"):
+            _, thought, text = piece.split("\0", 2)
+            if not self.thinking:
+                self.parts.append("<think>")
+                self.thinking = True
+            self.parts.append(thought)
+            piece = text
+        if piece and self.thinking:
+            self.parts.append("</think>")
+            self.thinking = False
+        self.parts.append(piece)
+        return True
+
+    def text(self) -> str:
+        """The joined text (thinking left open when the budget ended it, as a model's own
+        inline ``<think>`` would be)."""
+        return "".join(self.parts)
 
 
 #: Where chat servers put a reasoning model's thinking, apart from ``content``: vLLM's reasoning
@@ -351,8 +443,10 @@ class OpenAIEngine:
         topk: the log-probabilities per position the server returns when scoring (k).
         prompt_logprobs: True when scoring asks for the whole sequence's positions in one
             request (vLLM ``prompt_logprobs``); False: one request per position.
-        tokenizer_check: ``[{"text_tokens", "server_tokens"}]`` of the check that passed.
+        tokenizer_check: ``[{"text_tokens", "server_tokens"}]`` of the check that passed
+            (chat mode: also ``difference``, reported, never failed: :func:`check_tokenizer`).
         restarts: times the managed server was restarted to empty its KV pool.
+        prompt_mode: ``tokens``, ``text`` or ``chat`` (:data:`PROMPT_MODES`).
     """
 
     name = "openai"
@@ -398,13 +492,19 @@ class OpenAIEngine:
             raise ValueError("the openai engine needs exactly one of endpoint: and serve:")
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
                    tokenizer=s.get("tokenizer"), depth_text=s.get("depth_text"), depths=s.get("depths") or (),
-                   tokens=s.get("tokens") or {}, tier=s.get("tier"), prompt_logprobs=s.get("prompt_logprobs"))
+                   tokens=s.get("tokens") or {}, tier=s.get("tier"), prompt_logprobs=s.get("prompt_logprobs"),
+                   prompt_mode=s.get("prompt_mode"))
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
                  serve: ServeOptions | None, log_path: str | None, tokenizer: str | None,
                  depth_text: str | Path | None = None, depths: Sequence[int] = (),
-                 tokens: dict | None = None, tier: str | None = None, prompt_logprobs: bool | None = None) -> None:
+                 tokens: dict | None = None, tier: str | None = None, prompt_logprobs: bool | None = None,
+                 prompt_mode: str | None = None) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
+        if (prompt_mode or "tokens") not in PROMPT_MODES:
+            raise ValueError(f"prompt_mode {prompt_mode!r} is not one of {', '.join(PROMPT_MODES)}")
+        self.prompt_mode = prompt_mode or "tokens"
+        self._counts: set[str] = set()  # where answer token counts came from (served_info)
         self.server: ManagedServer | None = None
         self.kind: Any = None
         self.serve = serve
@@ -437,10 +537,15 @@ class OpenAIEngine:
                                 self.kind.dialect if self.kind is not None else None)
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
             self.prompt_logprobs = self.client.dialect == "vllm" if prompt_logprobs is None else bool(prompt_logprobs)
+            if self.prompt_mode != "tokens":
+                self.prompt_logprobs = False  # the server's positions are its own tokenization of the text
+                if self.tok is None:
+                    raise ValueError(f"prompt_mode {self.prompt_mode} needs the source tokenizer")
             self.vocab_size = len(self.tok) if self.tok is not None else 0
             try:
                 texts = depth_texts(self.tok, depth_text, depths) if self.tok is not None and depth_text else []
-                self.tokenizer_check = check_tokenizer(self.client, self.tok, texts) if self.tok else []
+                self.tokenizer_check = check_tokenizer(self.client, self.tok, texts,
+                                                       self.prompt_mode) if self.tok else []
                 if self.server is not None and texts:  # the check's long prompts leave the pool
                     self.clear_kv_pool("the tokenizer check")
             except Exception as e:  # noqa: BLE001 - a server dying here is the reason
@@ -598,10 +703,15 @@ class OpenAIEngine:
         (s since the request was sent). Tokens the server held back are counted from
         ``usage.completion_tokens`` at the time of the chunk that released them.
 
+        In ``text`` and ``chat`` modes the prompt goes as text (:meth:`generate_text`).
+
         Raises:
             ServerFailed: the managed server died (its log tail printed to the stage log).
             RuntimeError: an HTTP error or a stream without token ids.
         """
+        if self.prompt_mode != "tokens":
+            return self.generate_text(prompt_ids, max_new_tokens, stop_ids=stop_ids, ignore_stop=ignore_stop)
+        self._counts.add(COUNT_IDS)
         stop = set(int(s) for s in stop_ids)
         body = self.client.body([int(t) for t in prompt_ids], max_new_tokens, stream=True, ignore_eos=ignore_stop)
         toks: list[int] = []
@@ -634,6 +744,148 @@ class OpenAIEngine:
             times = _spread(times, len(full))
             toks = full[:len(times)]
         return Generation(toks, times[0] if times else 0.0, times, finished)
+
+    # -- text and chat modes ------------------------------------------------------------------
+    def prompt_text(self, prompt_ids: Sequence[int]) -> str:
+        """The prompt ids as text for a text-mode server: the source tokenizer's decode with
+        special tokens kept (the chat template's markers, which servers parse as special
+        tokens), less a leading BOS where the source tokenizer adds one itself (the server
+        adds its own as it tokenizes, as the tokenizer check counts)."""
+        ids = [int(t) for t in prompt_ids]
+        bos = getattr(self.tok, "bos_token_id", None)
+        if ids and bos is not None and ids[0] == bos and self._adds_bos():
+            ids = ids[1:]
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def _adds_bos(self) -> bool:
+        """Whether the source tokenizer puts BOS before a text it encodes."""
+        if not hasattr(self, "_bos_added"):
+            ids = self.tok("a")["input_ids"]
+            self._bos_added = bool(ids) and ids[0] == self.tok.bos_token_id
+        return self._bos_added
+
+    def _turn_end(self, stop_ids: Sequence[int]) -> int | None:
+        """The stop id an answer that ended on its own gets appended (text answers carry no
+        stop token): the tokenizer's eos when it is a stop id, else the first stop id."""
+        stop = [int(s) for s in stop_ids]
+        eos = getattr(self.tok, "eos_token_id", None)
+        return eos if eos is not None and eos in stop else (stop[0] if stop else None)
+
+    def generate_text(self, prompt_ids: Sequence[int] | None, max_new_tokens: int, *, stop_ids: Sequence[int] = (),
+                      ignore_stop: bool = False, messages: Sequence[dict] | None = None) -> Generation:
+        """A greedy streamed answer in ``text`` or ``chat`` mode, read as text.
+
+        Args:
+            prompt_ids: the prompt qeval built (the source's chat template rendered); text
+                mode sends :meth:`prompt_text` of it to ``/v1/completions``; chat mode, when
+                ``messages`` is None, sends it as one user message holding that text.
+            max_new_tokens: the answer's budget (``max_tokens``).
+            stop_ids: stop ids; an answer the server ended itself (``finish_reason`` ``stop``)
+                gets one appended (:meth:`_turn_end`), as the token mode's answers end with theirs.
+            ignore_stop: the speed sweep's fixed length (``ignore_eos``).
+            messages: chat mode: the conversation (``[{"role", "content"}]``).
+
+        Returns:
+            :class:`Generation`: ``token_ids`` the source tokenizer's ids of the answer text
+            (plus the stop id); ``token_times_s`` one per counted token (the server's
+            ``usage.completion_tokens``, else the source tokenizer's count), each the
+            arrival time of the text chunk that brought it (s since the request; tokens
+            beyond the chunks take the last chunk's time).
+
+        Raises:
+            ServerFailed: the managed server died.
+            RuntimeError: an HTTP error.
+        """
+        if self.prompt_mode == "chat":
+            msgs = list(messages) if messages is not None else [{"role": "user", "content": self.prompt_text(prompt_ids)}]
+            body, path = self.client.chat_body(msgs, max_new_tokens, stream=True, ignore_eos=ignore_stop), \
+                "/v1/chat/completions"
+        else:
+            body, path = self.client.text_body(self.prompt_text(prompt_ids), max_new_tokens, stream=True,
+                                               ignore_eos=ignore_stop), "/v1/completions"
+        join = _TextJoin()
+        times: list[float] = []
+        finish, usage = None, None
+        t0 = time.perf_counter()
+        try:
+            for t, chunk in self.client.stream(body, path):
+                usage = chunk.get("usage") or usage
+                piece, fin = chunk_text(chunk)
+                if join.add(piece):
+                    times.append(t - t0)
+                finish = fin or finish
+        except Exception as e:  # noqa: BLE001 - a dead server is the reason, whatever httpx saw
+            self._alive(e)
+        self._alive()
+        text = join.text()
+        ids = [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]] if text else []
+        finished = finish == "stop" and not ignore_stop
+        end = self._turn_end(stop_ids) if finished else None
+        if end is not None:
+            ids.append(end)
+        served = (usage or {}).get("completion_tokens")
+        n = int(served) if served is not None else len(ids)
+        self._counts.add(COUNT_USAGE if served is not None else COUNT_SOURCE)
+        if not times:
+            times = [time.perf_counter() - t0] if n else []
+        return Generation(ids, times[0] if times else 0.0, _spread(times, n) if n else [], finished)
+
+    def generate_messages(self, messages: Sequence[dict], max_new_tokens: int, *, stop_ids: Sequence[int] = (),
+                          ignore_stop: bool = False) -> Generation:
+        """Chat mode: the answer to ``messages`` (the suite's conversation), the server's
+        template applied (:meth:`generate_text`).
+
+        Raises:
+            RuntimeError: not a chat-mode engine, or an HTTP error.
+            ServerFailed: the managed server died.
+        """
+        if self.prompt_mode != "chat":
+            raise RuntimeError(f"generate_messages needs prompt_mode chat (this tier: {self.prompt_mode})")
+        return self.generate_text(None, max_new_tokens, stop_ids=stop_ids, ignore_stop=ignore_stop, messages=messages)
+
+    def wire_request(self, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = True,
+                     cache_prompt: bool = False) -> tuple[str, dict]:
+        """``(path, body)`` of one streamed load request for ``prompt_ids`` in this tier's
+        prompt mode (token ids, :meth:`prompt_text`, or that text as one user message)."""
+        if self.prompt_mode == "chat":
+            msgs = [{"role": "user", "content": self.prompt_text(prompt_ids)}]
+            return "/v1/chat/completions", self.client.chat_body(msgs, max_tokens, stream=True, ignore_eos=ignore_eos)
+        if self.prompt_mode == "text":
+            return "/v1/completions", self.client.text_body(self.prompt_text(prompt_ids), max_tokens, stream=True,
+                                                            ignore_eos=ignore_eos, cache_prompt=cache_prompt)
+        return "/v1/completions", self.client.body([int(t) for t in prompt_ids], max_tokens, stream=True,
+                                                   ignore_eos=ignore_eos, cache_prompt=cache_prompt)
+
+    def wire_tokens(self, chunk: dict) -> list[int]:
+        """The tokens one streamed load chunk brings: the dialect's ids in ``tokens`` mode;
+        in ``text`` and ``chat`` modes one placeholder ``-1`` per chunk that carries text
+        (servers stream a token a chunk; the load figures count chunks)."""
+        if self.prompt_mode == "tokens":
+            return chunk_token_ids(chunk)
+        return [-1] if chunk_text(chunk)[0] else []
+
+    @property
+    def fidelity_note(self) -> str | None:
+        """Why teacher-forced fidelity cannot be measured on this tier (None: it can):
+        chat mode (no teacher-forced scoring of a prompt over chat), or a text-mode
+        dialect without top-k log-probabilities by token id."""
+        if self.prompt_mode == "chat":
+            return "fidelity not measurable on this endpoint (prompt_mode chat: no teacher-forced log-probabilities)"
+        if self.prompt_mode == "text" and not self.client.wire.logprobs:
+            return (f"fidelity not measurable on this endpoint (prompt_mode text: the {self.client.dialect} dialect "
+                    "returns no top-k log-probabilities by token id)")
+        return None
+
+    def served_info(self) -> dict:
+        """What the row says about how this tier was served: ``prompt_mode``, ``token_counts``
+        (where the answers' token counts came from: :data:`COUNT_USAGE`, :data:`COUNT_SOURCE`,
+        :data:`COUNT_IDS`, joined with " and " when answers differed; None before any answer),
+        ``dialect``, ``tokenizer_check`` (the check's rows) and ``fidelity`` (None, or
+        :attr:`fidelity_note`)."""
+        return {"prompt_mode": self.prompt_mode,
+                "token_counts": " and ".join(sorted(self._counts)) if self._counts else None,
+                "dialect": self.client.dialect, "tokenizer_check": list(self.tokenizer_check),
+                "fidelity": self.fidelity_note}
 
     def _answer_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, ignore_stop: bool) -> list[int]:
         """Every answer token id, non-streamed (the dialect's own route where it has one,
@@ -681,14 +933,20 @@ class OpenAIEngine:
     def topk_at(self, prefix: Sequence[int]) -> list[tuple[int, float]]:
         """The server's top-``k`` ``(token id, logprob)`` of the token after ``prefix``.
 
+        In ``text`` mode the prefix goes as text (:meth:`prompt_text`).
+
         Raises:
-            RuntimeError: the server's dialect gives no log-probabilities by token id
-                (SGLang, a plain OpenAI server), or the answer held none.
+            RuntimeError: a chat-mode tier (:attr:`fidelity_note`), the server's dialect gives
+                no log-probabilities by token id (SGLang, a plain OpenAI server), or the
+                answer held none.
         """
+        if self.prompt_mode == "chat":
+            raise RuntimeError(self.fidelity_note)
         if not self.client.wire.logprobs:
             raise RuntimeError(f"the {self.client.dialect} dialect gives no top-k log-probabilities by token id: "
                                "this tier cannot be scored over HTTP")
-        body = self.client.body([int(t) for t in prefix], 1, stream=False, logprobs=self.topk, cache_prompt=True)
+        prompt = self.prompt_text(prefix) if self.prompt_mode == "text" else [int(t) for t in prefix]
+        body = self.client.body(prompt, 1, stream=False, logprobs=self.topk, cache_prompt=True)
         try:
             d = self.client.post("/v1/completions", body)
         except Exception as e:  # noqa: BLE001 - a dead server is the reason
@@ -859,33 +1117,67 @@ def _print_tail(e: ServerFailed) -> None:
     print(f"[qeval] {e}", file=sys.stderr, flush=True)
 
 
-def check_tokenizer(client: Client, tok: Any, texts: Sequence[str]) -> list[dict]:
+def check_tokenizer(client: Client, tok: Any, texts: Sequence[str], mode: str = "tokens") -> list[dict]:
     """Each text sent as text (``max_tokens`` 1): the server's ``usage.prompt_tokens``
     against the source tokenizer's count (special tokens added as the tokenizer adds them).
 
+    ``mode`` ``tokens`` and ``text`` (``/v1/completions``): a count that differs fails; in
+    ``text`` mode a server that sends no ``usage`` cannot be checked (the row says so).
+    ``chat``: each text goes as one user message to ``/v1/chat/completions``, where the
+    server renders its own template; its count against the source template's rendering
+    of the same message is reported (``difference``, server less source), never failed.
+
     Returns:
-        ``[{"text_tokens", "server_tokens"}]`` per text.
+        ``[{"text_tokens", "server_tokens"}]`` per text (``server_tokens`` None: no usage
+        sent); chat mode adds ``difference`` (None when either count is missing).
 
     Raises:
-        TokenizerMismatch: a count differs (both counts named).
+        TokenizerMismatch: a count differs (both counts named; not in chat mode).
         EndpointError: the server refused the request.
     """
     out = []
     for text in texts:
-        want = len(tok(text)["input_ids"])
+        if mode == "chat":
+            msgs = [{"role": "user", "content": text}]
+            try:
+                want: int | None = len(_template_ids(tok, msgs))
+            except Exception:  # noqa: BLE001 - a source without a chat template: nothing to compare
+                want = None
+            path, body = "/v1/chat/completions", client.chat_body(msgs, 1, stream=False)
+        else:
+            want = len(tok(text)["input_ids"])
+            path = "/v1/completions"
+            body = client.body(text, 1, stream=False, logprobs=0) if mode == "tokens" else \
+                client.text_body(text, 1, stream=False)
         try:
-            d = client.post("/v1/completions", client.body(text, 1, stream=False, logprobs=0))
+            d = client.post(path, body)
         except EndpointError:
             raise
         except RuntimeError as e:
             raise EndpointError(f"{client.base_url} refused a completion: {e}", field="endpoint.url") from None
-        got = int((d.get("usage") or {}).get("prompt_tokens") or -1)
+        count = (d.get("usage") or {}).get("prompt_tokens")
+        got = int(count) if count is not None else None
+        if mode == "chat":
+            out.append({"text_tokens": want, "server_tokens": got,
+                        "difference": got - want if got is not None and want is not None else None})
+            continue
+        if got is None and mode == "text":
+            out.append({"text_tokens": want, "server_tokens": None})
+            continue
         if got != want:
-            raise TokenizerMismatch(f"the server counts {got} prompt tokens where the source tokenizer counts {want} "
-                                    f"(a depth prompt of {len(text)} characters): it serves another tokenizer",
-                                    field="endpoint")
+            raise TokenizerMismatch(f"the server counts {got if got is not None else -1} prompt tokens where the "
+                                    f"source tokenizer counts {want} (a depth prompt of {len(text)} characters): "
+                                    "it serves another tokenizer", field="endpoint")
         out.append({"text_tokens": want, "server_tokens": got})
     return out
+
+
+def _template_ids(tok: Any, messages: Sequence[dict]) -> list[int]:
+    """The source tokenizer's chat template applied to ``messages`` with a generation prompt, as ids."""
+    ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list[str]:
@@ -898,10 +1190,12 @@ def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list
 
 
 def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = None,
-                       depth_text: str | Path | None = None, depths: Sequence[int] = ()) -> dict:
+                       depth_text: str | Path | None = None, depths: Sequence[int] = (),
+                       prompt_mode: str | None = None) -> dict:
     """Before any stage: the endpoint answers ``/v1/models`` with the key and, given the
     source tokenizer, counts the depth prompts' tokens as it does (the prompts of
-    ``depths`` tokens cut from ``depth_text``, :func:`depth_texts`).
+    ``depths`` tokens cut from ``depth_text``, :func:`depth_texts`; in ``prompt_mode``
+    chat on its chat route, the difference reported: :func:`check_tokenizer`).
 
     Returns:
         ``{"model", "dialect", "tokenizer_check"}``.
@@ -914,11 +1208,17 @@ def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = Non
     try:
         client.connect(spec.model)
         checked = []
-        client.post("/v1/completions", client.body("Hello", 1, stream=False, logprobs=0))  # the key, on a route that needs it
+        mode = prompt_mode or "tokens"
+        if mode == "chat":  # the key, on a route that needs it (the one this tier uses)
+            client.post("/v1/chat/completions", client.chat_body([{"role": "user", "content": "Hello"}], 1,
+                                                                 stream=False))
+        else:
+            client.post("/v1/completions", client.body("Hello", 1, stream=False, logprobs=0) if mode == "tokens"
+                        else client.text_body("Hello", 1, stream=False))
         if tokenizer is not None:
             from transformers import AutoTokenizer  # start-up time: only endpoint tiers check a tokenizer here
             tok = AutoTokenizer.from_pretrained(str(tokenizer))
-            checked = check_tokenizer(client, tok, depth_texts(tok, depth_text, depths) if depth_text else [])
+            checked = check_tokenizer(client, tok, depth_texts(tok, depth_text, depths) if depth_text else [], mode)
         return {"model": client.model, "dialect": client.dialect, "tokenizer_check": checked}
     finally:
         client.close()

@@ -4,7 +4,9 @@ loop of streamed ``/v1/completions`` requests, batched by the server's own sched
 and GuideLLM drive a server.
 
 Each stream is a thread with its own requests in turn (a fresh prompt of ``depth`` token
-ids, ``output_tokens`` new tokens, ``ignore_eos``); every token's time is the arrival time
+ids, ``output_tokens`` new tokens, ``ignore_eos``; sent in the tier's prompt mode,
+:meth:`qeval.engines.openai.OpenAIEngine.wire_request`: in text and chat modes a token is a
+chunk that carries text); every token's time is the arrival time
 of its chunk, in seconds since the run started. httpx's connection pool holds one
 connection per stream. asyncio was checked: it gives the same arrival times, and threads
 keep the engine's synchronous client.
@@ -70,12 +72,18 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
     t0 = [0.0]
     cached: list[int | None] = []
 
-    def body(ids: list[int], s: int, k: int) -> dict:
-        b = client.body(ids, output_tokens, stream=True, ignore_eos=True,
-                        cache_prompt=bool(shared_prefix and reuse_prefix))
+    wire_request = getattr(engine, "wire_request", None)  # the tier's prompt mode (tokens, text, chat)
+    wire_tokens = getattr(engine, "wire_tokens", chunk_token_ids)
+
+    def body(ids: list[int], s: int, k: int) -> tuple[str, dict]:
+        if wire_request is not None:
+            path, b = wire_request(ids, output_tokens, ignore_eos=True, cache_prompt=bool(shared_prefix and reuse_prefix))
+        else:
+            path, b = "/v1/completions", client.body(ids, output_tokens, stream=True, ignore_eos=True,
+                                                     cache_prompt=bool(shared_prefix and reuse_prefix))
         if shared_prefix and not reuse_prefix and client.dialect == "vllm":
             b["cache_salt"] = f"qeval-{s}-{k}-{time.perf_counter_ns()}"  # no block shared with another request
-        return b
+        return path, b
 
     def stream(s: int) -> None:
         go.wait()
@@ -86,8 +94,9 @@ def serve_closed_loop(engine: Any, prompt_for: PromptFor, *, concurrency: int, o
             times: list[float] = []
             hit: int | None = None
             try:
-                for t, chunk in client.stream(body(ids, s, k)):
-                    got = chunk_token_ids(chunk)
+                path, b = body(ids, s, k)
+                for t, chunk in client.stream(b, path):
+                    got = wire_tokens(chunk)
                     toks += got
                     times += [t - t0[0]] * len(got)
                     hit = cached_tokens(chunk, hit)
@@ -173,6 +182,8 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[fl
     if nxt is None:
         raise ValueError("an open-loop point needs arrivals, output_tokens >= 1 and timeout_s > 0")
     client = engine.client
+    wire_request = getattr(engine, "wire_request", None)  # the tier's prompt mode
+    wire_tokens = getattr(engine, "wire_tokens", chunk_token_ids)
     limit = float(timeout_s) if math.isfinite(timeout_s) else None  # a sweep's ends wait without limit
     cap = client_cap(slots, max_waiting, max_in_flight)
     tally = Tally()
@@ -196,9 +207,12 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[fl
         prompt: list[int] = []
         try:
             prompt = [int(t) for t in prompt_for(stream, i)]  # made when sent, dropped when it ends
-            body = client.body(prompt, output_tokens, stream=True, ignore_eos=True)
+            if wire_request is not None:  # the tier's prompt mode (tokens, text, chat)
+                path, body = wire_request(prompt, output_tokens, ignore_eos=True)
+            else:
+                path, body = "/v1/completions", client.body(prompt, output_tokens, stream=True, ignore_eos=True)
             wait = httpx.Timeout(limit, connect=10.0 if limit is None else min(limit, 10.0))
-            with client.http.stream("POST", "/v1/completions", json=body, timeout=wait) as resp:
+            with client.http.stream("POST", path, json=body, timeout=wait) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     status = str(resp.status_code)
@@ -210,7 +224,7 @@ def serve_open_loop(engine: Any, prompt_for: PromptFor, *, arrivals: Iterable[fl
                         data = line[5:].strip()
                         if data == "[DONE]":
                             break
-                        got = chunk_token_ids(json.loads(data))
+                        got = wire_tokens(json.loads(data))
                         if got and not toks and limit is not None and t - sent > limit:
                             raise _TimedOut()
                         toks += got

@@ -806,7 +806,8 @@ def answer_long_context(engine: Any, tokenizer: Any, stop: list[int], suites: li
                     g, rows = engine.generate_scored(r.prompt_ids, r.doc_end - w, r.doc_end, spec.max_new_tokens,
                                                      stop_ids=stop, window=window)
                 else:
-                    rows = list(document_logprobs(engine, r.prompt_ids, r.doc_end, w, window))
+                    rows = [] if getattr(engine, "fidelity_note", None) else \
+                        list(document_logprobs(engine, r.prompt_ids, r.doc_end, w, window))  # a chat endpoint: none
                     g = engine.generate(r.prompt_ids, spec.max_new_tokens, stop_ids=stop)
                 ids, fin = list(g.token_ids), bool(g.finished)
                 body = ids[:-1] if (fin and ids and ids[-1] in stop) else ids

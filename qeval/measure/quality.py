@@ -119,11 +119,19 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
     ``short_budget``: for the reference pass, items beyond a suite's ``limit`` (used for
     teacher-forced fidelity only) are answered with at most this many tokens.
 
+    An engine in ``prompt_mode`` chat (a served tier, :mod:`qeval.engines.openai`) is sent
+    each turn's conversation as messages (``engine.generate_messages``: the system prompt, the
+    earlier turns with its own answers' text, the user turn); the segment's ``prompt_ids`` stay
+    the source template's rendering of the same turn. In ``text`` and ``chat`` modes each
+    answer is asked with its own budget and kept whole: its ids are the source tokenizer's
+    of the text, whose count may differ from the server's tokens within that budget.
+
     Returns one segment dict per answered turn: item, suite, turn, prompt_ids, answer_ids,
     finished, text, checks (list of bool; None for a check that timed out), check_details.
     """
     segments: list[dict] = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    mode = getattr(engine, "prompt_mode", None) or "tokens"
     for spec, items in suite_items:
         chosen = items[: spec.limit] if (limit_items and spec.limit) else items
         histories: dict[str, list[tuple[str, str]]] = {it.id: [] for it in chosen}
@@ -144,15 +152,21 @@ def answer_all(engine: Any, tokenizer: Any, stop: list[int], suite_items: list[t
                 prompts = [_next_prompt(tokenizer, it, t, histories[it.id], last.get(it.id), stop) for it in batch]
                 budgets = [_budget(spec, it, i, short_budget) for it, i in zip(batch, b_index)]
                 budget = max(budgets)
-                if engine.capabilities.batch:
+                if mode == "chat":  # the server renders its own template
+                    outs = []
+                    for it, bud in zip(batch, budgets):
+                        g = engine.generate_messages(_messages(it.system, histories[it.id], it.turns[t].user),
+                                                     bud, stop_ids=stop)
+                        outs.append((g.token_ids, g.finished))
+                elif engine.capabilities.batch:
                     outs = engine.generate_batch(prompts, budget, stop_ids=stop, pad_id=pad)
                 else:
                     outs = []
-                    for p in prompts:
-                        g = engine.generate(p, budget, stop_ids=stop)
+                    for p, bud in zip(prompts, budgets):
+                        g = engine.generate(p, bud if mode == "text" else budget, stop_ids=stop)
                         outs.append((g.token_ids, g.finished))
                 for it, p, (ids, fin), bud in zip(batch, prompts, outs, budgets):
-                    if len(ids) > bud:  # a shorter per-item budget inside a batch
+                    if len(ids) > bud and mode == "tokens":  # a shorter per-item budget inside a batch
                         ids, fin = ids[:bud], False
                     body = ids[:-1] if (fin and ids and ids[-1] in stop) else ids
                     text = tokenizer.decode(body, skip_special_tokens=True)

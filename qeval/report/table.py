@@ -358,6 +358,25 @@ def _reused_text(r: Row) -> str | None:
     return None
 
 
+def served_text(served: dict | None) -> str | None:
+    """A served tier's prompt mode and where its token counts came from, for the row's
+    notes (``prompt mode text; token counts: server usage; tokenizer check: chat template
+    +3 tokens on the server``); None for a tier in tokens mode whose counts are the
+    server's token ids (what every served tier did before prompt modes), or no record."""
+    if not isinstance(served, dict):
+        return None
+    mode, counts = served.get("prompt_mode"), served.get("token_counts")
+    if mode in (None, "tokens") and counts in (None, "server token ids"):
+        return None
+    out = f"prompt mode {mode or 'tokens'}" + (f"; token counts: {counts}" if counts else "")
+    diffs = {c.get("difference") for c in served.get("tokenizer_check") or [] if isinstance(c, dict)}
+    diffs.discard(None)
+    if diffs:
+        out += "; tokenizer check: the server's template " + ", ".join(f"{d:+d}" for d in sorted(diffs)) + \
+            " tokens against the source's"
+    return out
+
+
 def _notes(r: Row) -> Cell:
     notes = [r.slow.text] if r.slow else []
     base = kv_base_tier(r.a.tiers, r.name)
@@ -382,6 +401,12 @@ def _notes(r: Row) -> Cell:
                      "not bandwidth")
     if r.t.decode_note:
         notes.append(str(r.t.decode_note))
+    served = served_text(r.t.served)
+    if served:
+        notes.append(served)
+    not_measured = get_path(r.t, "quality", "fidelity", "not_measured")
+    if not_measured:
+        notes.append(str(not_measured))
     fb = get_path(r.t, "quant", "fallback_tensors")
     if isinstance(fb, int) and fb > 0:  # llama.cpp moved tensors off the nominal type (shape rules)
         types = get_path(r.t, "quant", "tensor_types")

@@ -31,13 +31,20 @@ class TierSpec(BaseModel):
         serve: with ``engine: openai``, the server qeval starts on the tier's artifact
             (:data:`~qeval.engines.servers.ServeSpec`: a registered managed server's
             options, ``kind: llama-server | vllm | sglang``).
+        prompt_mode: with ``engine: openai``, how prompts go to the server
+            (:data:`~qeval.engines.openai.PROMPT_MODES`): ``tokens`` (token ids to
+            ``/v1/completions``; llama-server, vLLM, SGLang), ``text`` (the prompt as text
+            to ``/v1/completions``: Ollama, LM Studio, hosted completions) or ``chat``
+            (the suite's messages to ``/v1/chat/completions``; the server's template);
+            None: ``tokens``.
     """
     # strict, as the recipe's sections (qeval.recipe._Strict): "4" is not an int, 1 is not a
     # boolean, no NaN or infinity
     model_config = ConfigDict(extra="forbid", frozen=False, strict=True, allow_inf_nan=False)
     #: Fields that are engine settings, not part of the artifact: two tiers differing only in
     #: them share one artifact (a GGUF file with and without the int8 KV cache).
-    engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine", "endpoint", "serve")
+    engine_fields: ClassVar[tuple[str, ...]] = ("name", "kv_cache", "quality_engine", "engine", "endpoint", "serve",
+                                                "prompt_mode")
     name: str
     kv_cache: Literal["model", "int8"] = Field(
         "model", description="'model': the engine's default KV cache dtype; 'int8': 8-bit KV cache")
@@ -47,6 +54,10 @@ class TierSpec(BaseModel):
     endpoint: EndpointSpec | None = Field(None, description="engine openai: a running server {url, api_key_env}")
     serve: ServeSpec | None = Field(None, description="engine openai: the server qeval starts on the artifact "
                                     "({kind: llama-server | vllm | sglang, ...}, or the kind alone)")
+    prompt_mode: Literal["tokens", "text", "chat"] | None = Field(
+        None, description="engine openai: tokens (token ids to /v1/completions), text (the prompt as text to "
+        "/v1/completions: Ollama, LM Studio, hosted APIs) or chat (messages to /v1/chat/completions, the server's "
+        "template; no fidelity); default tokens")
 
     @field_validator("name")
     @classmethod
@@ -59,6 +70,8 @@ class TierSpec(BaseModel):
             raise ValueError("set one of endpoint: (a running server) and serve: (qeval starts one), not both")
         if (self.endpoint is not None or self.serve is not None) and self.engine != "openai":
             raise ValueError("endpoint: and serve: need engine: openai")
+        if self.prompt_mode is not None and self.engine != "openai":
+            raise ValueError("prompt_mode needs engine: openai (it says how prompts go to the server)")
         if self.engine == "openai" and self.endpoint is None and self.serve is None:
             raise ValueError("engine openai needs endpoint: {url: ..., api_key_env: ...} or serve: "
                              "llama-server | vllm | sglang")
@@ -319,15 +332,15 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
     """:attr:`EngineOptions.server` of a tier with ``endpoint:`` or ``serve:`` (None
     otherwise): its settings, the server log ``logs/<tier>.server.log`` of the run folder,
     the source tokenizer, the depth text and depths (the engine checks the server's token
-    counts on those prompts with its own tokenizer) and the sequence lengths its server must
-    hold (:attr:`TierContext.served_tokens`)."""
+    counts on those prompts with its own tokenizer), the sequence lengths its server must
+    hold (:attr:`TierContext.served_tokens`) and the tier's ``prompt_mode``."""
     if getattr(spec, "endpoint", None) is None and getattr(spec, "serve", None) is None:
         return None
     log = str(RunLayout(ctx.run_dir).log(spec.name, "server")) if ctx.run_dir else None
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
             "serve": spec.serve.model_dump() if spec.serve else None, "tier": spec.name,
             "log": log, "tokenizer": ctx.source_path, "depth_text": ctx.depth_text, "depths": list(ctx.depths),
-            "tokens": dict(ctx.served_tokens)}
+            "tokens": dict(ctx.served_tokens), "prompt_mode": getattr(spec, "prompt_mode", None)}
 
 
 #: Bytes per element of the safetensors dtypes (the format's own names).
