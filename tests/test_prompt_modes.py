@@ -263,7 +263,7 @@ def test_the_same_file_on_llama_server_in_tokens_text_and_chat_modes(served, tmp
     tokens, text, chat = got["tokens"], got["text"], got["chat"]
     assert tokens["info"]["token_counts"] == COUNT_IDS and tokens["info"]["fidelity"] is None
     assert text["info"]["token_counts"] == COUNT_USAGE == chat["info"]["token_counts"]  # llama-server sends usage
-    assert text["info"]["fidelity"] is None  # llama-server's top-k by id: text mode is scored
+    assert text["info"]["fidelity"].startswith("fidelity not measurable")  # conservative for now (see fidelity_note)
     assert chat["info"]["fidelity"].startswith("fidelity not measurable")
     # the same prompt as text: the same greedy answer as the token ids gave (its text)
     assert tok.decode(text["g"].token_ids) == tok.decode(tokens["g"].token_ids)
@@ -274,3 +274,51 @@ def test_the_same_file_on_llama_server_in_tokens_text_and_chat_modes(served, tmp
     for mode in ("tokens", "text", "chat"):  # the load stage in every mode: 4 tokens timed
         assert len(got[mode]["load"].token_times_s) == 4, mode
     assert json.dumps(chat["info"])  # the row's record is plain JSON
+
+
+@pytest.mark.slow
+def test_a_run_with_text_and_chat_endpoint_tiers_says_mode_counts_and_fidelity_in_the_row(served, tmp_path):
+    """A whole run (CLI) with two endpoint tiers on one llama-server: ``text`` and ``chat``
+    (answers and checks; fidelity not measurable, said in the row);
+    each row says its prompt mode and where its token counts came from."""
+    from conftest import run_dir_of
+    from qeval.engines.llama_tools import tool_path
+    from qeval.engines.servers import ManagedServer, free_port
+    from qeval.engines.servers.llama_server import llama_server_command
+    from qeval.paths import cache_root
+    port = free_port()
+    remote = ManagedServer(llama_server_command(tool_path("llama-server"), served["f16"], port=port, threads=1,
+                                                parallel=1, ctx_size=4096),
+                           port=port, log_path=tmp_path / "remote-server.log", name="llama-server").start(120)
+    url = f"{remote.url}/v1"
+    tiers = (f"  - {{name: ref, method: bf16}}\n"
+             f"  - {{name: text, method: bf16, engine: openai, endpoint: {{url: {url}}}, prompt_mode: text}}\n"
+             f"  - {{name: chat, method: bf16, engine: openai, endpoint: {{url: {url}}}, prompt_mode: chat}}\n")
+    recipe = write_recipe(tmp_path / "tiny.yaml", served["src"], tiers=tiers, load=False,
+                          extra="gate: {reference: ref, candidates: [text], rules: {min_pass_rate_rel: 0.1}}")
+    recipe.write_text(recipe.read_text().replace("model: {source: " + str(served["src"]) + "}",
+                                                 "model: {source: " + str(served["src"]) + ", dtype: float32}"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for built in ("llama_tools", "llama_cpp_src"):
+        if (cache_root() / built).exists():
+            (cache / built).symlink_to(cache_root() / built)
+    env = dict(os.environ, QEVAL_CACHE=str(cache), PYTHONPATH=str(REPO))
+    try:
+        p = subprocess.run([sys.executable, "-m", "qeval.cli", "run", str(recipe), "--out", str(tmp_path / "out")],
+                           env=env, capture_output=True, text=True, timeout=1500)
+    finally:
+        remote.stop()
+    run = run_dir_of(tmp_path / "out")
+    assert p.returncode in (0, 1), (p.stdout + p.stderr)[-3000:]
+    res = {t: json.loads((run / "tiers" / f"{t}.json").read_text()) for t in ("text", "chat")}
+    for t in ("text", "chat"):
+        assert res[t]["status"] == "ok", res[t].get("error")
+        assert res[t]["served"]["prompt_mode"] == t and res[t]["served"]["token_counts"] == "server usage"
+        assert res[t]["quality"]["behaviour"]["n_checks"]  # the suites' answers were checked
+    for t in ("text", "chat"):
+        fid = res[t]["quality"]["fidelity"]
+        assert fid["n_tokens"] == 0 and fid["not_measured"].startswith("fidelity not measurable on this endpoint")
+    table = (run / "table.md").read_text()
+    row = next(ln for ln in table.splitlines() if "| chat |" in ln)
+    assert "prompt mode chat; token counts: server usage" in row and "fidelity not measurable" in row
