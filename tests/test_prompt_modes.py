@@ -295,7 +295,7 @@ def test_a_run_with_text_and_chat_endpoint_tiers_says_mode_counts_and_fidelity_i
              f"  - {{name: text, method: bf16, engine: openai, endpoint: {{url: {url}}}, prompt_mode: text}}\n"
              f"  - {{name: chat, method: bf16, engine: openai, endpoint: {{url: {url}}}, prompt_mode: chat}}\n")
     recipe = write_recipe(tmp_path / "tiny.yaml", served["src"], tiers=tiers, load=False,
-                          extra="gate: {reference: ref, candidates: [text], rules: {min_pass_rate_rel: 0.1}}")
+                          extra="gate: {reference: ref, candidates: [text], rules: {min_pass_rate_rel: 0.0}}")
     recipe.write_text(recipe.read_text().replace("model: {source: " + str(served["src"]) + "}",
                                                  "model: {source: " + str(served["src"]) + ", dtype: float32}"))
     cache = tmp_path / "cache"
@@ -310,7 +310,8 @@ def test_a_run_with_text_and_chat_endpoint_tiers_says_mode_counts_and_fidelity_i
     finally:
         remote.stop()
     run = run_dir_of(tmp_path / "out")
-    assert p.returncode in (0, 1), (p.stdout + p.stderr)[-3000:]
+    # min_pass_rate_rel 0 allows losing every reference pass: the candidate passes whatever it answers
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     res = {t: json.loads((run / "tiers" / f"{t}.json").read_text()) for t in ("text", "chat")}
     for t in ("text", "chat"):
         assert res[t]["status"] == "ok", res[t].get("error")
