@@ -319,3 +319,22 @@ def tiny_gguf_module(tmp_path_factory, prefix: str):
         yield build_tiny_gguf(root)
     finally:
         mp.undo()
+
+
+def served_gguf_module(tmp_path_factory, prefix: str):
+    """Generator body of a module-scoped ``served`` fixture: the tiny GGUF
+    (:func:`build_tiny_gguf`) that tests start llama-server on, the shared HF->GGUF converter
+    kept. llama-server must be built (``make test`` builds llama.cpp's tools first): a missing
+    one fails the tests that need it, naming why, instead of skipping them all."""
+    import os
+    from pathlib import Path
+
+    from qeval.engines.llama_tools import tool_path
+    tool_path("llama-server", build=False)  # raises, with the reason, where it is not built
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
+        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
+    try:
+        yield build_tiny_gguf(tmp_path_factory.mktemp(prefix))
+    finally:
+        mp.undo()

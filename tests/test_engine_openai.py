@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,21 +431,9 @@ def test_server_commands():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The tiny GGUF (conftest.build_tiny_gguf) and a llama-server on it (2 slots)."""
-    from conftest import build_tiny_gguf
-    from qeval.engines.llama_tools import tool_path
-    try:
-        tool_path("llama-server", build=False)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"llama-server not built here: {e}")
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("openai")
-    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
-        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
-    try:
-        yield build_tiny_gguf(root)
-    finally:
-        mp.undo()
+    """The tiny GGUF (conftest.served_gguf_module) and a llama-server on it (2 slots)."""
+    from conftest import served_gguf_module
+    yield from served_gguf_module(tmp_path_factory, "openai")
 
 
 def _serve(tiny, log, parallel=2, tier="t1"):

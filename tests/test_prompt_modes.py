@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -223,20 +222,9 @@ def test_a_chat_tier_outside_the_gate_or_without_fidelity_rules_is_accepted(tiny
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The tiny GGUF (conftest.build_tiny_gguf)."""
-    from conftest import build_tiny_gguf
-    from qeval.engines.llama_tools import tool_path
-    try:
-        tool_path("llama-server", build=False)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"llama-server not built here: {e}")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
-        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
-    try:
-        yield build_tiny_gguf(tmp_path_factory.mktemp("modes"))
-    finally:
-        mp.undo()
+    """The tiny GGUF (conftest.served_gguf_module)."""
+    from conftest import served_gguf_module
+    yield from served_gguf_module(tmp_path_factory, "modes")
 
 
 @pytest.mark.slow

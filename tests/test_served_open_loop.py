@@ -25,11 +25,9 @@ Two servers:
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -178,20 +176,9 @@ def test_each_kind_of_server_answer_gets_its_outcome_and_every_arrival_is_counte
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The tiny GGUF (conftest.build_tiny_gguf) to start llama-server on."""
-    from conftest import build_tiny_gguf
-    from qeval.engines.llama_tools import tool_path
-    try:
-        tool_path("llama-server", build=False)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"llama-server not built here: {e}")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("QEVAL_LLAMA_CONVERTER_DIR", os.environ.get(
-        "QEVAL_LLAMA_CONVERTER_DIR", str(Path.home() / ".cache" / "qeval" / "llama_cpp_convert")))
-    try:
-        yield build_tiny_gguf(tmp_path_factory.mktemp("served-open-loop"))
-    finally:
-        mp.undo()
+    """The tiny GGUF (conftest.served_gguf_module) to start llama-server on."""
+    from conftest import served_gguf_module
+    yield from served_gguf_module(tmp_path_factory, "served-open-loop")
 
 
 @pytest.mark.slow
