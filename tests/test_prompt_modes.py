@@ -18,22 +18,9 @@ import sys
 import pytest
 
 from conftest import REPO, write_recipe
-from test_engine_openai import DEPTH_TEXT, Fake, _options
+from test_engine_openai import DEPTH_TEXT, _options, fake  # noqa: F401 - fake: the fixture, shared
 
 ANSWER = ["Hello", " there,", " friend"]  # streamed one piece a chunk
-
-
-@pytest.fixture
-def fake():
-    made = []
-
-    def make(**kw):
-        f = Fake(**kw)
-        made.append(f)
-        return f
-    yield make
-    for f in made:
-        f.close()
 
 
 def _text_script(usage: bool, count=None, chat_extra: int = 0, pieces=ANSWER, finish="stop"):

@@ -291,20 +291,6 @@ def summarize(points: Sequence[dict], slo: Slo | None) -> dict:
 PromptFor = Callable[[int, int], Sequence[int]]
 
 
-def admitted_prompt(prompt_for: PromptFor, stream: int, index: int, max_len: int) -> list[int]:
-    """The prompt of a request that got a place in an open-loop point, made now (token ids),
-    no longer than ``max_len`` (the point's first prompt, which sized its KV cache).
-
-    Raises:
-        ValueError: an empty prompt, or one longer than ``max_len``.
-    """
-    p = [int(t) for t in prompt_for(stream, index)]
-    if not p or len(p) > max_len:
-        raise ValueError(f"prompt {index} of the point has {len(p)} tokens; an open-loop point's prompts "
-                         f"have from 1 to {max_len} (its first prompt's length, which sized the KV cache)")
-    return p
-
-
 class LazyPrompts:
     """``prompts[(stream, k)]``: a closed-loop point's prompts, each made when a request
     starts (token ids from ``prompt_for``), never a table of concurrency x requests entries
@@ -331,6 +317,17 @@ class LazyPrompts:
         if self.check is not None:
             self.check(p)
         return p
+
+
+def admitted_prompt(prompt_for: PromptFor, stream: int, index: int, max_len: int) -> list[int]:
+    """The prompt of a request that got a place in an open-loop point, made now (token ids),
+    checked as :class:`LazyPrompts` checks a closed loop's: 1 to ``max_len`` tokens (the
+    point's first prompt, which sized its KV cache).
+
+    Raises:
+        ValueError: an empty prompt, or one longer than ``max_len``.
+    """
+    return LazyPrompts(prompt_for, max_len)[(stream, index)]
 
 
 def distinct_prompts(base: Sequence[int], depth: int, stride: int = 97) -> PromptFor:

@@ -73,12 +73,14 @@ class OpenLoopRun:
     tally: Tally | None = None
 
 
-def offered_rate(arrivals: Sequence[float], rate_rps: float | None = None) -> float | None:
+def offered_rate(arrivals: Sequence[float], rate_rps: float | None = None, n: int | None = None) -> float | None:
     """(n - 1) / (last - first arrival) in requests/s; ``rate_rps`` when the schedule has
-    one arrival or all arrive at once."""
+    one arrival or all arrive at once. ``n``: arrivals counted (default ``len(arrivals)``;
+    a tally gives its first and last arrival and the count)."""
     ts = [float(t) for t in arrivals]
+    n = len(ts) if n is None else int(n)
     span = ts[-1] - ts[0] if ts else 0.0
-    return (len(ts) - 1) / span if len(ts) > 1 and span > 0 else (float(rate_rps) if rate_rps else None)
+    return (n - 1) / span if n > 1 and span > 0 else (float(rate_rps) if rate_rps else None)
 
 
 def rate_point_stats(run: OpenLoopRun, *, kind: str = "rate", rate_rps: float | None, slo: Slo | None,
@@ -114,9 +116,7 @@ def rate_point_stats(run: OpenLoopRun, *, kind: str = "rate", rate_rps: float | 
         if tally.last_unserved_end_s is not None:
             ends.append(float(tally.last_unserved_end_s))
     dur = max(ends) - first if ends else 0.0
-    offered = (offered_rate(arrivals, rate_rps) if tally is None else
-               ((n - 1) / (arrivals[-1] - arrivals[0]) if n > 1 and arrivals[-1] > arrivals[0] else rate_rps)) \
-        if kind == "rate" else None
+    offered = offered_rate(arrivals, rate_rps, n) if kind == "rate" else None
     achieved = counts["completed"] / dur if dur > 0 else None
     errors = counts["refused"] + counts["timed_out"] + counts["failed"]
     n_out = sum(len(r.token_ids) for r in recs)
