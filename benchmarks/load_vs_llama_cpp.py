@@ -3,7 +3,7 @@
 For the GGUF tier of a finished run folder (default: the first finished tier whose engine
 opens GGUF files): aggregate decode tokens/s at 1, 2, 4 and 8 streams, measured now with
 qeval's own continuous-batching loop (the engine's ``capabilities.serve``, which the load
-stage runs: :func:`qeval.engines.llamacpp_load.serve_closed_loop`) and with llama.cpp's
+stage runs: :func:`qeval.serving.closed_loop.closed_loop` on the llama.cpp core, :mod:`qeval.engines.llamacpp_core`) and with llama.cpp's
 ``llama-batched-bench`` (built from the same vendored llama.cpp that llama-cpp-python
 compiled, :func:`qeval.engines.llama_tools.tool_path`) on the same file, threads,
 flash-attention setting, KV cache type, prompt depth and new tokens.
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TARGET = 0.9
 MIN_OUTPUT_TOKENS = 64  # default floor on new tokens: a window long enough to time (docstring)
-_CTX_ROUND = 256  # llama.cpp pads a sequence's cells to 256 (as qeval.engines.llamacpp_load)
+_CTX_ROUND = 256  # llama.cpp pads a sequence's cells to 256 (as qeval.engines.llamacpp_core)
 
 
 def batched_bench(tool: Path, gguf: Path, *, threads: int, flash_attn: bool, kv: str, depth: int,
@@ -82,17 +82,17 @@ def batched_bench(tool: Path, gguf: Path, *, threads: int, flash_attn: bool, kv:
 
 
 def qeval_points(engine, prompt_for, *, streams: list[int], depth: int, output_tokens: int) -> dict[int, dict]:
-    """qeval's load-stage serve function at every N (one request per stream, all N prompts
+    """qeval's closed loop at every N (one request per stream, all N prompts
     prefilled in one step as batched-bench does: ``prefill_chunk = N x depth``): per N the
     pure-decode-step tokens/s and the point's aggregate decode tokens/s."""
     from qeval.measure.load import point_stats
-    from qeval.measure.serving import serve_function
-    serve = serve_function(engine)
-    if serve is None:
+    from qeval.serving.closed_loop import closed_loop
+    from qeval.serving.core import can_serve
+    if not can_serve(engine):
         raise SystemExit(f"engine {engine.name} cannot batch")
     out = {}
     for n in streams:
-        run = serve(engine, prompt_for, concurrency=n, output_tokens=output_tokens, requests_per_stream=1,
+        run = closed_loop(engine, prompt_for, concurrency=n, output_tokens=output_tokens, requests_per_stream=1,
                     prefill_chunk=n * depth)
         p = point_stats(run)
         out[n] = {"decode": p["decode_step_tokens_per_s"], "aggregate": p["decode_tokens_per_s"]}

@@ -50,7 +50,7 @@ def one(run_dir: Path, tier: str, depth: int) -> dict:
     new_base = rss_bytes()
     reset_cpu_peak()
     peak = PeakMemory("cpu", 0)
-    engine = method.load(spec, ctx, artifact)
+    engine = method.open_engine(spec, ctx, artifact)
     _, peaks, _, _ = speed_sweep(engine, prompts, decode_tokens=recipe.speed.decode_tokens, repeats=1,
                                  warmup=0, peak=peak, prefill_repeats=1, progress=lambda m: None)
     hwm = peaks[str(depth)]

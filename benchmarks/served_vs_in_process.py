@@ -17,7 +17,7 @@ drifts by +-20 % within minutes, so only neighbours are compared):
   tokens (``ignore_eos``) on each side: TTFT (s), decode tokens/s
   (``(n - 1) / (t_last - t_first)``) and the median inter-token latency (ITL p50, s);
 * load at each concurrency: the closed-loop sweep point of the load stage
-  (:func:`qeval.measure.serving.load_sweep`, one point) on each side: TTFT p50, aggregate
+  (:func:`qeval.serving.closed_loop.load_sweep`, one point) on each side: TTFT p50, aggregate
   decode tokens/s and ITL p50.
 
 Printed: for every depth and concurrency the median over rounds of the per-pair ratios
@@ -68,9 +68,9 @@ def speed_pair(local, served, ids: list[int], new_tokens: int, depth: int) -> di
 
 def load_pair(local, served, prompt_for, *, concurrency: int, depth: int, output_tokens: int,
               requests_per_stream: int, prefill_chunk: int) -> dict[str, dict]:
-    """One load point on each side (:func:`qeval.measure.serving.load_sweep`): TTFT p50,
+    """One load point on each side (:func:`qeval.serving.closed_loop.load_sweep`): TTFT p50,
     aggregate decode tokens/s, ITL p50."""
-    from qeval.measure.serving import load_sweep
+    from qeval.serving.closed_loop import load_sweep
     out = {}
     for side, eng in (("local", local), ("served", served)):
         p = load_sweep(eng, prompt_for, concurrency=[concurrency], depth=depth, output_tokens=output_tokens,

@@ -1,6 +1,7 @@
 """Finding what registers something: engines (``ENGINE``), tier methods (``METHODS``),
 check kinds (``KINDS``), managed servers (``SERVER``, :mod:`qeval.engines.servers`) and
-executors (``EXECUTOR``, :mod:`qeval.executors`) are each one module of their package,
+executors (``EXECUTOR``, :mod:`qeval.executors`) and load workloads (``WORKLOAD``,
+:mod:`qeval.serving`) are each one module of their package,
 found by the attribute it defines (the way ``pkgutil`` lists a package's modules), or one
 module of another installed package that names it under the registry's entry-point group
 (:data:`GROUPS`), as lm-evaluation-harness and pytest find plugins::
@@ -22,7 +23,8 @@ from typing import Any, Iterable, Iterator
 
 #: The entry-point group each registry reads, by the attribute its modules define.
 GROUPS = {"METHODS": "qeval.tiers", "ENGINE": "qeval.engines", "KINDS": "qeval.checks",
-          "SERVER": "qeval.servers", "EXECUTOR": "qeval.executors"}
+          "SERVER": "qeval.servers", "EXECUTOR": "qeval.executors",
+          "WORKLOAD": "qeval.workloads"}
 
 
 def registered(package: str, path: Iterable[str], attr: str) -> Iterator[tuple[str, Any]]:

@@ -135,7 +135,7 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
     check_depths_fit(recipe, model_max_context(ctx.source_path))
     ref_spec = recipe.tier(recipe.gate.reference)
     method = get_method(ref_spec.method)
-    engine = method.load(ref_spec, ctx, None if not method.needs_artifact else _artifact(run_dir, ref_spec.name))
+    engine = method.open_engine(ref_spec, ctx, None if not method.needs_artifact else _artifact(run_dir, ref_spec.name))
     # a reference in bfloat16 computes as the tiers' quality stages do (quality.bf16_matmul), so
     # the reference tier served in the same dtype still scores 0 by construction; a float32
     # reference has no bfloat16 layer and is left as it is
@@ -284,7 +284,7 @@ def noise_floor_pass(recipe, run_dir: Path, ctx, progress: Callable[[str], None]
     def build(folder: Path) -> dict:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         method = get_method(spec.method)
-        engine = method.load(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
+        engine = method.open_engine(spec, ctx, _artifact(run_dir, ref_name) if method.needs_artifact else None)
         matmul, backend = _bf16_matmul(engine, recipe, ctx)
         progress(f"noise floor: {ref_name} served in {ctx.dtype} against the {ref_dtype} reference "
                  f"({backend})")
@@ -488,7 +488,7 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         if engine is None:
             which = "real"
     if engine is None:
-        engine = method.load(spec, ctx, artifact)
+        engine = method.open_engine(spec, ctx, artifact)
     if not engine.capabilities.score:
         raise RuntimeError(f"the {engine.name} engine cannot score tokens: fidelity needs teacher-forced "
                            "log-probabilities")

@@ -243,8 +243,9 @@ class InterferenceSpec(_Strict):
     """One long prompt landing while streams decode (qeval.measure.interference): ``streams``
     streams decode prompts of the load depth; ``prompt_tokens`` of cold prefill arrive
     mid-decode, once per chunk size in ``chunk_sizes`` (prompt tokens per engine step, chunked
-    prefill), and once unchunked (the whole prompt in one step). In-process engines only; a
-    served tier records it as not measured."""
+    prefill), and once unchunked (the whole prompt in one step). On a served tier the server
+    schedules the prompt by its own batch setting (its chunk is a start-up option), so every
+    row is measured as the server runs it."""
     prompt_tokens: int = Field(gt=0, le=MAX_TOKENS, description="tokens of the long prompt")
     streams: int = Field(2, gt=0, le=MAX_STREAMS, description="streams decoding when the long prompt arrives "
                          "(each a prompt of the load depth)")
@@ -259,10 +260,20 @@ class InterferenceSpec(_Strict):
         return sorted(v)
 
 
+class BurstSpec(_Strict):
+    """N requests landing at once on an idle engine (qeval.serving.burst): each a fresh prompt
+    of the load depth asking for ``output_tokens``, served ``max(concurrency)`` at a time
+    through ``load.queue`` (its ``max_waiting`` refuses, its ``timeout_s`` drops); reported:
+    TTFT percentiles and the last first token, the time to drain and what was refused or
+    dropped. The moment a service restarts and its clients reconnect, or a batch job lands."""
+    requests: int = Field(gt=1, le=4096, description="requests arriving together")
+
+
 class _LoadWorkloads(_Strict):
-    """Workload shapes of the load sweep beyond fresh prompts (qeval.engines.llamacpp_prefix,
-    qeval.engines.hf_prefix, qeval.measure.interference): a system prompt every request shares,
-    whose KV cache the engine may reuse, and a long prompt arriving mid-decode."""
+    """Workload shapes of the load sweep beyond fresh prompts, one module of qeval.serving each:
+    a system prompt every request shares, whose KV cache the engine may reuse (prefix), a long
+    prompt arriving mid-decode (interference), a burst of requests at once (burst) and the
+    context x concurrency grid (grid)."""
     shared_prefix_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="every request = this many "
                                              "shared prefix tokens + its own part (the prefix is part of the "
                                              "depth, so it must be shorter than it)")
@@ -270,6 +281,7 @@ class _LoadWorkloads(_Strict):
                                                        "prefix from a reused KV cache (on), prefill it per request "
                                                        "(off), or measure both")
     interference: InterferenceSpec | None = None
+    burst: BurstSpec | None = Field(None, description="a burst of this many requests at once on an idle engine")
     depths: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] | None = Field(
         None, max_length=64, description="context x concurrency grid: the closed loop at each of these depths "
         "(prompt tokens) and each concurrency; a cell the KV pool cannot hold is recorded as not admitted")

@@ -50,7 +50,7 @@ not measured::
       "attention": {"engine": "transformers" | "llama.cpp", "implementation": "sdpa" | "eager" | "flash" | "standard",
                     "kernels": {"prefill": [aten op names], "decode": [...]},   # transformers: seen by torch.profiler
                     "flash_attn": bool, "kv_cache_dtype": str},
-      "load_seconds": float,
+      "open_seconds": float,               # seconds to open the model (older runs: "load_seconds")
       "decode_mode": "eager" | "static" | None,   # transformers tiers: the timed decode loop
       "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed)
       "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
@@ -160,7 +160,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
@@ -340,6 +340,13 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+def _open_seconds() -> Any:
+    """The ``open_seconds`` field: seconds to open the tier's model
+    (:meth:`qeval.tiers.base.TierMethod.open_engine`), written ``open_seconds``; run folders
+    from before issue 45 have ``load_seconds``, read as it."""
+    return Field(None, validation_alias=AliasChoices("open_seconds", "load_seconds"))
+
+
 class _StageBase(_Closed):
     """What the worker adds to every stage file: seconds it took, host, recipe fingerprint."""
     stage_seconds: float | None = None
@@ -490,7 +497,7 @@ class MeasureStage(_StageBase):
     flash_attn: bool | None = None
     kv_cache_dtype: str | None = None
     attention: dict[str, Any] | None = None
-    load_seconds: float | None = None
+    open_seconds: float | None = _open_seconds()
     decode_mode: str | None = None
     decode_note: str | None = None
     decode_tokens: int | None = None
@@ -962,7 +969,7 @@ class TierResult(_Closed):
     flash_attn: bool | None = None
     kv_cache_dtype: str | None = None
     attention: dict[str, Any] | None = None
-    load_seconds: float | None = None
+    open_seconds: float | None = _open_seconds()
     decode_mode: str | None = None
     decode_note: str | None = None
     decode_tokens: int | None = None

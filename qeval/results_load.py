@@ -215,6 +215,22 @@ class InterferenceSection(_LoadModel):
     not_measured: str | None = Field(None, description="why it was not measured on this tier, one line")
 
 
+class BurstSection(_LoadModel):
+    """``load.burst``: N requests landing at once on an idle engine (:mod:`qeval.serving.burst`)."""
+    requests: Count = Field(description="requests in the burst (all arrive at 0 s)")
+    slots: Count = Field(description="requests served at once")
+    completed: Count = Field(0, description="requests that got all their tokens")
+    refused: Count = Field(0, description="found the waiting queue full (load.queue.max_waiting) or HTTP 429/503")
+    timed_out: Count = Field(0, description="waited past load.queue.timeout_s for a place (or a first token)")
+    failed: Count = Field(0, description="any other error")
+    ttft_s: Percentiles | None = Field(None, description="arrival -> first token of completed requests, s")
+    ttft_max_s: float | None = Field(None, description="the last completed request's first token, s after the burst")
+    drain_s: float | None = Field(None, description="the burst's arrival -> the last request ended, s")
+    decode_tokens_per_s: float | None = Field(None, description="new tokens of the completed requests / drain_s")
+    scheduling: str | None = Field(None, description="continuous | static | server")
+    not_measured: str | None = Field(None, description="why it was not run (not admitted, no serving core)")
+
+
 class GridDepth(_LoadModel):
     """The closed loop at one depth of the context x concurrency grid (``load.depths``)."""
     depth: Count = Field(description="prompt tokens per request")
@@ -274,6 +290,8 @@ class LoadSection(_LoadModel):
     interference: InterferenceSection | None = Field(None, description="a long prompt landing mid-decode (None "
                                                      "without load.interference)")
     grid: GridSection | None = Field(None, description="context x concurrency grid (None without load.depths)")
+    burst: BurstSection | None = Field(None, description="N requests at once on an idle engine (None without "
+                                       "load.burst)")
 
     def point(self, concurrency: int) -> LoadPoint | None:
         """The closed-loop point at ``concurrency`` streams, or None."""

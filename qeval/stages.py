@@ -29,6 +29,7 @@ from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
                       QuantInfo, RunLayout, StageError, TierResult, read_partial_load, read_stage, read_stage_error,
                       stage_done, write_stage_error, write_tier_result)
+from .serving.core import can_serve
 from .source import model_source_path
 from .stage_keys import FRESH_ENV, TIMED_STAGES, load_fingerprint  # noqa: F401 - re-exported
 from .stage_proc import StageProcess, start_stage
@@ -337,11 +338,12 @@ class TierRunner:
 
     def _wants_load(self, tier: str) -> bool:
         """Whether the tier gets a load stage: ``load.enabled``, and its measured engine can
-        serve batches (``capabilities.serve``). A finished load stage from another ``load`` section is removed (run again)."""
+        serve batches (it implements the serving core, :func:`qeval.serving.core.can_serve`). A
+        finished load stage from another ``load`` section is removed (run again)."""
         if not self.recipe.load.enabled:
             return False
         if stage_done(self.layout, tier, "measure") and \
-                get_engine(read_stage(self.layout, tier, "measure").engine).capabilities.serve is None:
+                not can_serve(get_engine(read_stage(self.layout, tier, "measure").engine)):
             return False
         if stage_done(self.layout, tier, "load") and \
                 read_stage(self.layout, tier, "load").load_fingerprint != load_fingerprint(self.recipe_dict):
@@ -350,7 +352,7 @@ class TierRunner:
 
     #: Measure-stage fields copied into the tier result as they are.
     MEASURE_FIELDS = ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "kv_cache_dtype",
-                      "attention", "memory", "speed", "load_seconds", "decode_mode", "decode_note", "decode_tokens",
+                      "attention", "memory", "speed", "open_seconds", "decode_mode", "decode_note", "decode_tokens",
                       "sampling", "runtime", "served")
 
     def finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> TierResult:

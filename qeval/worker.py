@@ -38,10 +38,10 @@ from .engines.hf import pick_device
 from .errors import QevalInputError, TierUnavailable
 from .failures import describe_exception
 from .measure.bandwidth import measure_bandwidth, probe_size_bytes
-from .measure.load import distinct_prompts, Slo
 from .measure.memory import hwm_bytes, peak_breakdown, PeakMemory, release_freed_memory, rss_bytes
 from .measure.nvml import NvmlMemory, PairedPeak
-from .measure.serving import grid_sweep, interference_sweep, load_sweep, prefix_sweep, rate_sweep, serve_function
+from .serving.core import can_serve
+from .serving.workload import ServingContext, run_workloads
 from .measure.speed import add_roofline, depth_prompt_ids, kv_bytes_per_token_from_sweep, speed_sweep
 from .quality_stages import noise_floor_pass, reference_context, reference_pass, tier_quality
 from .recipe import Recipe, validation_error
@@ -290,7 +290,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
     peak.reset()
     _progress(f"loading {tier}")
     t0 = time.time()
-    engine = method.load(spec, ctx, artifact)
+    engine = method.open_engine(spec, ctx, artifact)
     load_s = time.time() - t0
     if counter == "server":  # the model lives in the server: its counter, started before the server, over its tree
         peak = engine.peak_counter()
@@ -344,7 +344,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
         "kv_cache_dtype": attention.get("kv_cache_dtype"), "attention": attention,
         "decode_mode": engine.decode_mode, "decode_note": engine.decode_note, "sampling": engine.sampling,
         "decode_tokens": n_decode,
-        "load_seconds": load_s, "runtime": runtime,
+        "open_seconds": load_s, "runtime": runtime,
         "served": engine.served_info() if hasattr(engine, "served_info") else None,
         "quant": quant,
         "memory": memory,
@@ -366,24 +366,15 @@ def kv_budget_bytes(recipe, env, device: str, held_bytes: int | None) -> tuple[f
     return budget - (held_bytes or 0), src
 
 
-def _reuse_how(engine) -> str:
-    """How ``engine`` reuses a shared prefix's KV cache, one line for the load section."""
-    if engine.name == "openai":
-        dialect = getattr(getattr(engine, "client", None), "dialect", "")
-        return {"llama.cpp": "llama-server cache_prompt: true (a slot keeps its cached prompt)",
-                "vllm": "vLLM --enable-prefix-caching"}.get(dialect, "the server's prompt cache")
-    if engine.name == "llamacpp":
-        return "prefix prefilled once into its own sequence, copied into each request's (llama_memory_seq_cp)"
-    return "prefix prefilled once, its cache deep-copied per batch"
-
-
 def stage_load(recipe, run_dir: Path, tier: str) -> dict:
-    """In a fresh process: load the artifact and serve the concurrency sweep (closed loop,
-    batched) at the load depth; per point TTFT/ITL/e2e percentiles (s), aggregate decode
-    tokens/s, requests/s, peak memory and KV bytes; users at SLO, goodput, batching gain
-    (qeval.measure.load). Then the recipe's workloads: a shared prefix with and/or without
-    reuse (``load.shared_prefix_tokens``), a long prompt landing mid-decode
-    (``load.interference``) and the context x concurrency grid (``load.depths``)."""
+    """In a fresh process: load the artifact and run the serving workloads of
+    :mod:`qeval.serving` on its engine core (:func:`qeval.serving.workload.run_workloads`, each
+    reading its own field of the typed ``recipe.load``): the concurrency sweep (closed loop) at
+    the load depth, then the grid (``load.depths``), the shared prefix
+    (``load.shared_prefix_tokens``), the long prompt landing mid-decode (``load.interference``),
+    a burst (``load.burst``) and the open loop (``load.arrivals``); per point TTFT/ITL/e2e
+    percentiles (s), decode tokens/s, peak memory and KV bytes, users at SLO, goodput
+    (:mod:`qeval.measure.load`, :mod:`qeval.measure.openloop`)."""
     from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
 
     device = pick_device(recipe.device)
@@ -393,7 +384,7 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     ctx = tier_context(recipe, run_dir, device)
     ld = recipe.load
     if ld.shared_prefix_tokens and ld.prefix_cache != "off":  # vLLM: prefix caching on in this stage's server
-        ctx.served_tokens["prefix_caching"] = 1
+        ctx.prefix_caching = True
     layout = RunLayout(run_dir)
     prep = read_stage(layout, tier, "prepare")
     meas = read_stage(layout, tier, "measure")
@@ -401,8 +392,8 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     method.prepare_runtime(spec, ctx, artifact)  # the measure stage's baseline rule: runtime in, model out
     baseline = rss_bytes() if device == "cpu" else None
     _progress(f"loading {tier} for the load sweep")
-    engine = method.load(spec, ctx, artifact)
-    if serve_function(engine) is None:
+    engine = method.open_engine(spec, ctx, artifact)
+    if not can_serve(engine):
         return {"load": None, "skipped": f"engine {engine.name} cannot batch",
                 "load_fingerprint": load_fingerprint(recipe.model_dump(mode="json"))}
     engine_device = getattr(engine, "device", device)
@@ -417,62 +408,30 @@ def stage_load(recipe, run_dir: Path, tier: str) -> dict:
     tok = AutoTokenizer.from_pretrained(ctx.source_path)
     base = depth_prompt_ids(tok, recipe.resolve_path(recipe.speed.depth_text), max(4 * depth, 4096))
     pool_tokens = engine.kv_pool_tokens() if hasattr(engine, "kv_pool_tokens") else None
-    common = dict(concurrency=ld.concurrency, output_tokens=ld.output_tokens, requests_per_stream=ld.requests_per_stream,
-                  prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s), peak=peak,
-                  kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget,
-                  max_context=src.max_context, pool_tokens=pool_tokens, progress=_progress)
     # every finished point goes to stages/<tier>.load.partial.json at once: a stage stopped by
     # its timeout, a signal or a memory error keeps what it measured (qeval.stages.TierRunner.finish)
     journal: dict = {}
     partial = layout.stage_partial(tier, "load")
     partial.unlink(missing_ok=True)  # an earlier attempt's points are not this one's
 
-    def keep(at: str, key: str | None = None, section: dict | None = None) -> None:
-        if section is not None:
-            if key is None:
-                journal.update(section)
-            else:
-                journal[key] = section
+    def keep(at: str, key: str | None, section: dict) -> None:
+        if key is None:
+            journal.update(section)
+        else:
+            journal[key] = section
         journal["_at"] = at
         atomic_write_json(partial, {"load": json.loads(json_text(journal))})
 
-    def closed_point(sec: dict) -> None:
-        keep(f"the closed loop at {sec['points'][-1]['concurrency']} streams", None, sec)
+    def checkpoint(name: str) -> None:
+        if name == "arrivals":  # the named fault point between the closed-loop workloads and the open loop
+            inject_fault(tier, "load", "points")
 
-    def open_point(sec: dict) -> None:
-        last = sec["points"][-1]
-        keep(f"the open loop at {last.get('rate_rps') or last.get('kind')}"
-             + (" req/s" if last.get("rate_rps") else ""), "arrivals", sec)
-
-    out = load_sweep(engine, distinct_prompts(base, depth), depth=depth, on_point=closed_point, **common)
-    if ld.depths:  # the grid: the main sweep is its cell row at the load depth
-        out["grid"] = grid_sweep(engine, lambda d: distinct_prompts(base, d), depths=ld.depths,
-                                 measured={depth: dict(out)}, **common)
-        keep("the depth x concurrency grid", "grid", out["grid"])
-    if ld.shared_prefix_tokens:
-        modes = {"on": [True], "off": [False], "both": [False, True]}[ld.prefix_cache]
-        out["prefix"] = prefix_sweep(engine, base, depth=depth, prefix_tokens=ld.shared_prefix_tokens, modes=modes,
-                                     how=_reuse_how(engine), **common)
-        keep("the shared-prefix workload", "prefix", out["prefix"])
-    if ld.interference is not None:
-        it = ld.interference
-        fresh = distinct_prompts(base, depth)
-        out["interference"] = interference_sweep(
-            engine, [fresh(2000 + s, 0) for s in range(it.streams)], distinct_prompts(base, it.prompt_tokens)(3000, 0),
-            chunk_sizes=it.chunk_sizes, progress=_progress, kv_bytes_per_token=meas.memory.kv_bytes_per_token,
-            kv_budget_bytes=budget, max_context=src.max_context)
-        keep("the long-prompt interference workload", "interference", out["interference"])
-    inject_fault(tier, "load", "points")
-    if ld.arrivals is not None:  # the open loop: the same prompts' source, fresh prompts per point
-        ar, q = ld.arrivals, ld.queue
-        out["arrivals"] = rate_sweep(
-            engine, distinct_prompts(base, depth), rates=ar.rates, sweep_points=ar.sweep.points if ar.sweep else None,
-            process=ar.process, seed=ar.seed, requests=ar.requests, duration_s=ar.duration_s,
-            slots=max(ld.concurrency), max_waiting=q.max_waiting, timeout_s=q.timeout_s,
-            output_tokens=ld.output_tokens, prefill_chunk=ld.prefill_chunk, slo=Slo(ld.slo.ttft_p95_s, ld.slo.itl_p95_s),
-            max_error_rate=ld.slo.max_error_rate, saturation_share=ar.saturation_share, peak=peak,
-            kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget, max_context=src.max_context,
-            progress=_progress, on_point=open_point)
+    # the workloads of qeval.serving, each reading its own field of the typed load section
+    sctx = ServingContext(engine=engine, load=ld, base_ids=base, depth=depth,
+                          kv_bytes_per_token=meas.memory.kv_bytes_per_token, kv_budget_bytes=budget,
+                          max_context=src.max_context, pool_tokens=pool_tokens, peak=peak, progress=_progress,
+                          keep=keep, checkpoint=checkpoint)
+    out = run_workloads(sctx)
     out["slo"] = {"ttft_p95_s": ld.slo.ttft_p95_s, "itl_p95_s": ld.slo.itl_p95_s,
                   "max_error_rate": ld.slo.max_error_rate}
     out.update({"engine": engine.name, "backend": engine.backend, "device": engine_device, "threads": recipe.threads,

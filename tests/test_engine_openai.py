@@ -452,9 +452,9 @@ def _slot_tokens(eng) -> list[int]:
 @pytest.mark.slow
 def test_each_timed_phase_starts_on_an_empty_kv_pool_after_a_long_request(served, tmp_path):
     from qeval.measure.memory import PeakMemory
-    from qeval.measure.serving import load_sweep
     from qeval.measure.load import distinct_prompts
     from qeval.measure.speed import speed_sweep
+    from qeval.serving.closed_loop import load_sweep
     ids = served["ids"]
     long = (ids * 4)[:500]
     eng = _serve(served, tmp_path / "server.log")
@@ -504,8 +504,8 @@ def test_a_kv_pool_that_cannot_be_cleared_fails_the_phase_in_one_line(served, tm
 def test_llama_server_generates_what_llama_cpp_generates_and_serves_load(served, tmp_path):
     from qeval.engines.llamacpp import LlamaCppEngine
     from qeval.measure.load import Slo, distinct_prompts
-    from qeval.measure.serving import load_sweep
     from qeval.measure.speed import speed_sweep
+    from qeval.serving.closed_loop import load_sweep
     ids = served["ids"][:48]
     local = LlamaCppEngine(served["f16"], threads=1)
     try:
@@ -644,8 +644,8 @@ def _records_by_request(run) -> dict[tuple[int, int], list[int]]:
 def test_llama_server_cache_prompt_reuses_the_prefix_with_the_same_tokens(served, tmp_path):
     from qeval.engines.llamacpp import LlamaCppEngine
     from qeval.engines.openai import OpenAIEngine
-    from qeval.engines.openai_load import serve_closed_loop
-    from qeval.measure.serving import prefixed_prompts
+    from qeval.serving.closed_loop import closed_loop
+    from qeval.serving.prefix import prefixed_prompts
     pf = prefixed_prompts(served["ids"], 56, 40)
     local = LlamaCppEngine(served["f16"], threads=1)
     try:
@@ -658,9 +658,9 @@ def test_llama_server_cache_prompt_reuses_the_prefix_with_the_same_tokens(served
     try:
         assert eng.kv_pool_tokens() == 512
         kw = dict(concurrency=1, output_tokens=6, requests_per_stream=3, shared_prefix=40)
-        off = serve_closed_loop(eng, pf, reuse_prefix=False, **kw)
+        off = closed_loop(eng, pf, reuse_prefix=False, **kw)
         eng.clear_kv_pool("test")
-        on = serve_closed_loop(eng, pf, reuse_prefix=True, **kw)
+        on = closed_loop(eng, pf, reuse_prefix=True, **kw)
     finally:
         eng.close()
     by = _records_by_request

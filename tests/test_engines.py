@@ -73,7 +73,7 @@ def test_a_new_engine_serves_every_method_of_its_format(monkeypatch):
     r = parse_recipe("name: x\nmodel: {source: /m}\ntiers: [{name: b, method: bf16, engine: fake, kv_cache: int8}]\n"
                      "gate: {reference: b}\n")
     ctx = TierContext(source_path="/m/src", source_sha256="0", device="cpu", threads=3)
-    eng = get_method("bf16").load(r.tier("b"), ctx, None)
+    eng = get_method("bf16").open_engine(r.tier("b"), ctx, None)
     assert isinstance(eng, _FakeEngine)
     fmt, path, opts = _FakeEngine.opened[-1]
     assert (fmt, path) == ("hf", "/m/src")

@@ -189,7 +189,7 @@ class _FakeGgufMethod:
     def prepare_runtime(self, spec, ctx, artifact=None):
         return {}
 
-    def load(self, spec, ctx, artifact):
+    def open_engine(self, spec, ctx, artifact):
         return _FakeGgufEngine(self.fake)
 
     def quant_info(self, spec, ctx, artifact, engine):

@@ -143,6 +143,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("recipe", ("qeval.recipe", "qeval.source")),
     ("tiers", ("qeval.tiers",)),
     ("engines", ("qeval.engines",)),
+    ("serving", ("qeval.serving",)),
     ("measure", ("qeval.measure",)),
     ("results", ("qeval.results", "qeval.results_load", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
     ("base", ("qeval.errors", "qeval.bounded", "qeval.hashing", "qeval.paths", "qeval.plugins", "qeval.osutil",

@@ -56,7 +56,7 @@ def tiny(tmp_path_factory):
 
 def test_llamacpp_long_prompt_steps_per_chunk_size(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.engines.llamacpp_interference import serve_with_long_prompt
+    from qeval.serving.interference import long_prompt_run as serve_with_long_prompt
     ids = tiny["ids"]
     streams = [ids[0:12], ids[20:29]]
     long = (ids * 2)[:100]
@@ -87,7 +87,9 @@ def test_llamacpp_long_prompt_steps_per_chunk_size(tiny):
 def test_prefix_sweep_and_interference_and_grid_make_a_typed_load_section(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
     from qeval.measure.load import Slo, distinct_prompts
-    from qeval.measure.serving import grid_sweep, interference_sweep, prefix_sweep
+    from qeval.serving.grid import grid_sweep
+    from qeval.serving.interference import interference_sweep
+    from qeval.serving.prefix import prefix_sweep
     from qeval.results_load import LoadSection
     ids = tiny["ids"]
     llama = LlamaCppEngine(tiny["f16"], threads=1)
@@ -119,7 +121,7 @@ def test_prefix_sweep_and_interference_and_grid_make_a_typed_load_section(tiny):
 def test_a_cell_beyond_the_engines_kv_pool_is_not_admitted(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
     from qeval.measure.load import Slo, admission, distinct_prompts
-    from qeval.measure.serving import grid_sweep
+    from qeval.serving.grid import grid_sweep
     # llama-server's pool: --ctx-size cells all slots share
     why = admission(concurrency=2, depth=24, output_tokens=4, kv_bytes_per_token=None, max_context=2048,
                     kv_budget_bytes=None, pool_tokens=50)
@@ -139,30 +141,36 @@ def test_a_cell_beyond_the_engines_kv_pool_is_not_admitted(tiny):
 def test_hf_long_prompt_steps_per_chunk_size(tiny_llama):
     from transformers import AutoTokenizer
     from qeval.engines.hf import HFEngine, load_hf_model
-    from qeval.measure.serving import interference_sweep
     from qeval.results_load import InterferenceSection
+    from qeval.serving.interference import interference_sweep, long_prompt_run
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     ids = tok("Quantization trades memory for accuracy. The quick brown fox jumps over the lazy dog. " * 12,
               add_special_tokens=False)["input_ids"]
     eng = HFEngine(load_hf_model(str(tiny_llama), "cpu", "float32"), "cpu")
-    streams = [ids[0:12], ids[20:32]]
-    alone = [eng.generate(p, 12, ignore_stop=True).token_ids for p in streams]
+    streams = [ids[0:12], ids[20:29]]  # two lengths: the streams' batch is left-padded
+    alone = [eng.generate(p, 16, ignore_stop=True).token_ids for p in streams]
     out = interference_sweep(eng, streams, ids[:100], chunk_sizes=[16], before_tokens=3, after_tokens=2)
     sec = InterferenceSection.model_validate(out)
+    # each step: the streams' decode forward, then (from its arrival) one forward of the long prompt's
+    # next chunk; 3 steps before the arrival, the long prompt's steps, 2 after its first token
     assert [(r.chunk_size, r.long_steps, r.steps) for r in sec.rows] == [(None, 1, 6), (16, 7, 12)]
     assert all(r.n_gaps == 2 * r.long_steps for r in sec.rows)
-    from qeval.engines.hf_interference import serve_with_long_prompt
-    run = serve_with_long_prompt(eng, streams, ids[:100], chunk_size=None, before_tokens=3, after_tokens=2)
-    assert run.long_first_token == eng.generate(ids[:100], 1, ignore_stop=True).token_ids[0]
-    assert [t for t in run.stream_tokens] == [a[1:1 + run.steps] for a in alone]  # the long prefill changes none
+    want_first = eng.generate(ids[:100], 1, ignore_stop=True).token_ids[0]
+    for chunk in (None, 16):
+        run = long_prompt_run(eng, streams, ids[:100], chunk_size=chunk, before_tokens=3, after_tokens=2)
+        assert run.long_first_token == want_first and run.arrival_s < run.first_token_s
+        assert run.details["engine"] == "qeval static batches (transformers cache)"  # qeval steps the batches
+        # the streams' prefill (1 forward) + 2 forwards in each of the long prompt's steps + 1 in the others
+        assert run.details["engine_steps"] == 1 + run.steps + run.long_steps
+        assert [t for t in run.stream_tokens] == [a[1:1 + run.steps] for a in alone]  # the long prefill changes none
 
 
-def test_interference_not_measured_where_the_engine_has_no_step_loop():
+def test_interference_not_measured_where_the_engine_has_no_core():
     from types import SimpleNamespace
-    from qeval.measure.serving import interference_sweep
-    eng = SimpleNamespace(name="openai", capabilities=SimpleNamespace(serve="qeval.engines.openai_load:serve_closed_loop"))
+    from qeval.serving.interference import interference_sweep
+    eng = SimpleNamespace(name="scorer")  # an engine that scores and generates but does not serve batches
     out = interference_sweep(eng, [[1, 2, 3]], [4] * 50, chunk_sizes=[16])
-    assert out["rows"] == [] and "openai engine has no loop" in out["not_measured"]
+    assert out["rows"] == [] and "scorer engine has no serving core" in out["not_measured"]
 
 
 # ---- the recipe fields -------------------------------------------------------------------

@@ -408,7 +408,7 @@ def test_tier_prepare_load_and_quant_info(tiny, tmp_path):
     assert info["convert_seconds"] > 0 and info["quantize_seconds"] > 0 and info["quant_peak_bytes"] > 0
     assert info["fallback_tensors"] == 0 and abs(info["bits_per_weight_quantized"] - 8.5) < 1e-6
     for kv, fa in (("model", False), ("int8", True)):
-        eng = m.load(_spec(type="Q8_0", kv_cache=kv), ctx, out)
+        eng = m.open_engine(_spec(type="Q8_0", kv_cache=kv), ctx, out)
         try:
             assert eng.flash_attn is fa and eng.backend == "llama.cpp-cpu"
             q = m.quant_info(spec, ctx, out, eng)

@@ -146,7 +146,7 @@ def _prompts(tiny, depth):
 
 def test_llamacpp_batched_tokens_equal_alone_with_chunked_prefill(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.engines.llamacpp_load import serve_closed_loop
+    from qeval.serving.closed_loop import closed_loop as serve_closed_loop
     pf_base = _prompts(tiny, 40)
     # different prompt lengths per stream, so prefills of new requests land between decodes
     pf = lambda s, k: pf_base(s, k)[:40 - 7 * s]  # noqa: E731
@@ -166,7 +166,7 @@ def test_llamacpp_batched_tokens_equal_alone_with_chunked_prefill(tiny):
 
 def test_llamacpp_point_beyond_the_context_or_budget_is_not_admitted(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.engines.llamacpp_load import serve_closed_loop
+    from qeval.serving.closed_loop import closed_loop as serve_closed_loop
     eng = LlamaCppEngine(tiny["f16"], threads=1)
     try:
         long = lambda s, k: [5] * (eng.n_ctx_train + 1)  # noqa: E731
@@ -185,13 +185,18 @@ def test_llamacpp_point_beyond_the_context_or_budget_is_not_admitted(tiny):
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
 def test_hf_batched_tokens_equal_alone(tiny, scheduling):
     from qeval.engines.hf import HFEngine
-    from qeval.engines.hf_load import serve_closed_loop
+    from qeval.serving.closed_loop import closed_loop
     pf_base = _prompts(tiny, 40)
     pf = lambda s, k: pf_base(s, k)[:40 - 15 * s]  # noqa: E731  (left padding in static batches)
     eng = HFEngine(tiny["model"], "cpu", backend="torch-float32")
-    run = serve_closed_loop(eng, pf, concurrency=3, output_tokens=6, requests_per_stream=2, prefill_chunk=16,
-                            scheduling=scheduling)
+    run = closed_loop(eng, pf, concurrency=3, output_tokens=6, requests_per_stream=2, prefill_chunk=16,
+                      scheduling=scheduling)
     assert run.scheduling == scheduling and "continuous_error" not in run.details
+    if scheduling == "static":  # 2 batches: 40 columns in 3 chunks of 16, then 5 decode steps each
+        assert run.steps == 2 * (3 + 5) and run.details["batches"] == 2
+        assert run.decode_step_tokens == 2 * 3 * 5 and run.decode_step_s > 0
+    else:
+        assert run.steps == 0 and run.kv_pool_bytes and run.details["max_batch_tokens"] == 3 + 16
     assert run.kv_bytes_peak and run.kv_bytes_peak > 0
     # the tiny model's answers vary from prompt to prompt (the identity is not trivially constant)
     assert len({tuple(r.token_ids) for r in run.requests}) > 1
@@ -203,23 +208,26 @@ def test_hf_batched_tokens_equal_alone(tiny, scheduling):
 
 def test_hf_int8_kv_cache_runs_static_batches_and_budget_refuses(tiny):
     from qeval.engines.hf import HFEngine
-    from qeval.engines.hf_load import serve_closed_loop
+    from qeval.serving.closed_loop import closed_loop
     pytest.importorskip("hqq")
     pf = _prompts(tiny, 24)
     eng = HFEngine(tiny["model"], "cpu", kv_cache="int8", backend="torch-float32")
-    run = serve_closed_loop(eng, pf, concurrency=2, output_tokens=3, requests_per_stream=1, prefill_chunk=8)
+    run = closed_loop(eng, pf, concurrency=2, output_tokens=3, requests_per_stream=1, prefill_chunk=8)
     assert run.scheduling == "static" and len(run.requests) == 2
     assert all(len(r.token_ids) == 3 for r in run.requests)
+    assert run.kv_bytes_peak and run.details["kv_cache"] == "int8"
+    # admission is the workload's, on the tier's KV bytes per token
     with pytest.raises(NotAdmitted, match="KV budget"):
-        serve_closed_loop(eng, pf, concurrency=8, output_tokens=3, requests_per_stream=1, kv_budget_bytes=1024)
+        closed_loop(eng, pf, concurrency=8, output_tokens=3, requests_per_stream=1, kv_budget_bytes=1024,
+                    kv_bytes_per_token=eng.kv_bytes_per_token(64))
     with pytest.raises(NotAdmitted, match="context"):
-        serve_closed_loop(eng, pf, concurrency=1, output_tokens=3, requests_per_stream=1, max_context=20)
+        closed_loop(eng, pf, concurrency=1, output_tokens=3, requests_per_stream=1, max_context=20)
 
 
 def test_sweep_records_points_that_do_not_fit_as_not_admitted(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
     from qeval.measure.memory import PeakMemory, rss_bytes
-    from qeval.measure.serving import load_sweep
+    from qeval.serving.closed_loop import load_sweep
     eng = LlamaCppEngine(tiny["f16"], threads=1)
     try:
         kvpt = eng.kv_bytes_per_token_analytic()
@@ -290,14 +298,14 @@ def test_the_untimed_warm_up_runs_each_batch_shape_once_on_cuda(monkeypatch, dev
     output, once per engine and shape (per-shape first-use costs out of the timed run)."""
     from types import SimpleNamespace
 
-    from qeval.engines import hf_load
+    from qeval.engines import hf_core
     calls = []
-    monkeypatch.setattr(hf_load, "_static_batch",
+    monkeypatch.setattr(hf_core, "_static_batch",
                         lambda eng, batch, out, chunk, pad, *a, **k: calls.append(([len(p) for p in batch], out, chunk)))
     eng = SimpleNamespace(device=device)
     batch = [[5] * 100, [6] * 100, [7] * 100]
-    hf_load._warm_up(eng, batch, 32, 64, 0)                    # a closed-loop point of 3 streams
-    hf_load._warm_up(eng, batch, 32, 64, 0, rows=range(1, 4))  # an open loop of 3 slots: 1 and 2 rows are new
+    hf_core._warm_up(eng, batch, 32, 64, 0)                    # a closed-loop point of 3 streams
+    hf_core._warm_up(eng, batch, 32, 64, 0, rows=range(1, 4))  # an open loop of 3 slots: 1 and 2 rows are new
     short = ([16], 2, 16)
     if device == "cpu":
         assert calls == [short, short]

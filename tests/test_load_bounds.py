@@ -117,8 +117,8 @@ def test_a_load_stage_killed_after_its_points_keeps_them_in_the_row_the_gate_and
 def test_interference_is_admitted_against_the_kv_budget_and_the_context_before_anything_runs():
     """4096 streams x 8184-token prompts on the default model (23,040 KV bytes per token) is
     about 770 GB of KV: not admitted, said in one line, and no engine call is made (the
-    engine here has no interference loop: reaching it would say so instead)."""
-    from qeval.measure.serving import interference_sweep
+    engine here has no serving core: reaching it would say so instead)."""
+    from qeval.serving.interference import interference_sweep
     streams = [[1] * 8184] * 4096
     out = interference_sweep(object(), streams, [2] * 8184, chunk_sizes=[64], kv_bytes_per_token=23040,
                              kv_budget_bytes=8 * 2 ** 30, max_context=8192)
@@ -127,10 +127,10 @@ def test_interference_is_admitted_against_the_kv_budget_and_the_context_before_a
     long = interference_sweep(object(), [[1] * 16], [2] * 8190, chunk_sizes=[64], max_context=8192)
     assert long["not_measured"].startswith("not admitted: the 8190-token prompt")
     from types import SimpleNamespace
-    stub = SimpleNamespace(name="stub", capabilities=SimpleNamespace(serve=None))
+    stub = SimpleNamespace(name="stub")
     fits = interference_sweep(stub, [[1] * 16], [2] * 64, chunk_sizes=[64], kv_bytes_per_token=23040,
                               kv_budget_bytes=8 * 2 ** 30, max_context=8192)
-    assert "has no loop" in fits["not_measured"]  # admitted: it went on to the engine
+    assert "has no serving core" in fits["not_measured"]  # admitted: it went on to the engine
 
 
 def test_run_estimate_prints_the_plan_and_runs_nothing(tmp_path):

@@ -13,7 +13,7 @@ from qeval.measure.arrivals import Request, StepClock, WaitingQueue, arrival_tim
 from qeval.measure.load import RequestRecord, Slo
 from qeval.measure.openloop import (OpenLoopRun, is_saturated, knee, rate_meets_slo, rate_point_stats, stop_reason,
                                     sweep_rates)
-from qeval.measure.serving import rate_sweep
+from qeval.serving.open_loop import rate_sweep
 from qeval.results import LoadSection, TierResult, parse_model
 
 # ---- the schedule ---------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def tiny(tmp_path_factory):
 
 def test_llamacpp_queue_of_one_refuses_and_drops_exactly(tiny):
     from qeval.engines.llamacpp import LlamaCppEngine
-    from qeval.engines.llamacpp_load import serve_open_loop
+    from qeval.serving.open_loop import open_loop as serve_open_loop
     from qeval.measure.load import distinct_prompts
     pf = distinct_prompts(tiny["ids"], 8)
     eng = LlamaCppEngine(tiny["f16"], threads=1)
@@ -279,15 +279,24 @@ def test_llamacpp_queue_of_one_refuses_and_drops_exactly(tiny):
 def test_hf_open_loop_refuses_past_slots_plus_queue_and_answers_as_alone(tiny):
     import torch
     from qeval.engines.hf import HFEngine
-    from qeval.engines.hf_load import serve_open_loop
     from qeval.measure.load import distinct_prompts
+    from qeval.serving.open_loop import open_loop
     pf = distinct_prompts(tiny["ids"], 12)
     eng = HFEngine(tiny["model"], "cpu", backend="torch-float32")
     # all four arrive at 0: two slots take two, no waiting place: the other two are refused at once
-    run = serve_open_loop(eng, pf, arrivals=[0.0, 0.0, 0.0, 0.0], slots=2, max_waiting=0, timeout_s=60.0,
-                          output_tokens=3, prefill_chunk=8)
+    run = open_loop(eng, pf, arrivals=[0.0, 0.0, 0.0, 0.0], slots=2, max_waiting=0, timeout_s=60.0,
+                    output_tokens=3, prefill_chunk=8)
     assert [r.outcome for r in run.requests] == ["completed", "completed", "refused", "refused"]
     assert run.scheduling == "static" and [x.stream for x in run.completed] == [0, 1]
+    # one batch of two rows: 12 columns in 2 chunks of 8, then 2 decode steps; both end together
+    assert run.details["batches"] == 1 and run.details["steps"] == 4
+    assert run.completed[0].token_times_s == run.completed[1].token_times_s
+    # a scripted clock (each step 1 s): the batch's first token at the end of its second step
+    timed = open_loop(eng, pf, arrivals=[0.0, 0.5], slots=2, max_waiting=1, timeout_s=60.0, output_tokens=3,
+                      prefill_chunk=8, clock=StepClock(1.0))
+    # the second arrival waits for the first batch's end (static batching), then runs alone
+    assert [x.token_times_s for x in timed.completed] == [[2.0, 3.0, 4.0], [6.0, 7.0, 8.0]]
+    assert [r.admitted_s for r in timed.requests] == [0.0, 4.0] and timed.details["batches"] == 2
     for x in run.completed:  # the batch answers what each prompt answers alone (greedy)
         ids = torch.tensor([pf(0, x.stream)])
         with torch.inference_mode():
@@ -358,7 +367,8 @@ def test_served_open_loop_counts_http_errors_by_status_and_drops_after_the_timeo
     until the client has returned, so it times out whatever the machine's speed; the
     client's limit only has to exceed what a local answer of two tokens takes."""
     from qeval.engines.openai import Client
-    from qeval.engines.openai_load import serve_open_loop
+    from qeval.engines.openai_core import OpenAICore
+    from qeval.serving.open_loop import open_loop
     srv = _Status()
 
     class Eng:
@@ -367,11 +377,14 @@ def test_served_open_loop_counts_http_errors_by_status_and_drops_after_the_timeo
 
         def _alive(self):
             return None
+
+        def open_core(self, spec, clock):
+            return OpenAICore(self, spec, clock)
     Eng.client.connect()
     prompts = {0: [1, 2], 1: [429, 1], 2: [500, 1], 3: [999, 1], 4: [3, 4]}
     try:
-        run = serve_open_loop(Eng(), lambda s, i: prompts[i], arrivals=[0.0] * 5, slots=None, max_waiting=0,
-                              timeout_s=2.0, output_tokens=2)
+        run = open_loop(Eng(), lambda s, i: prompts[i], arrivals=[0.0] * 5, slots=1, max_waiting=0,
+                        timeout_s=2.0, output_tokens=2)
         reached = srv.held.is_set()  # read before go is set: 999 was still held when the client returned
     finally:
         srv.go.set()  # the client has given up on 999 (or failed): let its handler end

@@ -217,7 +217,7 @@ def served(tmp_path_factory):
 @pytest.mark.slow
 def test_the_same_file_on_llama_server_in_tokens_text_and_chat_modes(served, tmp_path):
     from qeval.engines.openai import COUNT_IDS, COUNT_USAGE, OpenAIEngine
-    from qeval.engines.openai_load import serve_closed_loop
+    from qeval.serving.closed_loop import closed_loop
     tok = served["tok"]
     ids = served["ids"][:40]
     stop = [tok.eos_token_id]
@@ -231,7 +231,7 @@ def test_the_same_file_on_llama_server_in_tokens_text_and_chat_modes(served, tmp
             assert len(g.token_times_s) == 8 and g.prefill_s > 0 and g.decode_tokens_per_s, (mode, g)
             msgs = [{"role": "user", "content": "Name a colour."}]
             a = eng.generate_messages(msgs, 6, stop_ids=stop) if mode == "chat" else None
-            run = serve_closed_loop(eng, lambda s, k: ids[:32], concurrency=1, output_tokens=4, requests_per_stream=1)
+            run = closed_loop(eng, lambda s, k: ids[:32], concurrency=1, output_tokens=4, requests_per_stream=1)
             got[mode] = {"g": g, "chat": a, "info": eng.served_info(), "load": run.requests[0]}
         finally:
             eng.close()

@@ -477,7 +477,7 @@ def _rates(capacity_rps: float) -> dict:
     from qeval.measure.arrivals import WaitingQueue
     from qeval.measure.load import RequestRecord, Slo
     from qeval.measure.openloop import OpenLoopRun
-    from qeval.measure.serving import rate_sweep
+    from qeval.serving.open_loop import rate_sweep
     service = 1.0 / capacity_rps
 
     def serve(engine, prompt_for, *, arrivals, slots, max_waiting, timeout_s, output_tokens, stream, **_):

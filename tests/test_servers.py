@@ -153,9 +153,8 @@ def _vllm_commands(tmp_path) -> list[tuple[dict, list[str]]]:
                                                 ({"kind": "vllm", "ctx_size": 4096, "gpu_memory_utilization": 0.85},
                                                  1, None, True)):
                 what = dict(fmt=fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, **opts)
-                tokens = {"sequence": 1100, "load_sequence": 400, "model": 2048, "prefix_caching": prefix}
                 out.append((what, vllm.command("vllm", parse_serve(opts), _launch(
-                    tmp_path, fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, tokens=tokens))))
+                    tmp_path, fmt, kv_cache=kv, parallel=parallel, tokenizer=tok, prefix_caching=prefix))))
     return out
 
 

@@ -49,7 +49,7 @@ def test_artifact_is_float8_and_close_to_bf16(built):
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
     assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in out.rglob("*"))
     m = get_method("fp8")
-    eng = m.load(spec, ctx, out)
+    eng = m.open_engine(spec, ctx, out)
     assert eng.name == "hf" and "dequantized per matmul" in eng.backend
     lin = eng.model.model.layers[0].self_attn.q_proj
     assert type(lin.weight).__name__ == "Float8Tensor" and lin.weight.qdata.dtype == torch.float8_e4m3fn
@@ -58,7 +58,7 @@ def test_artifact_is_float8_and_close_to_bf16(built):
     assert info["quantized_layers"] == n_linear
     q = m.quant_info(spec, ctx, out, eng)
     bf16 = get_method("bf16")
-    ref = bf16.load(spec, ctx, None)
+    ref = bf16.open_engine(spec, ctx, None)
     assert q["stored_bytes"] < bf16.quant_info(spec, ctx, None, ref)["stored_bytes"]
     # 1 byte per weight plus one float32 scale per output row: 8 + 32 / in_features bits
     layers = [(mod.in_features, mod.out_features) for _, mod in eng.model.named_modules()

@@ -134,7 +134,7 @@ def test_int8_round_trip(tiny, tmp_path):
     spec, ctx = _spec("int8"), _ctx(tiny)
     art, info = _prepare("int8", spec, ctx, tmp_path)
     assert info["backend"] == "torchao-int8-weight-only" and info["quantized_layers"] == 14
-    eng = m.load(spec, ctx, art)  # fresh load from the saved artifact
+    eng = m.open_engine(spec, ctx, art)  # fresh open of the saved artifact
     assert eng.backend == "torchao-int8-weight-only"
     w = eng.model.model.layers[0].self_attn.q_proj.weight
     assert type(w).__name__ not in ("Tensor", "Parameter")  # still int8 after reload
@@ -173,7 +173,7 @@ def test_int8_bitsandbytes_round_trip(tiny, tmp_path):
     except RuntimeError as e:  # a bitsandbytes build without a kernel for this device
         assert "bitsandbytes 8-bit quantization failed" in str(e)
         pytest.skip(str(e))
-    eng = m.load(spec, ctx, art)
+    eng = m.open_engine(spec, ctx, art)
     assert eng.backend == "bitsandbytes-llm.int8"
     got = _logprobs(eng.model, _ids())
     assert float((_ref_logprobs(tiny) - got).abs().max()) < 0.1
@@ -278,7 +278,7 @@ def test_w4_round_trip(method, tiny, tmp_path, monkeypatch):
     assert info["group_size"] == 64 and info["library"]["gptqmodel"]
     assert json.loads((art / "quantize_config.json").read_text())["group_size"] == 64
     assert not list(art.parent.glob(".*offload*"))  # the offload folder is gone
-    eng = m.load(spec, ctx, art)
+    eng = m.open_engine(spec, ctx, art)
     assert eng.backend.startswith("gptqmodel:")
     q = m.quant_info(spec, ctx, art, eng)
     assert q["stored_bytes"] < 0.7 * _bf16_bytes(tiny)  # the bf16 embedding dominates this tiny model
@@ -326,7 +326,7 @@ def test_awq_without_clip_search_never_searches_clipping(tiny, tmp_path, monkeyp
     art, info = _prepare("awq", spec, ctx, tmp_path)
     assert info["clip_search"] is False
     assert awq_processor.AWQProcessor.__init__ is original  # the constructor is restored after
-    eng = get_method("awq").load(spec, ctx, art)
+    eng = get_method("awq").open_engine(spec, ctx, art)
     kld = _kld(_ref_logprobs(tiny), _logprobs(eng.model, _ids()))
     assert 0 < kld < 0.05, kld  # the scale search alone still quantizes well
     with awq_clip_search(True):  # on: nothing is wrapped

@@ -284,3 +284,23 @@ def test_report_and_analysis_read_run_files_through_typed_models():
 def test_get_path_reads_declared_fields():
     assert [line for root, line in get_path_problems() if root not in PENDING and root not in ALLOWED] == []
 
+
+
+def test_open_seconds_reads_older_runs_load_seconds_and_writes_open_seconds(tmp_path):
+    """Issue 45: the seconds to open a tier's model are ``open_seconds``; run folders from
+    before (the fixtures, left as written) have ``load_seconds`` and still read, into
+    ``open_seconds``, through the closed models; a rewrite says ``open_seconds``."""
+    import json
+
+    from qeval.results import MeasureStage, json_text, load_run
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "run_synthetic"
+    raw = json.loads((fixture / "tiers" / "bf16.json").read_text())
+    assert "load_seconds" in raw and "open_seconds" not in raw
+    _, tiers = load_run(fixture)
+    assert tiers["bf16"].open_seconds == raw["load_seconds"]
+    out = json.loads(json_text(tiers["bf16"]))
+    assert out["open_seconds"] == raw["load_seconds"] and "load_seconds" not in out
+    assert TierResult.model_validate(out).open_seconds == raw["load_seconds"]
+    assert MeasureStage.model_validate({"load_seconds": 1.5}).open_seconds == 1.5
+    assert MeasureStage.model_validate({"open_seconds": 2.5}).open_seconds == 2.5

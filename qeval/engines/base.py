@@ -66,7 +66,8 @@ class MemoryInfo:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an engine can do.
+    """What an engine can do. (Serving batches is not a flag: an engine that serves them
+    implements the serving core, ``open_core(spec, clock)``, :mod:`qeval.serving.core`.)
 
     Attributes:
         score: :meth:`Engine.iter_logprobs` (teacher-forced log-probabilities): fidelity needs it.
@@ -88,8 +89,6 @@ class Capabilities:
             :meth:`Engine.iter_logprobs` gives for a span of the prompt (long-context suites
             score the document tail in the answer's prefill: one prefill per item and depth);
             without it they score with :meth:`Engine.iter_logprobs` and then generate.
-        serve: ``"module:function"`` of the engine's closed-loop batched serve function
-            (the load sweep, :mod:`qeval.measure.serving`); None: it cannot serve batches.
     """
     score: bool = True
     generate: bool = True
@@ -98,7 +97,6 @@ class Capabilities:
     kv_bytes: bool = True
     lm_eval: bool = False
     scored_generate: bool = False
-    serve: str | None = None
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
+from .hf_core import cache_nbytes, open_core as open_hf_core
 
 
 def cache_kwarg(model: Any) -> str:
@@ -95,43 +96,6 @@ def model_weight_bytes(model: Any) -> int:
     """Stored bytes of all parameters and buffers of a torch module (see
     :func:`tensor_storage_bytes`)."""
     return tensor_storage_bytes(list(model.parameters()) + list(model.buffers()))
-
-
-def cache_nbytes(cache: Any) -> int:
-    """Bytes held by a transformers cache object: every tensor reachable from its
-    layers (keys, values, quantized data, scales, residual buffers), each storage once."""
-    import torch  # start-up time: torch loads only in stage processes
-
-    seen: set[int] = set()
-    total = 0
-
-    def walk(o: Any, depth: int = 0) -> None:
-        nonlocal total
-        if depth > 6 or o is None:
-            return
-        if isinstance(o, torch.Tensor):
-            if o.numel() == 0:
-                return
-            st = o.untyped_storage()
-            if st.data_ptr() in seen:
-                return
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-        elif isinstance(o, (list, tuple)):
-            for x in o:
-                walk(x, depth + 1)
-        elif isinstance(o, dict):
-            for x in o.values():
-                walk(x, depth + 1)
-        elif hasattr(o, "__dict__") and not isinstance(o, (torch.nn.Module, type)):
-            for k, x in vars(o).items():
-                if k in ("config",):
-                    continue
-                walk(x, depth + 1)
-
-    for layer in getattr(cache, "layers", []) or []:
-        walk(layer)
-    return total
 
 
 def attention_kernels(op_names: Any) -> list[str]:
@@ -289,7 +253,7 @@ class HFEngine:
     name = "hf"
     formats = ("hf",)
     capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="torch", kv_bytes=True,
-                                lm_eval=True, scored_generate=True, serve="qeval.engines.hf_load:serve_closed_loop")
+                                lm_eval=True, scored_generate=True)
     flash_attn = None  # transformers picks its attention kernel; qeval does not switch it
     last_cache_allocated_bytes = None  # the cache holds what it allocates: last_cache_bytes
 
@@ -331,6 +295,21 @@ class HFEngine:
         self.kv_requant_period = self.kv_residual if kv_cache == "int8" else None
         self._static: dict[int, Any] = {}  # cache length -> StaticCache, warmed up
         self._step_fn: Any = None
+
+    # -- serving -------------------------------------------------------------------
+    def open_core(self, spec: Any, clock: Any) -> Any:
+        """The engine core of :mod:`qeval.serving` for one workload run
+        (:func:`qeval.engines.hf_core.open_core`: transformers' continuous batching manager
+        or qeval's static batches over the tier's cache, by ``spec.scheduling``).
+
+        Raises:
+            ValueError: an unknown schedule; Exception: what the manager raised when
+                ``continuous`` was asked for explicitly."""
+        return open_hf_core(self, spec, clock)
+
+    def prefix_how(self) -> str:
+        """How the core reuses a shared prefix (recorded beside the prefix figures)."""
+        return "prefix prefilled once, its cache deep-copied per batch"
 
     # -- cache ---------------------------------------------------------------------
     def new_cache(self) -> Any:

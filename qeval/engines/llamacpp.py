@@ -334,7 +334,7 @@ class LlamaCppEngine:
     decode_note = None
     kv_requant_period = None  # the q8_0 cache is quantized per token, never re-quantized
     capabilities = Capabilities(score=True, generate=True, batch=True, memory_counter="process", kv_bytes=True,
-                                lm_eval=False, scored_generate=True, serve="qeval.engines.llamacpp_load:serve_closed_loop")
+                                lm_eval=False, scored_generate=True)
 
     @classmethod
     def warm_runtime(cls, source_path: str, options: EngineOptions) -> dict:
@@ -753,6 +753,19 @@ class LlamaCppEngine:
                           {"backend": self.backend, "kv_cache": self.kv_cache, "flash_attn": self.flash_attn,
                            "kv_bytes_per_token_analytic": self.kv_bytes_per_token_analytic(),
                            "parameters": int(self._L.llama_model_n_params(self._model)), "n_ctx": self.n_ctx})
+
+    def open_core(self, spec: Any, clock: Any) -> Any:
+        """The serving core for one workload run (:class:`qeval.engines.llamacpp_core.LlamaCore`:
+        a context of ``spec.slots`` sequences with continuous batching).
+
+        Raises:
+            NotAdmitted: as :class:`~qeval.engines.llamacpp_core.LlamaCore`."""
+        from .llamacpp_core import LlamaCore  # start-up time: only load stages serve batches
+        return LlamaCore(self, spec, clock)
+
+    def prefix_how(self) -> str:
+        """How the core reuses a shared prefix, one line for the load section."""
+        return "prefix prefilled once into its own sequence, copied into each request's (llama_memory_seq_cp)"
 
     def close(self) -> None:
         self._free_ctx()

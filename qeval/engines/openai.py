@@ -456,7 +456,7 @@ class OpenAIEngine:
     decode_note = None
     kv_requant_period = None
     capabilities = Capabilities(score=True, generate=True, batch=False, memory_counter="server", kv_bytes=False,
-                                lm_eval=False, serve="qeval.engines.openai_load:serve_closed_loop")
+                                lm_eval=False)
     last_cache_allocated_bytes = None  # the server owns its cache
 
     @classmethod
@@ -494,13 +494,13 @@ class OpenAIEngine:
         return cls(fmt, path, options, endpoint=endpoint, serve=serve, log_path=s.get("log"),
                    tokenizer=s.get("tokenizer"), depth_text=s.get("depth_text"), depths=s.get("depths") or (),
                    tokens=s.get("tokens") or {}, tier=s.get("tier"), prompt_logprobs=s.get("prompt_logprobs"),
-                   prompt_mode=s.get("prompt_mode"))
+                   prompt_mode=s.get("prompt_mode"), prefix_caching=bool(s.get("prefix_caching")))
 
     def __init__(self, fmt: str, path: Path | None, options: EngineOptions, *, endpoint: EndpointSpec | None,
                  serve: ServeOptions | None, log_path: str | None, tokenizer: str | None,
                  depth_text: str | Path | None = None, depths: Sequence[int] = (),
                  tokens: dict | None = None, tier: str | None = None, prompt_logprobs: bool | None = None,
-                 prompt_mode: str | None = None) -> None:
+                 prompt_mode: str | None = None, prefix_caching: bool = False) -> None:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         if (prompt_mode or "tokens") not in PROMPT_MODES:
             raise ValueError(f"prompt_mode {prompt_mode!r} is not one of {', '.join(PROMPT_MODES)}")
@@ -525,7 +525,8 @@ class OpenAIEngine:
         self.tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
         if serve is not None:
             try:
-                url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {}, tokenizer)
+                url = self._start(fmt, path, options, serve, Path(log_path or "server.log"), tokens or {}, tokenizer,
+                                  prefix_caching)
             except BaseException:
                 self.close()  # its scratch folder and counter too
                 raise
@@ -557,7 +558,7 @@ class OpenAIEngine:
 
     # -- the server ----------------------------------------------------------------------
     def _start(self, fmt: str, path: Path | None, options: EngineOptions, serve: ServeOptions, log: Path,
-               tokens: dict, tokenizer: str | None) -> str:
+               tokens: dict, tokenizer: str | None, prefix_caching: bool = False) -> str:
         """Start the managed server ``serve.kind``; ``tokens``: ``sequence`` (the longest
         sequence), ``load_sequence`` (one load request) and ``model`` (the model's context).
 
@@ -573,7 +574,7 @@ class OpenAIEngine:
         self.launch = Launch(artifact=Path(path) if path is not None else Path("."), fmt=fmt, port=free_port(),
                              threads=options.threads, parallel=serve.parallel or 1, tokens=dict(tokens),
                              kv_cache=options.kv_cache, flash_attn=options.flash_attn, device=options.device,
-                             tokenizer=tokenizer, scratch=Path(self._scratch))
+                             tokenizer=tokenizer, scratch=Path(self._scratch), prefix_caching=prefix_caching)
         self._attention = kind.attention(serve, self.launch)
         self.flash_attn = self._attention.get("flash_attn")
         binary = kind.binary()
@@ -843,6 +844,23 @@ class OpenAIEngine:
         if self.prompt_mode != "chat":
             raise RuntimeError(f"generate_messages needs prompt_mode chat (this tier: {self.prompt_mode})")
         return self.generate_text(None, max_new_tokens, stop_ids=stop_ids, ignore_stop=ignore_stop, messages=messages)
+
+    # -- serving (the load workloads, :mod:`qeval.serving`) ---------------------------------------
+    def open_core(self, spec: Any, clock: Any) -> Any:
+        """The engine core every load workload drives (:class:`qeval.engines.openai_core.OpenAICore`:
+        one streamed request per thread, the server schedules). Entering it starts a KV-pool
+        phase (:meth:`kv_pool_phase`, named by ``spec.label``).
+
+        Raises:
+            PoolNotCleared, ServerFailed: as :meth:`kv_pool_phase`, when the core is entered.
+        """
+        from .openai_core import OpenAICore  # start-up time: only load stages serve batches
+        return OpenAICore(self, spec, clock)
+
+    def prefix_how(self) -> str:
+        """How the server reuses a shared prefix's KV cache, one line (by dialect)."""
+        return {"llama.cpp": "llama-server cache_prompt: true (a slot keeps its cached prompt)",
+                "vllm": "vLLM --enable-prefix-caching"}.get(self.client.dialect, "the server's prompt cache")
 
     def wire_request(self, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = True,
                      cache_prompt: bool = False) -> tuple[str, dict]:

@@ -2,7 +2,7 @@
 goodput and the batching gain.
 
 An engine that can batch serves ``concurrency`` streams at once from one model and one
-KV pool (:mod:`qeval.engines.llamacpp_load`, :mod:`qeval.engines.hf_load`). Each stream
+KV pool (:mod:`qeval.engines.llamacpp_load`, :mod:`qeval.engines.hf_core`). Each stream
 runs a closed loop (GuideLLM's "concurrent" mode, vLLM ``bench serve
 --max-concurrency``): it sends its next request, a fresh prompt of ``depth`` tokens
 asking for ``output_tokens`` new tokens (end-of-sequence ignored, like ``--ignore-eos``),

@@ -1,9 +1,8 @@
 """Open-loop load: statistics of one rate point, saturation, where a sweep stops, and the
 knee of a tier.
 
-An engine's open-loop loop (``serve_open_loop`` beside ``serve_closed_loop`` in
-:mod:`qeval.engines.llamacpp_load`, :mod:`qeval.engines.hf_load`,
-:mod:`qeval.engines.openai_load`) serves requests that arrive on a schedule
+The open loop (:func:`qeval.serving.open_loop.open_loop`, on any engine's core) serves
+requests that arrive on a schedule
 (:func:`qeval.measure.arrivals.arrival_times`) through a bounded waiting queue
 (:class:`qeval.measure.arrivals.WaitingQueue`) and returns an :class:`OpenLoopRun`.
 

@@ -1,7 +1,8 @@
 """What a tier method implements: its recipe schema (a :class:`TierSpec` subclass), the
-disk its artifact takes, preparing the artifact, loading it on an engine."""
+disk its artifact takes, preparing the artifact, opening it on an engine."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
@@ -123,6 +124,8 @@ class TierContext:
         served_tokens: what a served tier's server must hold (tokens): ``sequence`` (the
             longest speed or quality sequence), ``load_sequence`` (one load request) and
             ``model`` (the model's context).
+        prefix_caching: a served tier's server keeps a prefix cache across requests (the load
+            stage of a recipe with a shared prefix reused: vLLM ``--enable-prefix-caching``).
     """
     source_path: str
     source_sha256: str
@@ -137,6 +140,7 @@ class TierContext:
     depth_text: str | None = None
     depths: tuple[int, ...] = ()
     served_tokens: dict = field(default_factory=dict)
+    prefix_caching: bool = False
 
 
 class TierMethod:
@@ -172,6 +176,37 @@ class TierMethod:
     prepare_alone: bool = False
 
     # -- engines --------------------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The shim for tier-method plugins written before :meth:`open_engine` was renamed
+        from ``load``: a subclass that defines ``load`` but no ``open_engine`` gets an
+        ``open_engine`` that calls its ``load`` with a DeprecationWarning (its
+        ``super().load(...)`` reaches :meth:`load` below, the parent's opening)."""
+        super().__init_subclass__(**kwargs)
+        legacy = cls.__dict__.get("load")
+        if legacy is None or "open_engine" in cls.__dict__:
+            return
+
+        def open_engine(self: "TierMethod", spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+            warnings.warn(f"tier method {cls.__module__}.{cls.__qualname__} defines load(spec, ctx, artifact): "
+                          "define open_engine (renamed from load)", DeprecationWarning, stacklevel=2)
+            return legacy(self, spec, ctx, artifact)
+
+        open_engine._legacy_load = True  # type: ignore[attr-defined]
+        cls.open_engine = open_engine  # type: ignore[method-assign]
+
+    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+        """Deprecated name of :meth:`open_engine`: an old caller's ``method.load(...)`` opens
+        as :meth:`open_engine` does, with a DeprecationWarning; from an old plugin's ``load``
+        (``super().load(...)``, already warned of), the ``open_engine`` of the classes above it."""
+        mro = type(self).__mro__
+        shimmed = [i for i, c in enumerate(mro) if getattr(c.__dict__.get("open_engine"), "_legacy_load", False)]
+        if not shimmed:
+            warnings.warn("TierMethod.load is renamed open_engine (\"load\" names the load test)",
+                          DeprecationWarning, stacklevel=2)
+        start = shimmed[-1] + 1 if shimmed else 0
+        opener = next(c.__dict__["open_engine"] for c in mro[start:] if "open_engine" in c.__dict__)
+        return opener(self, spec, ctx, artifact)
+
     def loaders(self) -> dict[str, Callable[[Any, TierContext, Path | None], Any]]:
         """Engine name -> a loader of this method's own ``(spec, ctx, artifact) -> Engine``,
         for an artifact an engine cannot open by format alone (default: none)."""
@@ -191,17 +226,19 @@ class TierMethod:
         return None
 
     def engine_options(self, spec: Any, ctx: TierContext) -> EngineOptions:
-        """How :meth:`load` asks the engine to open the artifact."""
+        """How :meth:`open_engine` asks the engine to open the artifact."""
         return EngineOptions(device=ctx.device, dtype=ctx.dtype, threads=ctx.threads, kv_cache=spec.kv_cache,
                              flash_attn=getattr(spec, "flash_attn", None), trust_remote_code=ctx.trust_remote_code,
                              backend=self.backend_label(spec, ctx), decode=getattr(spec, "decode", "auto"),
                              kv_residual=getattr(spec, "kv_residual_tokens", None),
                              server=server_options(spec, ctx))
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
-        """Load the artifact (or the source when ``needs_artifact`` is False) on the tier's
+    def open_engine(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+        """Open the artifact (or the source when ``needs_artifact`` is False) on the tier's
         engine: a loader of the method's own (:meth:`loaders`), else the engine's ``open``
-        with :attr:`artifact_format`.
+        with :attr:`artifact_format`. (Named ``load`` before issue 45: "load" now names only
+        the load test; a plugin that still defines ``load`` keeps working, see
+        :meth:`__init_subclass__`.)
 
         Raises:
             ValueError: a method that needs an artifact got none, or an engine that cannot
@@ -279,10 +316,10 @@ class TierMethod:
     def prepare_runtime(self, spec: Any, ctx: TierContext, artifact: Path | None = None) -> dict:
         """Get the tier's runtime ready without loading the model: import and warm the
         libraries its engine runs on, and build kernels a library compiles at first use.
-        The measure stage calls it before its CPU memory baseline and its timed load, so the
+        The measure stage calls it before its CPU memory baseline and its timed open, so the
         tier's peaks count the model, its KV cache and its working buffers, not the import
         of its runtime (reported on its own as ``memory.runtime_bytes``), and
-        ``load_seconds`` is loading only.
+        ``open_seconds`` is opening the model only.
 
         The default warms the tier's engine (its ``warm_runtime``:
         :meth:`qeval.engines.hf.HFEngine.warm_runtime`,
@@ -340,7 +377,8 @@ def server_options(spec: Any, ctx: TierContext) -> dict | None:
     return {"endpoint": spec.endpoint.model_dump() if spec.endpoint else None,
             "serve": spec.serve.model_dump() if spec.serve else None, "tier": spec.name,
             "log": log, "tokenizer": ctx.source_path, "depth_text": ctx.depth_text, "depths": list(ctx.depths),
-            "tokens": dict(ctx.served_tokens), "prompt_mode": getattr(spec, "prompt_mode", None)}
+            "tokens": dict(ctx.served_tokens), "prefix_caching": bool(ctx.prefix_caching),
+            "prompt_mode": getattr(spec, "prompt_mode", None)}
 
 
 #: Bytes per element of the safetensors dtypes (the format's own names).

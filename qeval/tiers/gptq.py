@@ -559,7 +559,7 @@ def _nvcc() -> str | None:
 def cuda_kernels_ready(method: str, quant_method: str, fmt: str, spec: Any, ctx: TierContext,
                        artifact: Path | None) -> dict:
     """Build (or find cached) the CUDA kernels gptqmodel will pick for this checkpoint,
-    before the load is timed.
+    before the model's opening is timed (``open_seconds``).
 
     What gptqmodel 7.6 does at load (read in ``gptqmodel/utils/importer.py`` and the
     ``qlinear`` kernels): with ``backend=auto`` on CUDA it tries Swordfish and Machete
@@ -567,7 +567,7 @@ def cuda_kernels_ready(method: str, quant_method: str, fmt: str, spec: Any, ctx:
     from the network, and skips them when that fails), then Marlin, whose validation does
     *not* compile: its JIT build runs in ``post_init`` during the load, so a machine
     without nvcc (or without the CUDA headers) fails the load there, and with nvcc the
-    build's minutes land in ``load_seconds``. Here the same selection runs first
+    build's minutes land in ``open_seconds``. Here the same selection runs first
     (``select_quant_linear``), and when Marlin is the pick its extension is built
     (``gptqmodel.extension.is_available``; a cached build loads without nvcc).
 

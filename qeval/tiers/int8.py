@@ -239,10 +239,10 @@ class Int8Method(TierMethod):
             return PerRow(label="int8-bnb", row_bytes=4, dtype=dtype, detail="bitsandbytes LLM.int8(): fp32 SCB per row")
         return PerRow(label="int8", row_bytes=5, dtype=dtype)
 
-    def load(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
-        """The artifact on the tier's engine (:meth:`TierMethod.load`); eager torchao int8 on
-        CUDA says why it is slow (``decode_note``)."""
-        engine = super().load(spec, ctx, artifact)
+    def open_engine(self, spec: Any, ctx: TierContext, artifact: Path | None) -> Any:
+        """The artifact on the tier's engine (:meth:`TierMethod.open_engine`); eager torchao
+        int8 on CUDA says why it is slow (``decode_note``)."""
+        engine = super().open_engine(spec, ctx, artifact)
         if ctx.device == "cuda" and engine.decode_mode == "eager" and spec.backend == "torchao":
             engine.decode_note = EAGER_INT8_NOTE
         return engine

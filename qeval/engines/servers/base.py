@@ -204,6 +204,8 @@ class Launch:
         tokenizer: the source checkpoint folder (its tokenizer).
         scratch: a private folder the server may write to (removed with it).
         served_name: the model name the server answers to.
+        prefix_caching: keep a prefix cache across requests (a load stage whose requests share
+            a reused system prompt); servers that always keep one ignore it.
     """
     artifact: Path
     fmt: str
@@ -217,6 +219,7 @@ class Launch:
     tokenizer: str | None = None
     scratch: Path | None = None
     served_name: str = "qeval"
+    prefix_caching: bool = False
 
 
 class ServerKind:

@@ -124,7 +124,7 @@ class Vllm(ServerKind):
                             max_model_len=cls.context_tokens(opts, launch),
                             gpu_memory_utilization=opts.gpu_memory_utilization, tokenizer=launch.tokenizer,
                             kv_cache=launch.kv_cache, served_name=launch.served_name, args=opts.args,
-                            prefix_caching=bool(launch.tokens.get("prefix_caching")))
+                            prefix_caching=launch.prefix_caching)
 
     @classmethod
     def env(cls, opts: ServeOptions) -> dict[str, str]:
