@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def test_report_tables_and_plan_grid_check_on_a_synthetic_section():
     from qeval.analysis.capacity import grid_vs_formula
-    from qeval.report.table import grid_table, interference_table, prefix_table, workload_markdown
+    from qeval.report.table import burst_table, grid_table, interference_table, prefix_table, workload_markdown
     from qeval.results import TierResult
     pt = {"concurrency": 1, "requests": 1, "ttft_s": {"p50": 0.1, "p95": 0.2}, "itl_s": {"p95": 0.01},
           "decode_tokens_per_s": 50.0, "meets_slo": True, "peak_bytes": 2 * 2**30, "prompt_tokens": 256,
@@ -21,15 +21,19 @@ def test_report_tables_and_plan_grid_check_on_a_synthetic_section():
             "interference": {"prompt_tokens": 512, "streams": 2, "rows": [
                 {"chunk_size": None, "window_s": 1.0, "long_ttft_s": 1.0, "streams": 2, "n_gaps": 2, "max_gap_s": 0.9,
                  "lost_tokens_per_s": 10.0, "long_steps": 1}]},
-            "grid": {"depths": [{"depth": 256, "users_at_slo": 1, "points": [pt, no]}]}}
+            "grid": {"depths": [{"depth": 256, "users_at_slo": 1, "points": [pt, no]}]},
+            "burst": {"requests": 4, "slots": 2, "completed": 3, "refused": 1, "ttft_s": {"p50": 0.5, "p95": 1.1},
+                      "ttft_max_s": 1.2, "drain_s": 1.4, "decode_tokens_per_s": 17.0, "scheduling": "continuous"}}
     t = TierResult.model_validate({"tier": "q4", "method": "gguf", "status": "ok", "load": load,
                                    "memory": {"weight_bytes": 100 * 2**20, "kv_bytes_per_token": 4096.0}})
     tiers = {"q4": t}
     assert prefix_table(tiers)[0][:3] == ["q4", "reused", "1"] and prefix_table(tiers)[0][6] == "50%"
     assert interference_table(tiers)[0][3] == "unchunked"
     assert [r[3] for r in grid_table(tiers)] == ["yes", "no"]
+    assert burst_table(tiers) == [["q4", "4", "2", "3/1/0/0", "0.5/1.1", "1.2", "1.4", "17", "continuous"]]
     md = "\n".join(workload_markdown(tiers))
     assert "## Load: shared prefix" in md and "## Load: context x concurrency" in md
+    assert "## Load: a burst of requests at once" in md
     from qeval.report import plots
     for fn in (plots.prefix_ttft_png, plots.interference_png, plots.grid_heatmap_png):
         assert fn(tiers)[:8] == b"\x89PNG\r\n\x1a\n", fn.__name__

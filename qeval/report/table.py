@@ -771,7 +771,7 @@ def rate_caption(tiers: dict[str, TierResult]) -> str | None:
             "the highest measured rate meeting the SLO (qeval.measure.openloop).")
 
 
-# ---- the workload tables: shared prefix, interference, context x concurrency grid ---------
+# ---- the workload tables: shared prefix, interference, burst, context x concurrency grid --
 
 PREFIX_HEADERS = ["tier", "prefix KV", "streams", "TTFT p50/p95 s", "ITL p95 s", "decode tok/s", "from cache",
                   "users at SLO", "SLO"]
@@ -849,6 +849,39 @@ def interference_caption(tiers: dict[str, TierResult]) -> str | None:
             "lost tok/s = their decode rate before the window - inside it (qeval.measure.interference).")
 
 
+BURST_HEADERS = ["tier", "requests", "slots", "done/refused/timed out/failed", "TTFT p50/p95 s", "last first token s",
+                 "drained in s", "decode tok/s", "scheduling"]
+
+
+def burst_table(tiers: dict[str, TierResult]) -> list[list[str]]:
+    """Rows of the burst table (``BURST_HEADERS``): per tier, N requests at once on an idle
+    engine; a tier where it was not run says why."""
+    rows = []
+    for name, t in tiers.items():
+        b = t.load.burst if t.load is not None else None
+        if b is None:
+            continue
+        if b.not_measured:
+            rows.append([name, str(b.requests), str(b.slots), "-", "-", "-", "-", "-",
+                         f"not measured: {short_error(b.not_measured)}"])
+            continue
+        rows.append([name, str(b.requests), str(b.slots), f"{b.completed}/{b.refused}/{b.timed_out}/{b.failed}",
+                     _trio(b.ttft_s, ("p50", "p95")), _f(b.ttft_max_s, ".3g"), _f(b.drain_s, ".3g"),
+                     _f(b.decode_tokens_per_s, ".3g"), b.scheduling or "-"])
+    return rows
+
+
+def burst_caption(tiers: dict[str, TierResult]) -> str | None:
+    """One line saying what the burst table measured."""
+    b = next((t.load.burst for t in tiers.values() if t.load is not None and t.load.burst is not None), None)
+    if b is None:
+        return None
+    return (f"Burst: {b.requests} requests arrive at once on an idle engine, {b.slots} served at a time through the "
+            "load queue (load.queue: refused past max_waiting, dropped past timeout_s); last first token = the "
+            "unluckiest caller's TTFT; drained in = the burst's arrival to the last request's end "
+            "(qeval.serving.burst).")
+
+
 GRID_HEADERS = ["tier", "depth", "streams", "admitted", "TTFT p95 s", "ITL p95 s", "decode tok/s", "KV GiB at peak",
                 "users at SLO (depth)", "SLO / reason"]
 
@@ -886,13 +919,14 @@ def grid_caption(tiers: dict[str, TierResult]) -> str | None:
 
 
 def workload_sections(tiers: dict[str, TierResult]) -> list[dict]:
-    """The workload tables the run has: ``key`` (prefix | interference | grid), ``title``,
+    """The workload tables the run has: ``key`` (prefix | interference | burst | grid), ``title``,
     ``caption``, ``headers``, ``rows``."""
     out = []
     for key, title, rows, headers, caption in (
             ("prefix", "Load: shared prefix", prefix_table(tiers), PREFIX_HEADERS, prefix_caption(tiers)),
             ("interference", "Load: a long prompt landing mid-decode", interference_table(tiers),
              INTERFERENCE_HEADERS, interference_caption(tiers)),
+            ("burst", "Load: a burst of requests at once", burst_table(tiers), BURST_HEADERS, burst_caption(tiers)),
             ("grid", "Load: context x concurrency", grid_table(tiers), GRID_HEADERS, grid_caption(tiers))):
         if rows:
             out.append({"key": key, "title": title, "caption": caption or "", "headers": headers, "rows": rows})
