@@ -130,3 +130,20 @@ def test_readme_commands_are_the_clis_subcommands():
     assert named, "the README's commands block names no `qeval` command"
     assert named <= real, f"not qeval subcommands: {sorted(named - real)} (real: {sorted(real)})"
     assert real <= named, f"subcommands the README's commands block leaves out: {sorted(real - named)}"
+
+
+def test_the_design_layout_names_every_module_and_only_modules_that_exist():
+    """docs/design.md's layout block stays true: every top-level module and package of qeval is
+    named in it, and every ``name.py`` it names exists in qeval/ or tools/."""
+    import re
+    text = (REPO / "docs" / "design.md").read_text()
+    block = text[text.index("## A layout that shows the flow"):].split("```")[1]
+    named = set(re.findall(r"\b([a-z_][a-z0-9_]*\.py)\b", block))
+    folders = set(re.findall(r"\b([a-z_]+)/", block))
+    pkg = REPO / "qeval"
+    top = sorted(p.name for p in pkg.glob("*.py") if p.name != "__init__.py")
+    subs = sorted(p.name for p in pkg.iterdir() if (p / "__init__.py").exists())
+    assert [m for m in top if m not in named] == []
+    assert [d for d in subs if d not in folders] == []
+    present = {p.name for p in pkg.rglob("*.py")} | {p.name for p in (REPO / "tools").glob("*.py")}
+    assert sorted(n for n in named if n not in present) == []
