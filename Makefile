@@ -108,6 +108,28 @@ wheelhouse:
 	$(PYTHON) tools/wheelhouse.py --dest $(WHEELHOUSE) --extras "$(EXTRAS)" --torch-spec "$(TORCH_SPEC)" \
 		$(if $(filter system,$(TORCH)),--torch system,)
 
+# The trimmed llama-cpp-python sdist that travels to a GPU machine (docs/gpu.md "The 4-bit
+# phases on a GPU"; tools/llama_src_trim.py): the installed version's sdist (pip download; or
+# LLAMA_SDIST=PATH) without the vendored llama.cpp's models, docs, tests, examples, other GPU
+# backends and unused tools, into LLAMA_SRC under its own name; prints its size against the
+# 64 MiB a device call carries. On the GPU: `python tools/llama_src_trim.py build --sdist ...`.
+LLAMA_SRC ?= gpu-carry
+LLAMA_SDIST ?=
+.PHONY: llama-src
+llama-src:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/llama_src_trim.py trim --dest $(LLAMA_SRC) \
+		$(if $(LLAMA_SDIST),--sdist $(LLAMA_SDIST),)
+# What one GPU phase's call carries besides the working tree, for the GPU machine's Python
+# (GPU_PYTHON): `make gpu-carry GPU_PHASE=gguf` (the trimmed sdist, scikit-build-core, CMake,
+# Ninja), GPU_PHASE=gptq (gptqmodel and its small dependencies) or GPU_PHASE=qeval (qeval's own
+# packages a torch image lacks: every fresh machine needs them), into $(LLAMA_SRC)/<phase>.
+GPU_PHASE ?= gguf
+GPU_PYTHON ?= 3.12
+.PHONY: gpu-carry
+gpu-carry:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/llama_src_trim.py carry --phase $(GPU_PHASE) \
+		--dest $(LLAMA_SRC)/$(GPU_PHASE) --python-version $(GPU_PYTHON) $(if $(LLAMA_SDIST),--sdist $(LLAMA_SDIST),)
+
 # Refresh the packaged copies of datasets/ (qeval/data/, found by `builtin:` recipe paths)
 package-data:
 	$(PYTHON) datasets/tools/sync_package_data.py

@@ -1,7 +1,8 @@
 """Finding what registers something: engines (``ENGINE``), tier methods (``METHODS``),
-check kinds (``KINDS``), managed servers (``SERVER``, :mod:`qeval.engines.servers`) and
-executors (``EXECUTOR``, :mod:`qeval.executors`) and load workloads (``WORKLOAD``,
-:mod:`qeval.serving`) are each one module of their package,
+check kinds (``KINDS``), managed servers (``SERVER``, :mod:`qeval.engines.servers`),
+executors (``EXECUTOR``, :mod:`qeval.executors`), load workloads (``WORKLOAD``,
+:mod:`qeval.serving`) and wire dialects of servers qeval does not start (``DIALECT``,
+:mod:`qeval.engines.servers`) are each one module of their package,
 found by the attribute it defines (the way ``pkgutil`` lists a package's modules), or one
 module of another installed package that names it under the registry's entry-point group
 (:data:`GROUPS`), as lm-evaluation-harness and pytest find plugins::
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Iterator
 #: The entry-point group each registry reads, by the attribute its modules define.
 GROUPS = {"METHODS": "qeval.tiers", "ENGINE": "qeval.engines", "KINDS": "qeval.checks",
           "SERVER": "qeval.servers", "EXECUTOR": "qeval.executors",
-          "WORKLOAD": "qeval.workloads"}
+          "WORKLOAD": "qeval.workloads", "DIALECT": "qeval.dialects"}
 
 
 def registered(package: str, path: Iterable[str], attr: str) -> Iterator[tuple[str, Any]]:

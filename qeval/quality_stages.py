@@ -47,7 +47,7 @@ from .engines.bf16_matmul import apply_to_engine, resolve_bf16_matmul
 from .hashing import file_sha256
 from .measure.behaviour import summarise_behaviour
 from .measure.output_length import summarise_output_length
-from .measure.fidelity import ROUND, FidelityAccumulator
+from .measure.fidelity import ROUND, FidelityAccumulator, note_skipped
 from .measure.lmeval import run_lm_eval
 from .measure.long_context import (answer_long_context, check_depths_fit, filler_files, recipe_long_context,
                                    summarise_long_context)
@@ -223,8 +223,13 @@ def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop:
         ref_lp = np.load(layout.reference_long_context_logprobs, mmap_mode="r")
         ref_by_key = {(s["item"], s["depth"]): s for s in ref_segments}
         accs: dict[int, FidelityAccumulator] = {}
+        skipped: dict[int, int] = {}  # a served text-mode tier: positions without a top-k, per depth
+        seen = [int(getattr(engine, "topk_skipped", 0) or 0)]
 
         def score(seg: dict, r, scored: list) -> None:
+            now = int(getattr(engine, "topk_skipped", 0) or 0)  # the rows of this segment were just computed
+            skipped[seg["depth"]] = skipped.get(seg["depth"], 0) + now - seen[0]
+            seen[0] = now
             ref = ref_by_key.get((seg["item"], seg["depth"]))
             if ref is None:
                 return
@@ -242,7 +247,7 @@ def long_context_quality(engine: Any, tok: Any, recipe, layout: RunLayout, stop:
         mine = answer_long_context(engine, tok, stop, lc, progress, recipe.quality.window, score)
         fid = {}
         for d, acc in accs.items():
-            f = acc.summary()
+            f = note_skipped(acc.summary(), skipped.get(d, 0))
             f.pop("kld_by_bucket", None)  # positions inside one window: no drift to show
             fid[d] = f
         summary = summarise_long_context(mine, ref_by_key, fid, recipe.quality.bootstrap)
@@ -512,6 +517,8 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
         fid = {"n_tokens": 0, "not_measured": engine.fidelity_note}
     else:
         fid = fidelity(engine, segments, ref_lp, recipe.quality.window, progress, review)
+        # a served text-mode tier: positions the server gave no top-k for were skipped, counted here
+        fid = note_skipped(fid, int(getattr(engine, "topk_skipped", 0) or 0))
     fid_s = time.time() - t0
     ref_by_key = {(s["item"], s["turn"]): s for s in segments}
     stop = (read_stage(layout, RUN_SCOPE, "reference").stop_ids if stage_done(layout, RUN_SCOPE, "reference")

@@ -34,7 +34,7 @@ from . import data as builtin_data
 from .bounded import (MAX_YAML_BYTES, decode_utf8, expand_user, checked_name, parse_yaml,
                       pydantic_message, read_bytes, show_value)
 from .engines import engine_names
-from .engines.servers import get_server, server_kinds
+from .engines.servers import dialect_named, get_server, server_kinds
 from .errors import QevalInputError
 from .metrics import GATE_RULES, METRICS, OBJECTIVES, SPEED_OBJECTIVES
 from .tiers import get_method, method_names, tier_specs
@@ -955,13 +955,24 @@ def _check_prompt_modes(recipe: Recipe) -> None:
     ``max_kld_mean``, ``min_same_top_rate``, ``max_ppl_ratio``), since the rule could
     only fail it for a missing figure."""
     g = recipe.gate
+    modes = []
+    for i, t in enumerate(recipe.tiers):  # a dialect that takes no token ids (Ollama's): chat unless set
+        mode = getattr(t, "prompt_mode", None)
+        ep = getattr(t, "endpoint", None)
+        wire = dialect_named(ep.dialect) if ep is not None and getattr(ep, "dialect", None) else None
+        if wire is not None and not wire.token_prompts:
+            if mode == "tokens":
+                raise recipe.error(("tiers", i, "prompt_mode"), f"the {wire.name} dialect takes text or messages, "
+                                   "not token ids: set prompt_mode text or chat (unset: chat)")
+            mode = mode or "chat"
+        modes.append(mode)
     rules = [n for n, v in g.rules.model_dump().items()
              if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
     if not rules:
         return
     judged = set(g.candidates) if g.candidates else {t.name for t in recipe.tiers} - {g.reference}
     for i, t in enumerate(recipe.tiers):
-        if getattr(t, "prompt_mode", None) == "chat" and (t.name in judged or t.name == g.reference):
+        if modes[i] == "chat" and (t.name in judged or t.name == g.reference):
             raise recipe.error(("tiers", i, "prompt_mode"),
                                f"prompt_mode chat has no teacher-forced log-probabilities, so gate rule "
                                f"{rules[0]} cannot be measured on tier {t.name}: use prompt_mode text or tokens, "

@@ -52,7 +52,12 @@ not measured::
                     "flash_attn": bool, "kv_cache_dtype": str},
       "open_seconds": float,               # seconds to open the model (older runs: "load_seconds")
       "decode_mode": "eager" | "static" | None,   # transformers tiers: the timed decode loop
-      "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed)
+      "decode_note": str | None,          # why a decode is slow or fell back (eager int8, compile failed,
+                                          # a static step that broke into eager parts)
+      "decode_check": {...} | None,       # static decode: what torch.compile did (fullgraph, graph_breaks,
+                                          # break_reasons, graphs, recompiles, recompile_limit_hit,
+                                          # compiles_in_timed_decode, cudagraph_replays(_per_step),
+                                          # cudagraph_skips; qeval.engines.hf.decode_check_summary)
       "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
       "sampling": {"decode": "argmax", "ignored_file_defaults": {...}},  # model defaults set aside
       "runtime": {"libraries": [str], "kernel_build_seconds": float, "selected_kernel": str},  # readied before
@@ -500,6 +505,8 @@ class MeasureStage(_StageBase):
     open_seconds: float | None = _open_seconds()
     decode_mode: str | None = None
     decode_note: str | None = None
+    decode_check: dict[str, Any] | None = Field(None, description="static decode: what torch.compile did "
+                                                "(qeval.engines.hf: graph breaks, recompiles, CUDA-graph replays)")
     decode_tokens: int | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None
@@ -972,6 +979,8 @@ class TierResult(_Closed):
     open_seconds: float | None = _open_seconds()
     decode_mode: str | None = None
     decode_note: str | None = None
+    decode_check: dict[str, Any] | None = Field(None, description="static decode: what torch.compile did "
+                                                "(qeval.engines.hf: graph breaks, recompiles, CUDA-graph replays)")
     decode_tokens: int | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None

@@ -11,7 +11,9 @@ import json
 import os
 from pathlib import Path
 
+from .engines.servers import dialects, get_server
 from .errors import QevalInputError
+from .metrics import GATE_RULES, METRICS
 from .executors import executor_names
 from .measure.lmeval import check_task
 from .hashing import file_sha256
@@ -54,6 +56,7 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
     if recipe.executor not in executor_names():  # a registered executor (qeval.executors)
         raise recipe.error(("executor",), f"unknown executor {recipe.executor!r} "
                                           f"(known: {', '.join(executor_names())})")
+    check_prompt_mode_fidelity(recipe)
     m = recipe.model
     maxctx = None
     if m.gguf_package:
@@ -97,6 +100,56 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
     tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
     return depths_checked
+
+
+def _fidelity_rules(recipe) -> list[str]:
+    """The gate rules set on a ``quality.fidelity`` metric (``max_kld_mean``,
+    ``min_same_top_rate``, ``max_ppl_ratio``), in the schema's order."""
+    return [n for n, v in recipe.gate.rules.model_dump().items()
+            if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
+
+
+def _dialect_scores(t) -> tuple[bool | None, str]:
+    """Whether tier ``t``'s server returns top-k log-probabilities by token id (the text
+    mode's fidelity needs them), as far as the recipe says: a managed server by its kind's
+    dialect; an endpoint by the ``dialect`` it names, where its spec has one (None: not
+    known before the run connects; the endpoint's ``owned_by`` decides then). Returns
+    ``(scores, the dialect's name)``."""
+    if t.serve is not None:
+        d = get_server(t.serve.kind).dialect
+        return bool(d.logprobs), d.name
+    named = getattr(t.endpoint, "dialect", None) if t.endpoint is not None else None
+    if not named:
+        return None, "unknown"
+    d = next((d for d in dialects() if d.name == named), None)  # EndpointSpec checked the name
+    return (bool(d.logprobs), d.name) if d is not None else (None, str(named))
+
+
+def check_prompt_mode_fidelity(recipe) -> None:
+    """Refuse a ``prompt_mode: text`` tier the gate judges (or scores against) with a
+    fidelity rule when its server is known to return no top-k log-probabilities by token
+    id (SGLang, a plain OpenAI dialect): the rule could only fail it for a missing figure
+    (the row would say "fidelity not measurable on this endpoint"). Chat mode is refused
+    the same way by the schema (:func:`qeval.recipe._check_prompt_modes`). An endpoint
+    whose dialect the recipe does not name is checked when the run connects.
+
+    Raises:
+        QevalInputError: one line naming the tier's ``prompt_mode`` field and the rule.
+    """
+    rules = _fidelity_rules(recipe)
+    if not rules:
+        return
+    g = recipe.gate
+    judged = set(g.candidates) if g.candidates else {t.name for t in recipe.tiers} - {g.reference}
+    for i, t in enumerate(recipe.tiers):
+        if getattr(t, "prompt_mode", None) != "text" or not (t.name in judged or t.name == g.reference):
+            continue
+        scores, name = _dialect_scores(t)
+        if scores is False:
+            raise recipe.error(("tiers", i, "prompt_mode"),
+                               f"prompt_mode text on the {name} dialect returns no top-k log-probabilities by "
+                               f"token id, so gate rule {rules[0]} cannot be measured on tier {t.name}: serve it "
+                               "with llama-server or vLLM, or leave the tier out of gate.candidates")
 
 
 def check_lm_eval_task(recipe, i: int, task: str) -> None:

@@ -342,7 +342,9 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
         "engine": engine.name, "backend": engine.backend, "device": device, "threads": recipe.threads,
         "kv_cache": spec.kv_cache, "flash_attn": attention.get("flash_attn"),
         "kv_cache_dtype": attention.get("kv_cache_dtype"), "attention": attention,
-        "decode_mode": engine.decode_mode, "decode_note": engine.decode_note, "sampling": engine.sampling,
+        "decode_mode": engine.decode_mode, "decode_note": engine.decode_note,
+        "decode_check": getattr(engine, "decode_check", None),  # transformers' static decode only
+        "sampling": engine.sampling,
         "decode_tokens": n_decode,
         "open_seconds": load_s, "runtime": runtime,
         "served": engine.served_info() if hasattr(engine, "served_info") else None,

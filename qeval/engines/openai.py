@@ -59,17 +59,28 @@ token count is the server's ``usage.completion_tokens`` where it sends it, else 
 tokenizer's count of the returned text, and :meth:`OpenAIEngine.served_info` says which
 (``token_counts``). A prompt that is token ids alone (a speed depth, a load request) goes to
 a chat server as one user message holding its decoded text. Scoring in text mode, where the
-dialect returns top-k by token id (llama-server), one request per position on the
-decoded prefix (the server tokenizes that text itself) is built (:meth:`OpenAIEngine.topk_at`),
-but not yet used: text and chat modes say fidelity is not measurable
-(:attr:`OpenAIEngine.fidelity_note`).
+dialect returns top-k by token id (llama-server, vLLM): one request per position on the
+decoded prefix (the server tokenizes that text itself; :meth:`OpenAIEngine.topk_at`), the
+same top-k estimate as tokens mode; a position the server answers without a top-k
+(llama-server holds back a greedy token that ends in an incomplete UTF-8 character, and its
+log-probabilities with it) is skipped and counted (``topk_skipped``, said in the row's
+``kld_estimate``). Chat mode, and text mode on a dialect without top-k by id, say fidelity
+is not measurable on this endpoint (:attr:`OpenAIEngine.fidelity_note`).
+
+Ollama's native API (``endpoint: {url, dialect: ollama, model: <what ollama list shows>}``,
+:mod:`qeval.engines.servers.ollama`): the same requests routed to ``/api/chat`` (chat mode,
+the default there) or ``/api/generate`` with ``raw: true`` (text mode) by the dialect
+(:meth:`Client.route`), their NDJSON answers read into the OpenAI chunk shape; token counts
+from its ``prompt_eval_count``/``eval_count`` (``token_counts`` says so), its own timings in
+the row (``served.ollama_timings``), its ``top_logprobs`` (by token text, mapped to source
+ids: :meth:`OpenAIEngine._topk_by_text`) scoring text mode; a model not pulled is one line
+naming ``ollama pull``.
 
 The API key is read from the environment variable the recipe names, sent only in the
 ``Authorization`` header, and never written to a file or a message.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -86,7 +97,8 @@ import numpy as np
 from ..errors import QevalInputError, TierUnavailable
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo
 from .servers import (OPENAI, Dialect, EndpointSpec, Launch, ManagedServer, PoolNotCleared, ServeOptions,
-                      ServerFailed, dialect_for_owner, dialects, free_port, get_server, parse_serve)
+                      ServerFailed, dialect_for_owner, dialect_named, dialects, free_port, get_server, parse_serve,
+                      round_ctx)
 
 DEFAULT_TOPK = 20
 
@@ -95,10 +107,12 @@ DEFAULT_TOPK = 20
 PROMPT_MODES = ("tokens", "text", "chat")
 
 #: Where a text or chat answer's token count came from (``served_info()["token_counts"]``).
-COUNT_USAGE = "server usage"
+COUNT_USAGE = OPENAI.usage_source  # "server usage" (Ollama's: prompt_eval_count/eval_count)
 COUNT_SOURCE = "source tokenizer on the text"
 #: Where a tokens-mode answer's count came from: the ids the server streamed.
 COUNT_IDS = "server token ids"
+#: Most answers whose server-side timings (Ollama's) are kept for the row (a measure stage sends far fewer).
+MAX_TIMINGS = 4096
 
 
 class EndpointError(QevalInputError):
@@ -107,6 +121,37 @@ class EndpointError(QevalInputError):
 
 class TokenizerMismatch(EndpointError):
     """The server counts a prompt's tokens differently from the source tokenizer."""
+
+
+class NoTopK(RuntimeError):
+    """The server answered a scoring request without a top-k at its position."""
+
+
+def endpoint_dialect(spec: EndpointSpec | None, prompt_mode: str | None) -> tuple[Dialect | None, str | None]:
+    """The dialect an endpoint names (``endpoint.dialect``; None: sniffed from ``owned_by``
+    at connect) and the tier's prompt mode: on a dialect that takes no token ids (Ollama's
+    native API) an unset mode is ``chat``.
+
+    Raises:
+        EndpointError: ``prompt_mode: tokens`` on such a dialect (one line, field ``prompt_mode``).
+    """
+    if spec is None or not spec.dialect:
+        return None, prompt_mode
+    wire = dialect_named(spec.dialect)
+    if not wire.token_prompts:
+        if prompt_mode == "tokens":
+            raise EndpointError(f"the {wire.name} dialect takes text or messages, not token ids: set prompt_mode "
+                                "text or chat", field="prompt_mode")
+        prompt_mode = prompt_mode or "chat"
+    return wire, prompt_mode
+
+
+def wire_settings(tokens: dict) -> dict:
+    """A dialect's per-tier settings (:attr:`Client.settings`, read by Ollama's): ``num_ctx``
+    the longest sequence the tier serves (``tokens``: ``sequence``, ``load_sequence``)
+    rounded up to 256 and at most the model's context (``model``); {} when none is known."""
+    longest = max(int(tokens.get("sequence") or 0), int(tokens.get("load_sequence") or 0))
+    return {"num_ctx": round_ctx(longest, tokens.get("model"))} if longest else {}
 
 
 def api_key(spec: EndpointSpec | None, field: str = "endpoint.api_key_env") -> str | None:
@@ -141,22 +186,23 @@ class Client:
         self.http = httpx.Client(base_url=base_url, headers=headers,
                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.model: str | None = None
-        self.wire: Dialect = OPENAI  # the server's dialect (a managed server's, or sniffed from owned_by)
+        self.wire: Dialect = OPENAI  # the server's dialect (a managed server's, the endpoint's, or from owned_by)
+        self.settings: dict = {}  # the dialect's per-tier settings (Ollama: num_ctx, seed, keep_alive)
 
     @property
     def dialect(self) -> str:
         """The dialect's name (``llama.cpp``, ``vllm``, ``sglang``, ``openai``)."""
         return self.wire.name
 
-    def models(self) -> dict:
-        """``GET /v1/models``.
+    def models(self, path: str = "/v1/models") -> dict:
+        """``GET /v1/models`` (``path``: a dialect's own list, Ollama's ``/api/tags``).
 
         Raises:
             EndpointError: unreachable, the key refused (401/403), or another HTTP error.
         """
         httpx = self._httpx
         try:
-            r = self.http.get("/v1/models")
+            r = self.http.get(path)
         except httpx.HTTPError as e:
             raise EndpointError(f"cannot reach {self.base_url}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}".rstrip(": "), field="endpoint.url") from None
@@ -164,28 +210,31 @@ class Client:
             raise EndpointError(f"{self.base_url} refused the API key (HTTP {r.status_code})",
                                 field="endpoint.api_key_env")
         if r.status_code != 200:
-            raise EndpointError(f"{self.base_url}/v1/models answered HTTP {r.status_code}", field="endpoint.url")
+            raise EndpointError(f"{self.base_url}{path} answered HTTP {r.status_code}", field="endpoint.url")
         try:
             return r.json()
         except ValueError:
-            raise EndpointError(f"{self.base_url}/v1/models did not answer JSON", field="endpoint.url") from None
+            raise EndpointError(f"{self.base_url}{path} did not answer JSON", field="endpoint.url") from None
 
     def connect(self, model: str | None = None, wire: Dialect | None = None) -> None:
         """Pick the model (``model``, else the first listed) and the server's dialect
         (``wire``, else the one its ``owned_by`` names: :func:`~qeval.engines.servers.dialect_for_owner`).
 
+        The list comes from the dialect's own route (:attr:`Dialect.models_path`; Ollama's
+        ``/api/tags``, whose names are what ``ollama list`` shows).
+
         Raises:
-            EndpointError: as :meth:`models`, or no model served / ``model`` not among them.
+            EndpointError: as :meth:`models`, or no model served / ``model`` not among them
+                (Ollama: one line naming ``ollama pull``).
         """
-        data = self.models().get("data") or []
-        names = [m.get("id") for m in data if isinstance(m, dict)]
-        if not names:
-            raise EndpointError(f"{self.base_url} serves no model (GET /v1/models is empty)", field="endpoint.url")
-        if model is not None and model not in names:
-            raise EndpointError(f"{self.base_url} does not serve {model!r} (it serves {', '.join(map(str, names))})",
-                                field="endpoint.model")
-        self.model = model or names[0]
-        owner = str(next((m.get("owned_by") for m in data if m.get("id") == self.model), "") or "")
+        lister = wire if wire is not None else OPENAI
+        listed = lister.model_names(self.models(lister.models_path))
+        names = [n for n, _ in listed]
+        try:
+            self.model = lister.pick_model(self.base_url, model, names)
+        except ValueError as e:
+            raise EndpointError(str(e), field="endpoint.model" if names else "endpoint.url") from None
+        owner = next((o for n, o in listed if n == self.model), "")
         self.wire = wire if wire is not None else dialect_for_owner(owner)
 
     def body(self, prompt: Any, max_tokens: int, *, stream: bool, logprobs: int = 1, ignore_eos: bool = False,
@@ -227,39 +276,61 @@ class Client:
         """Token ids of a chunk in this server's dialect."""
         return self.wire.token_ids(chunk)
 
-    def post(self, path: str, body: dict) -> dict:
-        """A non-streamed POST; the JSON answer.
+    def route(self, path: str, body: dict) -> tuple[str, dict]:
+        """The ``(path, body)`` sent for an OpenAI request in this server's dialect
+        (:meth:`Dialect.route`: the same for the OpenAI servers; Ollama's native routes)."""
+        return self.wire.route(path, body, self.settings)
 
-        Raises:
-            RuntimeError: an HTTP error status (with the server's message, cut to 300 characters).
-        """
-        r = self.http.post(path, json=body)
+    def _refused(self, r: Any, path: str) -> None:
+        """Raise :class:`EndpointError` for a refused key (401/403) or an answer the dialect
+        words as a setup error (:meth:`Dialect.refused`: Ollama's model not pulled), else
+        RuntimeError for any other error status."""
         if r.status_code in (401, 403):  # llama-server lets /v1/models through without a key; not this
             raise EndpointError(f"{self.base_url} refused the API key (HTTP {r.status_code})",
                                 field="endpoint.api_key_env")
-        if r.status_code != 200:
-            raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
-        return r.json()
+        said = self.wire.refused(r.status_code, r.text, self.model)
+        if said:
+            raise EndpointError(said, field="endpoint.model")
+        raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
 
-    def stream(self, body: dict, path: str = "/v1/completions") -> Iterator[tuple[float, dict]]:
-        """``(perf_counter time, chunk)`` for every ``data:`` line of a streamed completion
-        (``path``: ``/v1/chat/completions`` for a chat one).
+    def post(self, path: str, body: dict) -> dict:
+        """A non-streamed POST (routed in the dialect: :meth:`route`); the JSON answer in
+        the OpenAI shape (:meth:`Dialect.answer`).
 
         Raises:
-            RuntimeError: an HTTP error status.
+            EndpointError: the key refused, or a setup error the dialect names (one line).
+            RuntimeError: another HTTP error status (with the server's message, cut to 300 characters).
         """
+        path, body = self.route(path, body)
+        r = self.http.post(path, json=body)
+        if r.status_code != 200:
+            self._refused(r, path)
+        return self.wire.answer(r.json())
+
+    def stream(self, body: dict, path: str = "/v1/completions") -> Iterator[tuple[float, dict]]:
+        """``(perf_counter time, chunk)`` for every chunk of a streamed completion (``path``:
+        ``/v1/chat/completions`` for a chat one), read line by line in the dialect
+        (:meth:`Dialect.read_line`: SSE ``data:`` lines, or Ollama's NDJSON objects).
+
+        Raises:
+            EndpointError: as :meth:`post`.
+            RuntimeError: another HTTP error status, or a stream the dialect says was cut
+                (:attr:`Dialect.requires_end`: it ended before its last object).
+        """
+        path, body = self.route(path, body)
         with self.http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 r.read()
-                raise RuntimeError(f"{path} answered HTTP {r.status_code}: {r.text[:300]}")
+                self._refused(r, path)
             for line in r.iter_lines():
                 t = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                chunk, end = self.wire.read_line(line)
+                if chunk is not None:
+                    yield t, chunk
+                if end:
                     return
-                yield t, json.loads(data)
+            if self.wire.requires_end:
+                raise RuntimeError(f"{path}: the stream ended before its last object (cut mid-answer)")
 
     def close(self) -> None:
         self.http.close()
@@ -504,7 +575,9 @@ class OpenAIEngine:
         from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
         if (prompt_mode or "tokens") not in PROMPT_MODES:
             raise ValueError(f"prompt_mode {prompt_mode!r} is not one of {', '.join(PROMPT_MODES)}")
+        named, prompt_mode = endpoint_dialect(endpoint, prompt_mode)
         self.prompt_mode = prompt_mode or "tokens"
+        self._server_timings: list[dict] = []  # a native dialect's own timings per answer (Ollama's; served_info)
         self._counts: set[str] = set()  # where answer token counts came from (served_info)
         self.server: ManagedServer | None = None
         self.kind: Any = None
@@ -518,6 +591,7 @@ class OpenAIEngine:
         self.sampling = {"decode": "argmax (temperature 0, top_k 1)", "ignored_file_defaults": {}}
         self.topk = DEFAULT_TOPK
         self.score_topk = self.topk  # the fidelity stage's KLD is the top-k estimate
+        self.topk_skipped = 0  # text mode: scored positions the server gave no top-k for (skipped, counted)
         self.prompt_logprobs = False  # set from the server's dialect once connected
         self.last_cache_bytes = None
         self.kv_cache = options.kv_cache
@@ -534,9 +608,10 @@ class OpenAIEngine:
         else:
             url, key, timeout = endpoint.url, api_key(endpoint), endpoint.timeout_s
         self.client = Client(url, key, timeout)
+        self.client.settings = wire_settings(tokens or {})
         try:
             self.client.connect(endpoint.model if endpoint else None,
-                                self.kind.dialect if self.kind is not None else None)
+                                self.kind.dialect if self.kind is not None else named)
             self.backend = f"{self.server.name}-{self.device}" if self.server else f"endpoint ({self.client.dialect})"
             self.prompt_logprobs = self.client.dialect == "vllm" if prompt_logprobs is None else bool(prompt_logprobs)
             if self.prompt_mode != "tokens":
@@ -816,6 +891,8 @@ class OpenAIEngine:
                 if join.add(piece):
                     times.append(t - t0)
                 finish = fin or finish
+                if chunk.get("ollama") and len(self._server_timings) < MAX_TIMINGS:  # Ollama's own timings
+                    self._server_timings.append(chunk["ollama"])
         except Exception as e:  # noqa: BLE001 - a dead server is the reason, whatever httpx saw
             self._alive(e)
         self._alive()
@@ -827,7 +904,7 @@ class OpenAIEngine:
             ids.append(end)
         served = (usage or {}).get("completion_tokens")
         n = int(served) if served is not None else len(ids)
-        self._counts.add(COUNT_USAGE if served is not None else COUNT_SOURCE)
+        self._counts.add(self.client.wire.usage_source if served is not None else COUNT_SOURCE)
         if not times:
             times = [time.perf_counter() - t0] if n else []
         return Generation(ids, times[0] if times else 0.0, _spread(times, n) if n else [], finished)
@@ -860,7 +937,9 @@ class OpenAIEngine:
     def prefix_how(self) -> str:
         """How the server reuses a shared prefix's KV cache, one line (by dialect)."""
         return {"llama.cpp": "llama-server cache_prompt: true (a slot keeps its cached prompt)",
-                "vllm": "vLLM --enable-prefix-caching"}.get(self.client.dialect, "the server's prompt cache")
+                "vllm": "vLLM --enable-prefix-caching",
+                "ollama": "Ollama's own prompt cache (a runner slot keeps its last prompt)"}.get(
+                    self.client.dialect, "the server's prompt cache")
 
     def wire_request(self, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = True,
                      cache_prompt: bool = False) -> tuple[str, dict]:
@@ -885,17 +964,16 @@ class OpenAIEngine:
 
     @property
     def fidelity_note(self) -> str | None:
-        """Why teacher-forced fidelity cannot be measured on this tier (None: it can):
-        chat mode (no teacher-forced scoring of a prompt over chat) and, for now, text mode
-        (see the comment below)."""
+        """Why teacher-forced fidelity cannot be measured on this tier (None: it can): chat
+        mode (a chat route takes no reference tokens to score: no teacher-forced
+        log-probabilities), and text mode on a dialect without top-k log-probabilities by
+        token id (a plain OpenAI server, SGLang). Text mode on llama-server or vLLM is scored
+        one request per position on the decoded prefix (:meth:`topk_at`), the top-k estimate."""
         if self.prompt_mode == "chat":
             return "fidelity not measurable on this endpoint (prompt_mode chat: no teacher-forced log-probabilities)"
-        if self.prompt_mode == "text":
-            # conservative: a whole run on llama-server failed its quality stage here ("no top-20
-            # log-probabilities" at a position of a chat-templated prefix sent as text); until that
-            # is understood, text-mode tiers are not scored (topk_at still takes text prefixes)
-            return (f"fidelity not measurable on this endpoint (prompt_mode text: top-k by token id of a text "
-                    f"prefix not verified on the {self.client.dialect} dialect)")
+        if self.prompt_mode == "text" and not self.client.wire.logprobs:
+            return (f"fidelity not measurable on this endpoint (prompt_mode text: the {self.client.dialect} "
+                    f"dialect returns no top-k log-probabilities by token id)")
         return None
 
     def served_info(self) -> dict:
@@ -903,11 +981,18 @@ class OpenAIEngine:
         (where the answers' token counts came from: :data:`COUNT_USAGE`, :data:`COUNT_SOURCE`,
         :data:`COUNT_IDS`, joined with " and " when answers differed; None before any answer),
         ``dialect``, ``tokenizer_check`` (the check's rows) and ``fidelity`` (None, or
-        :attr:`fidelity_note`)."""
-        return {"prompt_mode": self.prompt_mode,
-                "token_counts": " and ".join(sorted(self._counts)) if self._counts else None,
-                "dialect": self.client.dialect, "tokenizer_check": list(self.tokenizer_check),
-                "fidelity": self.fidelity_note}
+        :attr:`fidelity_note`); on the ollama dialect, once it answered, ``ollama_timings``:
+        Ollama's own prompt and decode tokens/s and load seconds over this engine's answers
+        (the speed requests of a measure stage), beside the client's figures in ``speed``
+        (:func:`qeval.engines.servers.ollama.summarise_timings`)."""
+        out = {"prompt_mode": self.prompt_mode,
+               "token_counts": " and ".join(sorted(self._counts)) if self._counts else None,
+               "dialect": self.client.dialect, "tokenizer_check": list(self.tokenizer_check),
+               "fidelity": self.fidelity_note}
+        if self._server_timings:
+            from .servers.ollama import summarise_timings  # start-up time: only Ollama tiers have these
+            out["ollama_timings"] = summarise_timings(self._server_timings)
+        return out
 
     def _answer_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, ignore_stop: bool) -> list[int]:
         """Every answer token id, non-streamed (the dialect's own route where it has one,
@@ -974,10 +1059,34 @@ class OpenAIEngine:
         except Exception as e:  # noqa: BLE001 - a dead server is the reason
             self._alive(e)
             raise
-        rows = self.client.wire.topk(d)
+        rows = self.client.wire.topk(d) or self._topk_by_text(self.client.wire.topk_text(d))
         if not rows or not rows[0]:
-            raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities")
+            raise NoTopK(f"the server returned no top-{self.topk} log-probabilities")
         return rows[0]
+
+    def _topk_by_text(self, rows: Sequence[Sequence[tuple[str, float]]]) -> list[list[tuple[int, float]]]:
+        """Top-k rows by token text (Ollama's ``top_logprobs``) as ``(source token id,
+        logprob)``: a text maps to the one source token that decodes to it alone
+        (:meth:`_piece_ids`); a text no token or several tokens decode to is left out, its
+        mass going to the rest (the top-k estimate stays a lower bound)."""
+        if not rows:
+            return []
+        pieces = self._piece_ids()
+        return [[(pieces[t], lp) for t, lp in row if t in pieces] for row in rows]
+
+    def _piece_ids(self) -> dict[str, int]:
+        """``{text: id}`` over the source vocabulary: each id decoded alone
+        (``tok.decode([id])``), texts that several ids decode to dropped. Built once."""
+        if getattr(self, "_pieces", None) is None:
+            seen: dict[str, int] = {}
+            twice: set[str] = set()
+            for i in range(len(self.tok)):
+                t = self.tok.decode([i])
+                if t in seen:
+                    twice.add(t)
+                seen[t] = i
+            self._pieces = {t: i for t, i in seen.items() if t not in twice}
+        return self._pieces
 
     def sequence_topk(self, ids: Sequence[int]) -> list[list[tuple[int, float]] | None] | None:
         """The server's top-``k`` at every position of ``ids`` in one request (vLLM
@@ -1015,7 +1124,12 @@ class OpenAIEngine:
         holds the top ``k`` log-probabilities at their ids and the remaining mass
         ``1 - sum(top k)`` spread evenly over the other ``vocab - k`` tokens (the top-k
         estimate; :func:`qeval.measure.fidelity.topk_kld_rows` keeps the remaining mass in
-        one bucket instead). Shape ``[m, vocab]``, float32."""
+        one bucket instead). Shape ``[m, vocab]``, float32. In text mode a position the
+        server answers without a top-k is left out (the window is split around it, each
+        part yielded with its own start) and counted in :attr:`topk_skipped`.
+
+        Raises:
+            RuntimeError: tokens mode, a position without a top-k."""
         ids = [int(t) for t in token_ids]
         n = len(ids)
         first = max(0, int(first))
@@ -1024,13 +1138,35 @@ class OpenAIEngine:
         for start in range(first, n - 1, step):
             m = min(step, n - 1 - start)
             out = np.empty((m, self.vocab_size), dtype=np.float32)
+            lo = 0  # the first row of the current run of positions that have a top-k
             for j in range(m):
-                top = seq[start + j + 1] if seq is not None else self.topk_at(ids[:start + j + 1])
+                top = seq[start + j + 1] if seq is not None else self._topk_or_none(ids[:start + j + 1])
                 if not top:
-                    raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities at position "
-                                       f"{start + j + 1}")
+                    if self.prompt_mode == "tokens":
+                        raise RuntimeError(f"the server returned no top-{self.topk} log-probabilities at position "
+                                           f"{start + j + 1}")
+                    # text mode: this position is skipped and counted (the row says so, quality_stages);
+                    # the rows either side are yielded with their own starts, so positions stay aligned
+                    self.topk_skipped += 1
+                    if j > lo:
+                        yield start + lo, out[lo:j]
+                    lo = j + 1
+                    continue
                 out[j] = topk_row(top, self.vocab_size)
-            yield start, out
+            if m > lo:
+                yield start + lo, out[lo:m]
+
+    def _topk_or_none(self, prefix: Sequence[int]) -> list[tuple[int, float]] | None:
+        """:meth:`topk_at`, or None where the server answered without a top-k (text mode:
+        llama-server sends no log-probabilities for a greedy token that ends in an incomplete
+        UTF-8 character, the ``incomplete`` branch of its ``process_token``, llama.cpp
+        tools/server/server-context.cpp)."""
+        try:
+            return self.topk_at(prefix)
+        except NoTopK:
+            if self.prompt_mode == "tokens":
+                raise
+            return None
 
     def attention_info(self, prompt_ids: Sequence[int] | None = None) -> dict:
         """The attention path as the managed server's command sets it (llama-server: flash
@@ -1214,21 +1350,27 @@ def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list
 def preflight_endpoint(spec: EndpointSpec, *, tokenizer: str | Path | None = None,
                        depth_text: str | Path | None = None, depths: Sequence[int] = (),
                        prompt_mode: str | None = None) -> dict:
-    """Before any stage: the endpoint answers ``/v1/models`` with the key and, given the
-    source tokenizer, counts the depth prompts' tokens as it does (the prompts of
-    ``depths`` tokens cut from ``depth_text``, :func:`depth_texts`; in ``prompt_mode``
-    chat on its chat route, the difference reported: :func:`check_tokenizer`).
+    """Before any stage: the endpoint answers ``/v1/models`` (the dialect's own list:
+    Ollama's ``/api/tags``, the model pulled) with the key and, given the source tokenizer,
+    counts the depth prompts' tokens as it does (the prompts of ``depths`` tokens cut from
+    ``depth_text``, :func:`depth_texts`; in ``prompt_mode`` chat on its chat route, the
+    difference reported: :func:`check_tokenizer`). ``spec.dialect`` names the dialect
+    (:func:`endpoint_dialect`: Ollama's native routes, chat mode unless the tier says text).
 
     Returns:
         ``{"model", "dialect", "tokenizer_check"}``.
 
     Raises:
-        EndpointError: unset key variable, unreachable URL, refused key, no model.
+        EndpointError: unset key variable, unreachable URL, refused key, no model (Ollama:
+            one line naming ``ollama pull``), prompt_mode tokens on Ollama's dialect.
         TokenizerMismatch: a depth prompt counted differently.
     """
+    named, prompt_mode = endpoint_dialect(spec, prompt_mode)
     client = Client(spec.url, api_key(spec), min(spec.timeout_s, 120.0))
+    if depths:  # Ollama's num_ctx: room for the deepest check prompt (the stage sets the tier's own)
+        client.settings = wire_settings({"sequence": max(int(d) for d in depths) + 1})
     try:
-        client.connect(spec.model)
+        client.connect(spec.model, named)
         checked = []
         mode = prompt_mode or "tokens"
         if mode == "chat":  # the key, on a route that needs it (the one this tier uses)

@@ -18,6 +18,14 @@ times. httpx's connection pool holds one connection per open request. asyncio wa
 checked: it gives the same arrival times, and threads keep the engine's synchronous
 client.
 
+The stream is read line by line in the server's dialect
+(:meth:`~qeval.engines.servers.Dialect.read_line`, the same loop for every dialect): SSE
+``data:`` lines for the OpenAI servers, one JSON object a line (NDJSON) on Ollama's native
+routes (:mod:`qeval.engines.servers.ollama`, the request routed by
+:meth:`~qeval.engines.openai.Client.route`), whose objects are read into the OpenAI chunk
+shape; an Ollama stream closed before its ``done: true`` object was cut mid-answer and ends
+the request with ``error="error (stream cut before its end)"`` (a failure, counted).
+
 The server schedules (``controls_steps`` False, ``scheduling`` ``server``): the core does
 not refuse a request beyond its ``slots`` (the server queues it; the open loop holds its
 own cap, :func:`qeval.serving.open_loop.client_cap`). A request's end with an error says
@@ -40,7 +48,6 @@ shared with another request).
 """
 from __future__ import annotations
 
-import json
 import queue
 import socket
 import sys
@@ -323,8 +330,10 @@ class OpenAICore:
         n = 0
         hit: int | None = None
         err: str | None = "error (no answer)"
+        wire = self.client.wire
+        ended = False
         try:
-            path, body = self._body(req)
+            path, body = self.client.route(*self._body(req))  # the dialect's own route (Ollama's /api/chat)
             sent = time.perf_counter()
             with self.client.http.stream("POST", path, json=body, **self._timeout(req)) as resp:
                 with req.lock:
@@ -335,31 +344,34 @@ class OpenAICore:
                     if resp.status_code != 200:
                         resp.read()
                         err = str(resp.status_code)
-                        self._say(err, f"{path} answered HTTP {resp.status_code}: {resp.text[:200]}")
+                        said = wire.refused(resp.status_code, resp.text, self.client.model)  # Ollama: ollama pull
+                        self._say(err, said or f"{path} answered HTTP {resp.status_code}: {resp.text[:200]}")
                     else:
                         for line in resp.iter_lines():
                             now, pc = self.clock.now(), time.perf_counter()
                             if req.aborted:
                                 return
-                            if not line.startswith("data:"):
+                            chunk, ended = wire.read_line(line)  # SSE data: lines, or Ollama's NDJSON
+                            if chunk is None:
+                                if ended:
+                                    break
                                 continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
-                                break
-                            chunk = json.loads(data)
                             hit = cached_tokens(chunk, hit)
                             got = [int(t) for t in self._wire_tokens(chunk)]
-                            if not got:
-                                continue
-                            if n == 0 and req.timeout_s is not None and pc - sent > req.timeout_s:
-                                raise _TimedOut()
-                            n += len(got)
-                            if n < req.max_new_tokens:
-                                self._put(req, TokenEvent(req.rid, got, [now] * len(got)))
-                            else:  # the last tokens: held for the stream's end (its usage), sent done
-                                held += got
-                                held_t += [now] * len(got)
-                        err = None
+                            if got:
+                                if n == 0 and req.timeout_s is not None and pc - sent > req.timeout_s:
+                                    raise _TimedOut()
+                                n += len(got)
+                                if n < req.max_new_tokens:
+                                    self._put(req, TokenEvent(req.rid, got, [now] * len(got)))
+                                else:  # the last tokens: held for the stream's end (its usage), sent done
+                                    held += got
+                                    held_t += [now] * len(got)
+                            if ended:
+                                break
+                        # a dialect whose stream ends on its own last object (Ollama's done: true): a
+                        # stream closed before it was cut mid-answer, a failed request
+                        err = "error (stream cut before its end)" if wire.requires_end and not ended else None
                 finally:
                     with req.lock:
                         req.resp = None  # before the with closes it: release never touches a pooled connection

@@ -131,3 +131,30 @@ class FidelityAccumulator:
             "kld_estimate": f"top-{self.topk} (remaining mass in one bucket; a lower bound)" if self.topk else None,
             "kld_topk": self.topk,
         }
+
+
+#: Why a served text-mode position has no top-k (the row's words; llama.cpp
+#: tools/server/server-context.cpp ``process_token``: a token that leaves the answer text
+#: ending in an incomplete UTF-8 character is held back, its log-probabilities with it).
+NO_TOPK_REASON = ("the server returned no top-k there (llama-server, for one, holds back a token ending in an "
+                  "incomplete UTF-8 character)")
+
+
+def note_skipped(summary: dict, skipped: int, why: str = NO_TOPK_REASON) -> dict:
+    """``summary`` (:meth:`FidelityAccumulator.summary`) with ``skipped`` positions that
+    could not be scored said in its ``kld_estimate``: "...; 3 of 500 positions skipped:
+    <why>". The figures are over the scored positions only; every position skipped leaves
+    ``n_tokens`` 0 and ``not_measured`` saying why. ``skipped`` 0: ``summary`` unchanged.
+
+    Raises:
+        ValueError: ``skipped`` is negative.
+    """
+    if skipped < 0:
+        raise ValueError(f"skipped positions must be >= 0, not {skipped}")
+    if not skipped:
+        return summary
+    n = int(summary.get("n_tokens") or 0)
+    said = f"{skipped} of {n + skipped} positions skipped: {why}"
+    if n == 0:
+        return {**summary, "n_tokens": 0, "not_measured": f"fidelity not measured: {said}"}
+    return {**summary, "kld_estimate": f"{summary.get('kld_estimate') or 'full vocabulary'}; {said}"}

@@ -253,9 +253,33 @@ def eager_gpu_decode(t: TierResult) -> bool:
     return t.device == "cuda" and t.decode_mode == "eager"
 
 
+def static_decode_in_parts(t: TierResult) -> bool:
+    """True for a tier whose static decode did not run as one compiled graph per step: the
+    engine's ``decode_check`` (:mod:`qeval.engines.hf`) records graph breaks, a step compiled
+    without ``fullgraph``, or dynamo's recompile limit hit (frames past it run eagerly).
+    The table marks its decode figures "part-eager"; its note (``decode_note``) says why."""
+    chk = t.decode_check or {}
+    return t.decode_mode == "static" and bool(chk.get("graph_breaks") or chk.get("fullgraph") is False
+                                              or chk.get("recompile_limit_hit"))
+
+
+def _decode_graph(r: Row) -> Cell:
+    """The CSV's ``decode_graph``: ``one graph``, ``N graphs, B breaks`` (parts ran eagerly)
+    or ``-`` (no static decode, or a run from before issue 48)."""
+    chk = r.t.decode_check
+    if r.t.decode_mode != "static" or not chk:
+        return "-", {"decode_graph": None}
+    if not static_decode_in_parts(r.t):
+        return "one graph", {"decode_graph": "one graph"}
+    text = f"{chk.get('graphs')} graphs, {chk.get('graph_breaks') or 0} breaks" + \
+        (", recompile limit hit" if chk.get("recompile_limit_hit") else "")
+    return text, {"decode_graph": text}
+
+
 def _decode(r: Row, d: int) -> Cell:
     dec = r.v("decode_tokens_per_s", d)
-    text = _f(dec, ".3g") + (" eager" if eager_gpu_decode(r.t) and dec is not None else "")
+    mark = " eager" if eager_gpu_decode(r.t) else (" part-eager" if static_decode_in_parts(r.t) else "")
+    text = _f(dec, ".3g") + (mark if dec is not None else "")
     return text, {f"decode_tokens_per_s_{d}": dec}
 
 
@@ -508,6 +532,7 @@ COLUMNS: tuple[Column, ...] = (
            "build", numeric=True),
     Column("error", lambda r: ("" if r.ok else str(r.t.error or ""), {"error": r.t.error}), "build", md=False),
     Column("decode mode", lambda r: (str(r.t.decode_mode or "-"), {"decode_mode": r.t.decode_mode}), None, md=False),
+    Column("decode graph", _decode_graph, None, md=False),
     Column("peak GiB", lambda r, d: (_gib(r.v("peak_bytes", d)), {f"peak_gib_{d}": _r(r.v("peak_bytes", d), GIB)}),
            "speed", per_depth=True, numeric=True),
     Column("peak split", _peak_split, None, md=False, per_depth=True),

@@ -205,7 +205,9 @@ class Int8Method(TierMethod):
             info["libraries"].append(f"bitsandbytes {bitsandbytes.__version__}")
         return info
 
-    def _quant_config(self, spec: Any) -> Any:
+    def _quant_config(self, spec: Any, ctx: TierContext | None = None) -> Any:
+        """The transformers quantization config of ``spec`` (``ctx``: the device it runs on,
+        for methods whose kernel depends on it, as FP8's)."""
         if spec.backend == "torchao":
             from torchao.quantization import Int8WeightOnlyConfig  # optional: the qeval[quant] extra
             from transformers import TorchAoConfig  # start-up time: transformers loads only in stage processes
@@ -217,7 +219,7 @@ class Int8Method(TierMethod):
         t0 = time.time()
         try:
             model = load_hf_model(ctx.source_path, ctx.device, ctx.dtype, trust_remote_code=ctx.trust_remote_code,
-                                  quantization_config=self._quant_config(spec))
+                                  quantization_config=self._quant_config(spec, ctx))
         except Exception as e:
             if spec.backend == "bitsandbytes":
                 raise RuntimeError(f"bitsandbytes 8-bit quantization failed on {ctx.device}: "
@@ -229,7 +231,7 @@ class Int8Method(TierMethod):
         quant_s = time.time() - t0
         model.save_pretrained(out_dir)  # safetensors (torchao tensors flattened, JSON metadata)
         check_no_pickle(out_dir)
-        return {"quant_seconds": quant_s, "group_size": None, "backend": self.backend_label(spec),
+        return {"quant_seconds": quant_s, "group_size": None, "backend": self.backend_label(spec, ctx),
                 "quantized_layers": n_q, "library": self._libs(spec)}
 
     def weight_format(self, spec: Any, shape: Any, dtype: str = "bfloat16") -> PerRow:
@@ -274,7 +276,7 @@ class Int8Method(TierMethod):
         if ctx.device == "cuda":
             model = model.to("cuda")
         return HFEngine(model, ctx.device, kv_cache=spec.kv_cache, kv_residual=getattr(spec, "kv_residual_tokens", None),
-                        backend=f"torch-{ctx.dtype} (dequantized {self.backend_label(spec)})")
+                        backend=f"torch-{ctx.dtype} (dequantized {self.backend_label(spec, ctx)})")
 
     def quant_info(self, spec: Any, ctx: TierContext, artifact: Path | None, engine: Any) -> dict:
         model = engine.model

@@ -9,6 +9,10 @@ readiness route, wire dialect (token ids, top-k log-probabilities), the formats 
 devices it serves, and how its KV pool is cleared and read. Adding a server is adding its
 module: ``llama_server`` (llama.cpp's llama-server), ``vllm``, ``sglang``.
 
+A module that defines ``DIALECT`` (a :class:`~qeval.engines.servers.base.Dialect`) and no
+``SERVER`` is a wire dialect of a server qeval does not start, chosen by an endpoint's
+``dialect:`` (:func:`dialect_named`): ``ollama`` (Ollama's native API).
+
 A recipe's ``serve:`` is discriminated by ``kind``; ``serve: llama-server`` is short for
 ``serve: {kind: llama-server}``, and ``server:`` is read as ``kind:``.
 """
@@ -19,12 +23,12 @@ from typing import Annotated, Any, Union
 from pydantic import BeforeValidator, Field, TypeAdapter
 
 from ...plugins import one_each, registered
-from .base import (OPENAI, Dialect, EndpointSpec, Launch, ManagedServer, PoolNotCleared, PoolState, ServeOptions,
+from .base import (DIALECT_NAMES, OPENAI, Dialect, EndpointSpec, Launch, ManagedServer, PoolNotCleared, PoolState, ServeOptions,
                    ServerFailed, ServerKind, TreeRss, free_port, round_ctx, tree_memory_counter, tree_pids)
 
 __all__ = ["OPENAI", "Dialect", "EndpointSpec", "Launch", "ManagedServer", "PoolNotCleared", "PoolState",
-           "ServeOptions", "ServeSpec", "ServerFailed", "ServerKind", "TreeRss", "dialect_for_owner", "dialects",
-           "free_port", "get_server", "parse_serve", "round_ctx", "server_kinds", "tree_memory_counter", "tree_pids"]
+           "ServeOptions", "ServeSpec", "ServerFailed", "ServerKind", "TreeRss", "dialect_for_owner", "dialect_named",
+           "dialect_names", "dialects", "free_port", "get_server", "parse_serve", "round_ctx", "server_kinds", "tree_memory_counter", "tree_pids"]
 
 _REGISTRY: dict[str, type[ServerKind]] = one_each(
     ((m, cls.kind, cls) for m, cls in registered(__name__, __path__, "SERVER")), "managed server")
@@ -47,9 +51,36 @@ def get_server(kind: str) -> type[ServerKind]:
         raise KeyError(f"unknown server {kind!r} (known: {', '.join(server_kinds())})") from None
 
 
+#: Dialects of servers qeval does not start (modules defining ``DIALECT``), by name.
+_DIALECTS: dict[str, Dialect] = one_each(
+    ((m, d.name, d) for m, d in registered(__name__, __path__, "DIALECT")), "dialect")
+
+
 def dialects() -> list[Dialect]:
-    """Every registered server's dialect (name order), then the plain OpenAI one."""
-    return [_REGISTRY[k].dialect for k in server_kinds()] + [OPENAI]
+    """Every registered server's dialect (server name order), the dialects of servers qeval
+    does not start (name order), then the plain OpenAI one."""
+    return [_REGISTRY[k].dialect for k in server_kinds()] + [_DIALECTS[k] for k in sorted(_DIALECTS)] + [OPENAI]
+
+
+def dialect_names() -> tuple[str, ...]:
+    """Names of every dialect an endpoint's ``dialect:`` may name, sorted."""
+    return tuple(sorted({d.name for d in dialects()}))
+
+
+DIALECT_NAMES.update(dialect_names())  # what EndpointSpec.dialect accepts
+
+
+def dialect_named(name: str) -> Dialect:
+    """The dialect called ``name`` (:attr:`Dialect.name`: ``llama.cpp``, ``vllm``,
+    ``sglang``, ``ollama``, ``openai``).
+
+    Raises:
+        KeyError: no such dialect (the message lists the known ones).
+    """
+    for d in dialects():
+        if d.name == name:
+            return d
+    raise KeyError(f"unknown dialect {name!r} (known: {', '.join(dialect_names())})")
 
 
 def dialect_for_owner(owned_by: str) -> Dialect:

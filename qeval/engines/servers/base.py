@@ -26,6 +26,7 @@ A managed server:
 from __future__ import annotations
 
 import atexit
+import json
 import signal
 import socket
 import subprocess
@@ -47,6 +48,12 @@ class _Strict(BaseModel):
 
 # ---- recipe settings -----------------------------------------------------------------------
 
+#: Names an endpoint's ``dialect:`` may take: filled by the registry
+#: (:func:`qeval.engines.servers.dialect_names`) as the package is imported, before any recipe
+#: is read (this module cannot import the registry, which imports it).
+DIALECT_NAMES: set[str] = set()
+
+
 class EndpointSpec(_Strict):
     """A server that already runs (a staging server, a release CI's target).
 
@@ -54,13 +61,27 @@ class EndpointSpec(_Strict):
         url: the server's base URL (``http://host:port``, with or without ``/v1``).
         api_key_env: the environment variable holding its API key (the key itself is
             never in a recipe, ``run.json`` or a log); None: no key.
-        model: the model name sent in requests; None: the first of ``GET /v1/models``.
+        model: the model name sent in requests; None: the first of ``GET /v1/models``
+            (Ollama: the name ``ollama list`` shows, from ``GET /api/tags``).
         timeout_s: seconds one request may take.
+        dialect: the server's wire dialect by name (a registered one:
+            :func:`qeval.engines.servers.dialect_names`; ``ollama`` is Ollama's native
+            API, :mod:`qeval.engines.servers.ollama`); None: from ``owned_by`` of
+            ``GET /v1/models``.
     """
     url: str
     api_key_env: str | None = Field(None, description="environment variable with the API key (never the key)")
     model: str | None = None
     timeout_s: float = Field(600.0, gt=0)
+    dialect: str | None = Field(None, description="the server's wire dialect (ollama: Ollama's native /api/chat and "
+                                "/api/generate; llama.cpp, vllm, sglang, openai); default: from GET /v1/models")
+
+    @field_validator("dialect")
+    @classmethod
+    def _dialect(cls, v: str | None) -> str | None:
+        if v is not None and v not in DIALECT_NAMES:
+            raise ValueError(f"unknown dialect {v!r} (known: {', '.join(sorted(DIALECT_NAMES))})")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -118,6 +139,15 @@ class Dialect:
     name: ClassVar[str] = "openai"
     owned_by: ClassVar[str] = ""
     logprobs: ClassVar[bool] = False
+    #: the server takes a prompt of token ids (Ollama's native API takes text or messages only)
+    token_prompts: ClassVar[bool] = True
+    #: a stream that ends without the dialect's last object was cut (Ollama's ``done: true``);
+    #: SSE streams of the OpenAI servers are read to their end as they come
+    requires_end: ClassVar[bool] = False
+    #: where an answer's token count comes from when the server gives one (the row's ``token_counts``)
+    usage_source: ClassVar[str] = "server usage"
+    #: the route that lists the served models
+    models_path: ClassVar[str] = "/v1/models"
 
     def extras(self, *, logprobs: int, cache_prompt: bool) -> dict:
         """Request fields beyond OpenAI's (greedy sampling, token ids, prompt caching)."""
@@ -135,6 +165,52 @@ class Dialect:
                    ignore_stop: bool) -> list[int] | None:
         """Every answer token id of a non-streamed request through the server's own route,
         or None to use ``/v1/completions`` (``post(path, body) -> JSON``)."""
+        return None
+
+    # -- the wire itself (the OpenAI servers: identity; a native dialect translates) --
+    def route(self, path: str, body: dict, settings: dict | None = None) -> tuple[str, dict]:
+        """The ``(path, body)`` actually sent for an OpenAI ``path`` and ``body``
+        (``settings``: the tier's dialect settings, e.g. Ollama's ``num_ctx``)."""
+        return path, body
+
+    def read_line(self, line: str) -> tuple[dict | None, bool]:
+        """One line of a streamed answer: ``(chunk or None, the stream's end)``. SSE: a
+        ``data:`` line is a JSON chunk, ``data: [DONE]`` the end, any other line nothing."""
+        if not line.startswith("data:"):
+            return None, False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return None, True
+        return json.loads(data), False
+
+    def answer(self, obj: Any) -> Any:
+        """A non-streamed JSON answer as the engine reads it (the OpenAI shape)."""
+        return obj
+
+    def topk_text(self, chunk: dict) -> list[list[tuple[str, float]]]:
+        """Per generated token, its top-k ``(token text, logprob)`` where the server gives
+        them by text and not by id (Ollama); [] otherwise."""
+        return []
+
+    def model_names(self, answer: dict) -> list[tuple[str, str]]:
+        """``(model id, owned_by)`` of every model in the answer of :attr:`models_path`."""
+        return [(m.get("id"), str(m.get("owned_by") or "")) for m in answer.get("data") or [] if isinstance(m, dict)]
+
+    def pick_model(self, base_url: str, model: str | None, names: Sequence[str]) -> str:
+        """``model`` when served, else the first served (``model`` None).
+
+        Raises:
+            ValueError: none served, or ``model`` not among them (one line).
+        """
+        if not names:
+            raise ValueError(f"{base_url} serves no model (GET {self.models_path} is empty)")
+        if model is not None and model not in names:
+            raise ValueError(f"{base_url} does not serve {model!r} (it serves {', '.join(map(str, names))})")
+        return model or names[0]
+
+    def refused(self, status: int, text: str, model: str | None) -> str | None:
+        """One line for an HTTP error answer that says the endpoint is set up wrong (the
+        tier's field to fix: a model not pulled), or None for any other."""
         return None
 
 
