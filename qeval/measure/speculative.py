@@ -1,0 +1,167 @@
+"""Speculative decoding with a quantized tier as the draft of a bigger one: the measured
+figures of one (target, draft, draft length) and what the fidelity run predicts for them.
+
+A draft model proposes ``k`` tokens; the target verifies them in one forward pass and keeps
+the longest prefix that equals its own greedy choice, plus one token of its own (Leviathan et
+al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv:2211.17192;
+Chen et al. 2023, arXiv:2302.01318). At greedy the output is the target's own, token for token
+(lossless); what changes is how many target forward passes it takes.
+
+Measured (:func:`speculative_generate`, transformers' assisted generation, ``generate(...,
+assistant_model=draft)`` with a constant ``num_assistant_tokens``: checked first, and it is
+the library's own loop, so nothing of it is written here): new tokens, target verification
+steps (forward passes of the target, counted by a hook), **mean accepted** draft tokens per
+step = new tokens / steps - 1 (each step yields its accepted tokens plus the target's own),
+**acceptance rate** = mean accepted / k, decode tokens/s, and whether the tokens equal the
+target's own greedy answer.
+
+Predicted from the fidelity run's same-top agreement (the draft tier's top token equals the
+reference's at a position with probability ``alpha``):
+
+* independent positions: expected accepted per step ``sum_{i=1..k} alpha^i = alpha (1 -
+  alpha^k) / (1 - alpha)`` (:func:`expected_accepted`; Leviathan et al. eq. 1 counts the
+  target's own token too: ``(1 - alpha^(k+1)) / (1 - alpha)``);
+* from agreement runs along a greedy continuation (:func:`accepted_from_runs`): at each
+  position, the agreeing stretch that starts there, capped at ``k``, averaged (agreement comes
+  in stretches, which the independent formula does not see);
+* the speed-up a cost ratio ``c`` (one draft step / one target step) allows:
+  ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))`` (Leviathan et al., theorem 3.8).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected draft tokens accepted per verification step (module docstring), for a
+    per-token agreement ``alpha`` in [0, 1] and ``k`` >= 1 drafted tokens.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1] or ``k`` < 1.
+    """
+    if not 0.0 <= alpha <= 1.0 or k < 1:
+        raise ValueError(f"alpha must be in [0, 1] and k >= 1 (got {alpha}, {k})")
+    if alpha == 1.0:
+        return float(k)
+    return alpha * (1.0 - alpha ** k) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Leviathan et al.'s expected wall-time speed-up over the target alone: tokens per step
+    ``(1 - alpha^(k+1)) / (1 - alpha)`` over the step's cost ``k c + 1`` in target steps, for a
+    draft step costing ``cost_ratio`` (c > 0) of a target step.
+
+    Raises:
+        ValueError: as :func:`expected_accepted`, or ``cost_ratio`` <= 0.
+    """
+    if not cost_ratio > 0:
+        raise ValueError(f"cost_ratio must be > 0 (got {cost_ratio})")
+    return (expected_accepted(alpha, k) + 1.0) / (k * cost_ratio + 1.0)
+
+
+def accepted_from_runs(agree: Sequence[bool], k: int) -> float | None:
+    """Mean draft tokens accepted per step predicted from per-position agreement along one
+    greedy continuation (``agree[i]``: the draft's top token equals the target's at position
+    ``i``): the mean over start positions of the agreeing stretch starting there, capped at
+    ``k``. None for an empty sequence.
+
+    Raises:
+        ValueError: ``k`` < 1.
+    """
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    flags = [bool(a) for a in agree]
+    if not flags:
+        return None
+    run, runs = 0, [0] * len(flags)
+    for i in range(len(flags) - 1, -1, -1):  # the agreeing stretch starting at each position
+        run = run + 1 if flags[i] else 0
+        runs[i] = run
+    return sum(min(r, k) for r in runs) / len(runs)
+
+
+@dataclass
+class SpeculativeRun:
+    """One speculative answer (module docstring; seconds, tokens/s).
+
+    Attributes:
+        draft_tokens: ``k``, tokens the draft proposes per step.
+        token_ids: the new tokens.
+        new_tokens: how many.
+        target_steps: forward passes of the target (verification steps, the first one with the
+            prompt's prefill).
+        seconds: wall time of the whole answer (prefill included).
+        mean_accepted: new tokens / target steps - 1.
+        acceptance_rate: mean_accepted / k.
+        lossless: the tokens equal ``reference_ids`` (None when none was given).
+    """
+    draft_tokens: int
+    token_ids: list[int]
+    new_tokens: int
+    target_steps: int
+    seconds: float
+    mean_accepted: float
+    acceptance_rate: float
+    lossless: bool | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """New tokens / seconds (prefill included, as the answer's own rate)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+
+def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int], *, draft_tokens: int,
+                         max_new_tokens: int, reference_ids: Sequence[int] | None = None) -> SpeculativeRun:
+    """Greedy answer of transformers model ``target`` to ``prompt_ids`` with ``draft`` (a
+    model with the same tokenizer) proposing ``draft_tokens`` tokens per step, end of sequence
+    ignored (exactly ``max_new_tokens`` tokens).
+
+    Args:
+        target, draft: transformers causal LMs on one device.
+        prompt_ids: prompt token ids (at least one).
+        draft_tokens: ``k`` >= 1 (constant schedule, no confidence cut-off: the k asked is the k run).
+        max_new_tokens: new tokens (>= 1).
+        reference_ids: the target's own greedy answer; ``lossless`` compares with it.
+
+    Returns:
+        :class:`SpeculativeRun`.
+
+    Raises:
+        ValueError: an empty prompt, ``draft_tokens`` or ``max_new_tokens`` < 1.
+    """
+    import torch  # start-up time: torch loads only where a speculative pair is measured
+
+    if not prompt_ids or draft_tokens < 1 or max_new_tokens < 1:
+        raise ValueError("a prompt, draft_tokens >= 1 and max_new_tokens >= 1 are needed")
+    dev = next(target.parameters()).device
+    ids = torch.tensor([[int(t) for t in prompt_ids]], dtype=torch.long, device=dev)
+    steps = [0]
+    # transformers' candidate generator reads its draft length, schedule and confidence cut-off
+    # from the draft model's own generation config (AssistedCandidateGenerator.__init__), not
+    # from generate()'s arguments: set there for this call, put back after
+    gc = draft.generation_config
+    saved = {k: getattr(gc, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                                "assistant_confidence_threshold")}
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = int(draft_tokens), "constant"
+    gc.assistant_confidence_threshold = 0.0  # falsy: no confidence stop, the k asked is the k drafted
+    hook = target.register_forward_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
+                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+            seconds = time.perf_counter() - t0
+    finally:
+        hook.remove()
+        for k, v in saved.items():
+            setattr(gc, k, v)
+    new = [int(t) for t in out[0, ids.shape[1]:].tolist()]
+    n_steps = max(steps[0], 1)
+    mean_acc = len(new) / n_steps - 1.0
+    return SpeculativeRun(draft_tokens=int(draft_tokens), token_ids=new, new_tokens=len(new), target_steps=n_steps,
+                          seconds=seconds, mean_accepted=mean_acc, acceptance_rate=mean_acc / draft_tokens,
+                          lossless=None if reference_ids is None else new == [int(t) for t in reference_ids],
+                          details={"engine": "transformers assisted generation (constant num_assistant_tokens)"})
