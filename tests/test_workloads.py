@@ -34,6 +34,11 @@ def test_report_tables_and_plan_grid_check_on_a_synthetic_section():
     md = "\n".join(workload_markdown(tiers))
     assert "## Load: shared prefix" in md and "## Load: context x concurrency" in md
     assert "## Load: a burst of requests at once" in md
+    from types import SimpleNamespace
+    from qeval.report.html import _workloads  # every workload section renders, with or without a plot
+    sections = {w["key"]: w for w in _workloads(SimpleNamespace(tiers=tiers))}
+    assert set(sections) == {"prefix", "interference", "burst", "grid"}
+    assert sections["burst"]["src"] is None and sections["grid"]["src"].startswith("data:image/png;base64,")
     from qeval.report import plots
     for fn in (plots.prefix_ttft_png, plots.interference_png, plots.grid_heatmap_png):
         assert fn(tiers)[:8] == b"\x89PNG\r\n\x1a\n", fn.__name__

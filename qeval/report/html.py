@@ -155,8 +155,8 @@ def _workloads(a: RunAnalysis) -> list[dict]:
            "grid": (plots.grid_heatmap_png, "Users at SLO at each depth, per tier.")}
     out = []
     for w in workload_sections(a.tiers):
-        fn, cap = png[w["key"]]
-        out.append(dict(w, src=_data_uri(fn(a.tiers)), plot_caption=cap))
+        fn, cap = png.get(w["key"], (None, None))  # a workload without a plot (the burst): its table alone
+        out.append(dict(w, src=_data_uri(fn(a.tiers)) if fn is not None else None, plot_caption=cap))
     return out
 
 
