@@ -266,7 +266,7 @@ class BurstSpec(_Strict):
     through ``load.queue`` (its ``max_waiting`` refuses, its ``timeout_s`` drops); reported:
     TTFT percentiles and the last first token, the time to drain and what was refused or
     dropped. The moment a service restarts and its clients reconnect, or a batch job lands."""
-    requests: int = Field(gt=1, le=4096, description="requests arriving together")
+    requests: int = Field(ge=2, le=4096, description="requests arriving together (at least 2)")
 
 
 class _LoadWorkloads(_Strict):

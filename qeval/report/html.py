@@ -100,6 +100,7 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
             md += [f"Rate ladder: {a.ladder.rates.text()}.", ""]
         for n, why in (a.ladder.rates.unplaced.items() if a.ladder.rates is not None else ()):
             md.append(f"- `{n}` not on the rate ladder: {why}")
+        md.append("")
     md += workload_markdown(a.tiers)
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:

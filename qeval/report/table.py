@@ -733,7 +733,8 @@ def load_caption(tiers: dict[str, TierResult]) -> str | None:
     if load is None:
         return None
     slo = load.slo or LoadSlo()
-    return (f"Closed loop: each stream sends {load.requests_per_stream} requests in turn, each a fresh "
+    n = load.requests_per_stream
+    return (f"Closed loop: each stream sends {n} request{'' if n == 1 else 's'} in turn, each a fresh "
             f"{load.depth}-token prompt and {load.output_tokens} new tokens; prefill in chunks of "
             f"{load.prefill_chunk} tokens. SLO: TTFT p95 <= {slo.ttft_p95_s} s and ITL p95 <= "
             f"{slo.itl_p95_s} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
@@ -903,8 +904,10 @@ def burst_caption(tiers: dict[str, TierResult]) -> str | None:
         return None
     return (f"Burst: {b.requests} requests arrive at once on an idle engine, {b.slots} served at a time through the "
             "load queue (load.queue: refused past max_waiting, dropped past timeout_s); last first token = the "
-            "unluckiest caller's TTFT; drained in = the burst's arrival to the last request's end "
-            "(qeval.serving.burst).")
+            "unluckiest caller's TTFT; drained in = the burst's arrival to the last request's end; scheduling: "
+            "as in the open loop, transformers tiers in process run static batches there (qeval's queue admits "
+            "each request, which transformers' continuous-batching manager, with a queue of its own, does not "
+            "allow) (qeval.serving.burst).")
 
 
 GRID_HEADERS = ["tier", "depth", "streams", "admitted", "TTFT p95 s", "ITL p95 s", "decode tok/s", "KV GiB at peak",
