@@ -948,6 +948,13 @@ def _cross_checks(recipe: Recipe) -> None:
                                f"of the long_context depths {lc}")
 
 
+def fidelity_rules(recipe: Recipe) -> list[str]:
+    """The gate rules set on a ``quality.fidelity`` metric (``max_kld_mean``,
+    ``min_same_top_rate``, ``max_ppl_ratio``), in the schema's order."""
+    return [n for n, v in recipe.gate.rules.model_dump().items()
+            if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
+
+
 def _check_prompt_modes(recipe: Recipe) -> None:
     """A ``prompt_mode: chat`` tier has no teacher-forced scoring (a chat route returns no
     log-probabilities of the prompt's own tokens): refused when the gate judges it (or
@@ -966,8 +973,7 @@ def _check_prompt_modes(recipe: Recipe) -> None:
                                    "not token ids: set prompt_mode text or chat (unset: chat)")
             mode = mode or "chat"
         modes.append(mode)
-    rules = [n for n, v in g.rules.model_dump().items()
-             if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
+    rules = fidelity_rules(recipe)
     if not rules:
         return
     judged = set(g.candidates) if g.candidates else {t.name for t in recipe.tiers} - {g.reference}

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from .engines.servers import dialects, get_server
 from .errors import QevalInputError
-from .metrics import GATE_RULES, METRICS
 from .executors import executor_names
 from .measure.lmeval import check_task
 from .hashing import file_sha256
@@ -23,7 +22,7 @@ from .measure.suites import load_suite
 from .osutil import stderr_fd_to
 from .paths import cache_root
 from .results import atomic_write_json
-from .recipe import check_context, check_data_paths
+from .recipe import check_context, check_data_paths, fidelity_rules
 from .source import find_package_gguf, gguf_context_length, model_max_context, model_source_path, resolve_source
 from .storage import check_protocol, is_url
 from .tiers import get_method
@@ -102,13 +101,6 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
     return depths_checked
 
 
-def _fidelity_rules(recipe) -> list[str]:
-    """The gate rules set on a ``quality.fidelity`` metric (``max_kld_mean``,
-    ``min_same_top_rate``, ``max_ppl_ratio``), in the schema's order."""
-    return [n for n, v in recipe.gate.rules.model_dump().items()
-            if v is not None and METRICS[GATE_RULES[n].metric].path[:2] == ("quality", "fidelity")]
-
-
 def _dialect_scores(t) -> tuple[bool | None, str]:
     """Whether tier ``t``'s server returns top-k log-probabilities by token id (the text
     mode's fidelity needs them), as far as the recipe says: a managed server by its kind's
@@ -136,7 +128,7 @@ def check_prompt_mode_fidelity(recipe) -> None:
     Raises:
         QevalInputError: one line naming the tier's ``prompt_mode`` field and the rule.
     """
-    rules = _fidelity_rules(recipe)
+    rules = fidelity_rules(recipe)
     if not rules:
         return
     g = recipe.gate
