@@ -68,7 +68,7 @@ def planned_stages(recipe, tiers: list[str], layout: RunLayout) -> list[str]:
     """``tier.stage`` of every stage the run will start, less those already done (a
     resumed run): the run-wide source, env, reference and floor (with suites), then each
     tier's prepare, measure, load (when ``load.enabled``; engines that cannot batch skip
-    it) and quality (with suites)."""
+    it) and quality (with suites); the run-wide speculative stage last (with pairs)."""
     plan = [f"{RUN_SCOPE}.source", f"{RUN_SCOPE}.env"]
     if recipe.suites:
         plan += [f"{RUN_SCOPE}.reference", f"{RUN_SCOPE}.floor"]
@@ -78,6 +78,8 @@ def planned_stages(recipe, tiers: list[str], layout: RunLayout) -> list[str]:
             plan.append(f"{t}.load")
         if recipe.suites:
             plan.append(f"{t}.quality")
+    if getattr(recipe, "speculative", None):
+        plan.append(f"{RUN_SCOPE}.speculative")
     return [p for p in plan if not stage_done(layout, *p.split(".", 1))]
 
 

@@ -499,6 +499,27 @@ class ResourcesSpec(_Strict):
                                      "default")
 
 
+class SpeculativeSpec(_Strict):
+    """One speculative-decoding pair: the ``target`` tier served with the ``draft`` tier
+    proposing ``k`` tokens per step, for each ``k`` of ``draft_tokens``
+    (:mod:`qeval.measure.speculative`). Both tiers run on one engine that can hold both
+    models: transformers (``generate(assistant_model=...)``) or llama.cpp (llama-server's
+    ``-md`` draft model); the draft must be smaller than the target."""
+    target: str = Field(description="the tier that answers (its greedy answer is the output)")
+    draft: str = Field(description="the smaller tier that proposes tokens")
+    draft_tokens: list[Annotated[int, Field(ge=1, le=64)]] = Field(
+        [2, 4, 8], min_length=1, max_length=16, description="draft lengths k: tokens proposed per verification step")
+    depths: list[Annotated[int, Field(gt=0, le=MAX_TOKENS)]] | None = Field(
+        None, min_length=1, max_length=16, description="prompt tokens (context depths); default: speed.depths")
+    prompts: int = Field(2, ge=1, le=64, description="prompts per depth, cut from speed.depth_text")
+    new_tokens: int = Field(32, ge=2, le=MAX_TOKENS, description="new tokens per answer (end of sequence ignored)")
+
+    @field_validator("draft_tokens")
+    @classmethod
+    def _ks(cls, v: list[int]) -> list[int]:
+        return sorted(set(v))
+
+
 class Recipe(_Strict):
     """A whole recipe. See recipes/smollm2-135m.yaml for a commented example."""
     name: str = Field(description="the run folder's name (results/<name>/) and the stage-time history's key")
@@ -524,6 +545,9 @@ class Recipe(_Strict):
     gate: GateSpec = Field(default_factory=GateSpec)
     pareto: ParetoSpec = Field(default_factory=ParetoSpec)
     report: ReportSpec = Field(default_factory=ReportSpec)
+    speculative: list[SpeculativeSpec] = Field(
+        default_factory=list, max_length=64, description="tier pairs measured as target and draft of speculative "
+        "decoding (after every tier's stages): acceptance, speed-up and memory against the target alone")
     executor: str = Field("local", min_length=1, max_length=64, description="where the tiers run: a "
                           "registered executor (qeval.executors: local, ray)")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -939,6 +963,7 @@ def _cross_checks(recipe: Recipe) -> None:
         raise recipe.error(("gate", "depth"), f"{g.depth} is not one of speed.depths {sp.depths}")
     _check_rules_computed(recipe)
     _check_prompt_modes(recipe)
+    _check_speculative(recipe)
     if g.rules.min_recall_rel is not None:
         lc = recipe.long_context_depths
         if not lc:
@@ -1063,6 +1088,82 @@ def _check_workloads(recipe: Recipe) -> None:
         raise recipe.error(("load", "prefix_cache"), "prefix_cache needs load.shared_prefix_tokens")
 
 
+#: A nominal decoder the speculative check sizes each tier's weight format on (a Llama-2-7B
+#: shape: every group size qeval's methods take divides its layers), so "smaller" is decided
+#: before any model config is read; the order of two formats does not change with the model.
+_NOMINAL_CONFIG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "vocab_size": 32000, "tie_word_embeddings": False}
+
+
+def speculative_engine(spec: Any) -> tuple[str | None, str]:
+    """Which engine runs a tier as a speculative target or draft: ``("transformers", "")``
+    for a tier on the transformers engine (``hf``), ``("llama.cpp", "")`` for a GGUF tier on
+    llama.cpp or served by llama-server; else ``(None, why)``."""
+    method = get_method(spec.method)
+    if method is None:
+        return None, f"unknown method {spec.method!r}"
+    engine = method.engine_name(spec)
+    serve = getattr(spec, "serve", None)
+    if method.artifact_format == "gguf" and (engine == "llamacpp" or (serve is not None and serve.kind == "llama-server")):
+        return "llama.cpp", ""
+    if engine == "hf":
+        return "transformers", ""
+    what = f"a {serve.kind} server" if serve is not None else ("a running endpoint qeval cannot load a draft into"
+                                                                if getattr(spec, "endpoint", None)
+                                                                else f"the {engine} engine")
+    return None, (f"it runs on {what}; qeval measures speculative decoding on transformers (assistant_model) and "
+                  "llama.cpp (llama-server -md)")
+
+
+def nominal_bits_per_weight(spec: Any) -> float | None:
+    """The tier's stored bits per weight on a nominal 7B decoder (:data:`_NOMINAL_CONFIG`),
+    to order tiers by size before a model is read; None when its method cannot say."""
+    from .model_config import model_shape  # start-up time: only where a speculative pair is checked
+    method = get_method(spec.method)
+    if method is None:
+        return None
+    try:
+        shape = model_shape(_NOMINAL_CONFIG)
+        return method.weight_format(spec, shape, "bfloat16").estimate(shape).bits_per_weight
+    except (QevalInputError, NotImplementedError, ValueError, KeyError):
+        return None
+
+
+def _check_speculative(recipe: Recipe) -> None:
+    """Each ``speculative`` pair: both tiers in the recipe and different, one engine that runs
+    both (:func:`speculative_engine`), a draft smaller than the target
+    (:func:`nominal_bits_per_weight`), no pair twice."""
+    names = [t.name for t in recipe.tiers]
+    seen: set[tuple[str, str]] = set()
+    for i, pair in enumerate(recipe.speculative):
+        for f in ("target", "draft"):
+            if getattr(pair, f) not in names:
+                raise recipe.error(("speculative", i, f), f"{getattr(pair, f)!r} is not a tier (tiers: "
+                                   f"{', '.join(names)})")
+        if pair.target == pair.draft:
+            raise recipe.error(("speculative", i, "draft"), f"the draft must be another tier than the target "
+                               f"({pair.target!r})")
+        if (pair.target, pair.draft) in seen:
+            raise recipe.error(("speculative", i), f"the pair {pair.target} + {pair.draft} is listed twice")
+        seen.add((pair.target, pair.draft))
+        target, draft = recipe.tier(pair.target), recipe.tier(pair.draft)
+        (te, twhy), (de, dwhy) = speculative_engine(target), speculative_engine(draft)
+        if te is None:
+            raise recipe.error(("speculative", i, "target"), f"tier {pair.target!r} cannot be a speculative target: {twhy}")
+        if de is None:
+            raise recipe.error(("speculative", i, "draft"), f"tier {pair.draft!r} cannot be a draft: {dwhy}")
+        if te != de:
+            raise recipe.error(("speculative", i, "draft"), f"target {pair.target!r} runs on {te} and draft "
+                               f"{pair.draft!r} on {de}: one engine must hold both models (a {te} draft for a "
+                               f"{te} target)")
+        tb, db = nominal_bits_per_weight(target), nominal_bits_per_weight(draft)
+        if tb is not None and db is not None and db >= tb:
+            raise recipe.error(("speculative", i, "draft"), f"draft {pair.draft!r} ({db:.2f} bits per weight) is not "
+                               f"smaller than target {pair.target!r} ({tb:.2f}): a draft must cost less per step than "
+                               "the model it drafts for")
+
+
 def check_context(recipe: Recipe, max_context: int | None) -> None:
     """Every speed depth + ``decode_tokens``, and the load depth, every grid depth
     (``load.depths``) and the interference prompt + ``output_tokens``, fit the model's
@@ -1091,6 +1192,18 @@ def check_context(recipe: Recipe, max_context: int | None) -> None:
     if ld.enabled and inter is not None and inter.prompt_tokens + ld.output_tokens > max_context:
         raise recipe.error(("load", "interference", "prompt_tokens"), f"{inter.prompt_tokens} + output_tokens "
                            f"{ld.output_tokens} exceeds the model's maximum context of {max_context} tokens")
+    for i, pair in enumerate(recipe.speculative):
+        for j, d in enumerate(speculative_depths(recipe, pair)):
+            if d + pair.new_tokens + max(pair.draft_tokens) > max_context:
+                where = ("speculative", i, "depths", j) if pair.depths else ("speed", "depths", j)
+                raise recipe.error(where, f"speculative depth {d} + new_tokens {pair.new_tokens} + draft tokens "
+                                          f"{max(pair.draft_tokens)} exceeds the model's maximum context of "
+                                          f"{max_context} tokens")
+
+
+def speculative_depths(recipe: Recipe, pair: SpeculativeSpec) -> list[int]:
+    """The prompt depths of one speculative pair: its own ``depths``, else ``speed.depths``."""
+    return sorted(set(pair.depths or recipe.speed.depths))
 
 
 def _check_engine(recipe: Recipe, i: int, spec: Any) -> None:

@@ -169,6 +169,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from .bounded import MAX_JSON_BYTES, load_json, name_problem, pydantic_message, safe_join
 from .errors import QevalInputError
+from .results_speculative import SpecAlone, SpecDivergence, SpecPair, SpecRow  # noqa: F401 - the run format's speculative file
 from .results_load import (ArrivalsSection, Knee, LoadPoint, LoadSection, LoadSlo,  # noqa: F401 - the run
                            Percentiles, RatePoint)  # format's load models, re-exported with the rest
 
@@ -535,6 +536,10 @@ class Fidelity(_Closed):
     kld_estimate: str | None = None  # None: full vocabulary; else e.g. "top-20 (...)": a server's top-k
     kld_topk: int | None = None      # k of that estimate
     not_measured: str | None = None  # why there is no figure (a chat-mode endpoint: no teacher-forced scoring)
+    # same_top_runs[j]: positions where the stretch of agreeing top tokens starting there is j
+    # long (the last entry: that long or longer; qeval.measure.fidelity.SAME_TOP_RUNS_CAP):
+    # what a draft of this tier would get accepted per step (qeval.measure.speculative)
+    same_top_runs: list[int] | None = None
 
 
 class Behaviour(_Closed):
@@ -679,6 +684,13 @@ class NoiseFloorSummary(_Closed):
 class QualityStage(_StageBase):
     """``stages/<tier>.quality.json``."""
     quality: Quality
+
+
+class SpeculativeStage(_StageBase):
+    """``stages/_run.speculative.json``: every recipe ``speculative`` pair as it ran
+    (:mod:`qeval.results_speculative`; :func:`qeval.worker.stage_speculative`)."""
+    pairs: list[SpecPair] = Field(default_factory=list)
+    spec: list[dict[str, Any]] = Field(default_factory=list)  # the recipe's pairs it ran (resume redoes on a change)
 
 
 class LoadStage(_StageBase):
@@ -1049,7 +1061,8 @@ class RunInfo(_Closed):
 
 STAGE_MODELS: dict[str, type[_StageBase]] = {
     "source": SourceStage, "env": EnvStage, "reference": ReferenceStage, "floor": FloorStage,
-    "prepare": PrepareStage, "measure": MeasureStage, "load": LoadStage, "quality": QualityStage}
+    "prepare": PrepareStage, "measure": MeasureStage, "load": LoadStage, "quality": QualityStage,
+    "speculative": SpeculativeStage}
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -1272,6 +1285,15 @@ def read_stage(layout: RunLayout, scope: str, stage: str) -> Any:
 def stage_done(layout: RunLayout, scope: str, stage: str) -> bool:
     """Whether the stage finished (its file exists)."""
     return layout.stage(scope, stage).exists()
+
+
+def read_speculative(layout: RunLayout) -> SpeculativeStage | None:
+    """The run's speculative pairs (``stages/_run.speculative.json``), None when it has none.
+
+    Raises:
+        QevalInputError: the file does not fit :class:`SpeculativeStage` (one line naming it).
+    """
+    return read_stage(layout, RUN_SCOPE, "speculative") if stage_done(layout, RUN_SCOPE, "speculative") else None
 
 
 def write_stage_error(layout: RunLayout, scope: str, stage: str, error: StageError) -> None:

@@ -30,7 +30,8 @@ from .pipeline import Pipeline, default_lanes
 from .progress import read_history
 from .recipe import Recipe, check_context
 from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, RunInfo, RunLayout, TierResult,
-                      read_run_info, read_stage, stage_done, write_run_info)
+                      SpecPair, SpeculativeStage, read_run_info, read_stage, stage_done, write_run_info,
+                      write_stage)
 from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, recipe_fingerprint,
                      stage_threads, tier_fingerprint)
 from .source import hub_download_bytes, model_source_path
@@ -217,9 +218,30 @@ class Runner(TierRunner):
                 self.write_run_json({"noise_floor": self.floor_stage()})
             self.push(lambda rel: RunLayout.run_wide_file(rel) or RunLayout.run_log(rel))
             results = self.executor.run_tiers(self, self.tiers, reference_failed)
+        if self.recipe.speculative:
+            self.speculative_stage()
         self.write_run_json({"finished_at": datetime.now(timezone.utc).isoformat(),
                              "llama_cpp": llama_cpp_backends(results)})
         return results
+
+    def speculative_stage(self) -> None:
+        """The recipe's speculative pairs (stage ``speculative``, run-wide, timed, after every
+        tier). A finished stage is kept when it ran these pairs without an error; a failed
+        stage process writes the stage file with its reason as every pair's ``error``, so the
+        tiers' figures and the report stand."""
+        spec = [p.model_dump(mode="json") for p in self.recipe.speculative]
+        if stage_done(self.layout, RUN_SCOPE, "speculative"):
+            done = read_stage(self.layout, RUN_SCOPE, "speculative")
+            if done.spec == spec and not any(p.error for p in done.pairs):
+                return
+        self.on_event("run", "speculative", "starting")
+        out = self.run_stage("speculative")
+        if not out.ok:
+            why = f"the speculative stage failed: {(out.reason or 'failed').splitlines()[0]}"
+            self.on_event("run", "speculative", why)
+            write_stage(self.layout, RUN_SCOPE, "speculative", SpeculativeStage(
+                pairs=[SpecPair(target=p.target, draft=p.draft, draft_tokens=list(p.draft_tokens), error=why)
+                       for p in self.recipe.speculative], spec=spec))
 
     def run_pipelined(self, lanes: int) -> dict[str, TierResult]:
         """The reference, floor and tier stages through :class:`~qeval.pipeline.Pipeline`

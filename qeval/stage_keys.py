@@ -8,7 +8,7 @@ import hashlib
 import json
 
 #: Stages that time something: they run alone, with the recipe's pinned threads.
-TIMED_STAGES = ("measure", "load", "env")
+TIMED_STAGES = ("measure", "load", "env", "speculative")
 
 #: Set to ``1`` in every stage's environment by ``qeval run --fresh``: the reference pass and
 #: the tiers' quality results are recomputed instead of reused from the cache.

@@ -385,9 +385,38 @@ def kv_format(engine: str, kv_cache: str, dtype: str = "bfloat16") -> KVFormat:
     raise QevalInputError(f"unknown kv_cache {kv_cache!r} (model or int8)", field="kv_cache")
 
 
+@dataclass(frozen=True)
+class PairFormat(WeightFormat):
+    """Two models held together (a speculative target and its draft): the sum of their
+    formats' stored bytes; ``params`` and the quantized counts are both models' together."""
+    target: WeightFormat
+    draft: WeightFormat
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.target.name}+{self.draft.name}"
+
+    def estimate(self, shape: ModelShape) -> WeightEstimate:
+        a, b = self.target.estimate(shape), self.draft.estimate(shape)
+        return WeightEstimate(self.name, a.bytes + b.bytes, a.params + b.params, a.quantized_params + b.quantized_params,
+                              a.quantized_bytes + b.quantized_bytes,
+                              f"target {a.bytes:,} + draft {b.bytes:,} bytes (both models are held)")
+
+
+@dataclass(frozen=True)
+class PairKV(KVFormat):
+    """Two KV caches kept token for token (a speculative target's and its draft's): bytes per
+    token are the sum of both (each model caches every token of the sequence)."""
+    draft_bits: float = 16
+
+    def bytes_per_token(self, shape: ModelShape) -> float:
+        """``2 x layers x kv_heads x head_dim x (target bits + draft bits) / 8`` (bytes)."""
+        return shape.kv_elements_per_token * (self.bits + self.draft_bits) / 8
+
+
 #: Formats ``qeval plan`` estimates when no recipe names the tiers (the FP8 row has no tier
 #: method yet: torchao ``Float8WeightOnlyConfig``, e4m3 codes + fp32 scale per row).
 FP8_WEIGHT_ONLY = PerRow(label="fp8", weight_bits=8, row_bytes=4, detail="float8_e4m3, fp32 scale per row")
 
 __all__ = ["DTYPE_BYTES", "Dense", "FlatBits", "FP8_WEIGHT_ONLY", "GGUF_DEFAULT_TYPE", "GgufMix", "GroupWise",
-           "KVFormat", "PerRow", "WeightEstimate", "WeightFormat", "dtype_bytes", "gguf_tensor_types", "kv_format"]
+           "KVFormat", "PairFormat", "PairKV", "PerRow", "WeightEstimate", "WeightFormat", "dtype_bytes", "gguf_tensor_types", "kv_format"]

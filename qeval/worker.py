@@ -7,7 +7,8 @@ hardware), ``reference`` (BF16 answers to every suite prompt, in ``quality.refer
 ``floor`` (the reference tier as served scored against the reference: the noise floor), and
 per tier ``prepare`` (build or reuse the artifact), ``measure`` (memory and speed in a fresh
 process), ``load`` (the concurrency sweep, in its own fresh process; engines that can batch) and
-``quality`` (fidelity and behaviour). Each writes ``stages/<tier>.<stage>.json``
+``quality`` (fidelity and behaviour); run-wide again at the end, ``speculative`` (the recipe's
+target + draft pairs, :mod:`qeval.speculative_stage`). Each writes ``stages/<tier>.<stage>.json``
 atomically when it succeeds; an exception writes ``stages/<tier>.<stage>.error.json``
 (:func:`qeval.failures.describe_exception`: type, message, the raising frame and, for an assertion, its
 failed condition) and exits 1. The parent (:mod:`qeval.run`) reads them.
@@ -470,9 +471,20 @@ def stage_quality(recipe, run_dir: Path, tier: str) -> dict:
     return tier_quality(recipe, run_dir, tier, ctx, progress=_progress, fresh=os.environ.get(FRESH_ENV) == "1")
 
 
+def stage_speculative(recipe, run_dir: Path, tier: str | None) -> dict:
+    """Every recipe ``speculative`` pair: the target alone and with its draft, per depth and
+    draft length (:mod:`qeval.speculative_stage`); run-wide, after every tier's stages."""
+    from .speculative_stage import method_engine, stage_speculative as run  # start-up time: only this stage
+    device = pick_device(recipe.device)
+    pin_threads(recipe.threads)
+    ctx = tier_context(recipe, run_dir, device)
+    return run(recipe, run_dir, method_engine(recipe, ctx, run_dir), _progress)
+
+
 STAGES = {"source": stage_source, "env": stage_env, "prepare": stage_prepare, "measure": stage_measure,
           "load": stage_load,
-          "reference": stage_reference, "floor": stage_floor, "quality": stage_quality}
+          "reference": stage_reference, "floor": stage_floor, "quality": stage_quality,
+          "speculative": stage_speculative}
 
 
 #: The named points of a stage where :func:`inject_fault` may act, in the order they come

@@ -60,6 +60,8 @@ def e2e_run(tmp_path_factory):
     # the shipped recipe's gate, rules and policy as they are: only the depth and the candidates
     # follow the reduced run
     r["gate"].update(depth=256, candidates=["int8", "gguf-q4_k_m"])
+    # the shipped speculative pair (BF16 with INT8 as its draft) on one 64-token prompt
+    r["speculative"][0].update(depths=[64], prompts=1, new_tokens=16, draft_tokens=[2, 4])
     recipe = tmp_path / "smollm2-e2e.yaml"
     recipe.write_text(yaml.safe_dump(r))
     # its own cache: every artifact is built by this code (a cache a `make demo` left would hand
@@ -205,3 +207,29 @@ def test_the_ladders_and_knees_in_gate_json_follow_their_rules(e2e_run):
         assert over["completed"] >= 1 and not over["meets_slo"]
         k = t["load"]["arrivals"]["knee"]
         assert k["rate_rps"] != 200 and (k["rate_rps"] is None or k["above_rps"] == 200), (n, k)
+
+
+def test_speculative_pair_on_the_default_model_is_lossless_beside_its_prediction(e2e_run):
+    """The default recipe's pair on SmolLM2 (transformers' assisted generation): BF16's
+    answer with INT8 drafting equals BF16's own greedy answer token for token, the
+    acceptance figures are consistent counts, and the prediction from INT8's fidelity run
+    stands beside them in the table."""
+    from qeval.analysis.speculative import pair_summaries
+    from qeval.results import RunLayout, load_run, read_speculative
+    run_dir, rows, _ = e2e_run
+    stage = read_speculative(RunLayout(run_dir))
+    (pair,) = stage.pairs
+    assert pair.error is None and pair.engine == "transformers" and pair.peak_bytes and pair.peak_bytes > 0
+    assert [(r.depth, r.draft_tokens) for r in pair.rows] == [(64, 2), (64, 4)]
+    for r in pair.rows:
+        assert r.lossless and r.lossless_prompts == 1
+        assert 0 < r.drafted and 0 <= r.accepted <= r.drafted and r.target_steps == r.new_tokens - r.accepted
+        assert r.mean_accepted is not None and r.mean_accepted <= r.draft_tokens
+        assert r.speedup is not None and r.speedup > 0
+    hist = rows["int8"]["quality"]["fidelity"]["same_top_runs"]
+    assert sum(hist) == rows["int8"]["quality"]["fidelity"]["n_tokens"]
+    _, tiers = load_run(run_dir)
+    (s,) = pair_summaries(stage, tiers, "bf16")
+    assert s.predicted(2) is not None and s.predicted(2) <= s.predicted(4) <= 4
+    table = (run_dir / "table.md").read_text()
+    assert "| bf16+int8 k=2 |" in table and "## Speculative decoding" in table

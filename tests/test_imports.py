@@ -137,7 +137,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("qeval.cli",)),
     ("stages", ("qeval.run", "qeval.executors", "qeval.pipeline", "qeval.stages", "qeval.worker",
                 "qeval.quality_stages", "qeval.progress", "qeval.validate", "qeval.recipe_doc",
-                "qeval.stage_proc", "qeval.stage_preload", "qeval.stage_keys")),
+                "qeval.stage_proc", "qeval.stage_preload", "qeval.stage_keys", "qeval.speculative_stage")),
     ("report", ("qeval.report",)),
     ("analysis", ("qeval.analysis",)),
     ("recipe", ("qeval.recipe", "qeval.source")),
@@ -145,7 +145,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines", ("qeval.engines",)),
     ("serving", ("qeval.serving",)),
     ("measure", ("qeval.measure",)),
-    ("results", ("qeval.results", "qeval.results_load", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
+    ("results", ("qeval.results", "qeval.results_load", "qeval.results_speculative", "qeval.metrics", "qeval.storage", "qeval.artifacts")),
     ("base", ("qeval.errors", "qeval.bounded", "qeval.hashing", "qeval.paths", "qeval.plugins", "qeval.osutil",
               "qeval.failures", "qeval.model_config", "qeval.weight_formats", "qeval.calibration", "qeval.data")),
 )

@@ -4,6 +4,7 @@ at greedy, full acceptance with the target as its own draft, less with a perturb
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,111 @@ def test_speculative_answer_is_the_targets_own_and_counts_its_steps(tiny_llama):
     assert other.lossless  # greedy verification keeps the target's tokens whatever the draft proposes
     assert other.target_steps > same.target_steps and other.acceptance_rate < same.acceptance_rate
     assert other.new_tokens == 12 and 0.0 <= other.acceptance_rate <= 1.0
+
+
+# ---- the fidelity run's prediction: agreeing stretches ------------------------------------------
+
+def test_same_top_runs_histogram_breaks_at_answer_boundaries():
+    import numpy as np
+    from qeval.measure.fidelity import same_top_runs
+    from qeval.measure.speculative import accepted_from_hist
+    flags = np.array([True, True, False, True, True, True, True])
+    pos = np.array([0, 1, 2, 3, 4, 0, 1])  # a second answer starts at index 5
+    h = same_top_runs(flags, pos, cap=4)
+    # stretches from each position: 2, 1, 0, 2, 1 | 2, 1 (the run does not cross into the next answer)
+    assert h.tolist() == [1, 3, 3, 0, 0]
+    assert accepted_from_hist(h.tolist(), 2) == pytest.approx(accepted_from_runs([True, True, False, True, True], 2)
+                                                              * 5 / 7 + (2 + 1) / 7)
+    capped = same_top_runs(np.ones(10, dtype=bool), np.arange(10), cap=4)
+    assert capped.tolist() == [0, 1, 1, 1, 7]  # 10..4 -> the last bin
+    with pytest.raises(ValueError):
+        accepted_from_hist(capped.tolist(), 5)  # beyond the last bin: unknown
+
+
+def test_fidelity_summary_carries_the_histogram():
+    import numpy as np
+    from qeval.measure.fidelity import FidelityAccumulator
+    acc = FidelityAccumulator()
+    ref = np.log(np.full((4, 3), 1 / 3))
+    ref[:, 0] += 0.5  # the reference's top token is 0 everywhere
+    tier = ref.copy()
+    tier[2, 1] += 1.0  # the tier's top is 1 at position 2
+    acc.add(ref, tier, np.zeros(4, dtype=int), np.arange(4))
+    s = acc.summary()
+    assert s["same_top_rate"] == 0.75 and sum(s["same_top_runs"]) == 4
+    assert s["same_top_runs"][:3] == [1, 2, 1]  # stretches 2, 1, 0, 1
+
+
+# ---- into decisions: the stage file read by the table, the report and the plan ------------------
+
+FIXTURE_RUN = Path(__file__).resolve().parent / "fixtures" / "run_synthetic"
+
+
+def _pair_run(tmp_path, *, error: str | None = None, lossless: bool = True):
+    import shutil
+    from qeval.results import RunLayout, SpecAlone, SpecPair, SpecRow, SpeculativeStage, read_tier_result, write_stage
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE_RUN, run_dir)
+    layout = RunLayout(run_dir)
+    draft = read_tier_result(layout, "int8")
+    draft.quality.fidelity.same_top_runs = [1, 1, 2, 6]  # positions: stretch 0, 1, 2, >= 3
+    from qeval.results import write_tier_result
+    write_tier_result(layout, draft)
+    rows = [SpecRow(depth=64, draft_tokens=k, prompts=2, new_tokens=64, drafted=20 * k, accepted=acc,
+                    target_steps=64 - acc, acceptance_rate=acc / (20 * k), mean_accepted=acc / (64 - acc),
+                    decode_tokens_per_s=tps, ttft_s=0.05, speedup=tps / 40.0, lossless_prompts=2 if lossless else 1,
+                    lossless=lossless)
+            for k, acc, tps in ((2, 30, 36.0), (4, 40, 30.0))]
+    pair = SpecPair(target="bf16", draft="int8", engine="transformers", how="transformers generate(assistant_model)",
+                    draft_tokens=[2, 4], depths=[64], prompts=2, new_tokens=32,
+                    alone=[SpecAlone(depth=64, prompts=2, decode_tokens_per_s=40.0, ttft_s=0.04)],
+                    rows=[] if error else rows, peak_bytes=3 << 28, memory_counter="cpu_vmhwm", error=error)
+    write_stage(layout, "_run", "speculative", SpeculativeStage(pairs=[pair]))
+    return run_dir
+
+
+def test_pair_rows_in_the_table_report_and_plan(tmp_path, monkeypatch):
+    from qeval.analysis import analyse_run
+    from qeval.analysis.plan import build_plan
+    from qeval.analysis.speculative import pair_results, pair_summaries
+    from qeval.report.html import write_report, write_tables
+    from qeval.results import RunLayout, load_run, read_speculative
+    run_dir = _pair_run(tmp_path)
+    run, tiers = load_run(run_dir)
+    stage = read_speculative(RunLayout(run_dir))
+    (s,) = pair_summaries(stage, tiers, "bf16")
+    # predicted from the stretches: k=2: (0*1 + 1*1 + 2*2 + 2*6) / 10; k=4: (0 + 1 + 4 + 3*6) / 10
+    assert s.predicted(2) == pytest.approx(1.7) and s.predicted(4) == pytest.approx(2.3)
+    r2, r4 = s.pair.rows
+    assert r2.mean_accepted == pytest.approx(30 / 34) and s.flagged(r2)  # 0.88 vs 1.7: flagged
+    rows = pair_results([s], tiers)
+    row = rows["bf16+int8 k=4"]
+    assert row.speed["64"].decode_tokens_per_s == 30.0 and row.memory.peak_bytes["64"] == 3 << 28
+    assert row.memory.weight_bytes == tiers["bf16"].memory.weight_bytes + tiers["int8"].memory.weight_bytes
+    assert row.quality == tiers["bf16"].quality and "lossless" in row.decode_note
+    a = analyse_run(run, tiers, speculative=stage)
+    assert [p.name for p in a.speculative] == ["bf16+int8"]
+    assert "bf16+int8 k=2" not in a.gate.candidates and all("+" not in e.tier for e in a.pareto.entries)
+    md, _ = write_tables(run_dir)
+    text = md.read_text()
+    assert "| bf16+int8 k=2 |" in text and "## Speculative decoding" in text
+    assert "measured -48% vs predicted" in text  # 0.88 / 1.7 - 1
+    assert "speed-up below 1 means" in text  # 36 / 40 = 0.9: the caption says why
+    html = write_report(run_dir).read_text()
+    assert "Speculative decoding: a tier as another&#39;s draft" in html or "Speculative decoding: a tier as another's draft" in html
+    # the plan counts both models' weights and KV caches
+    run_dict = run.recipe | {"speculative": [{"target": "bf16", "draft": "int8"}]}
+    plan = build_plan(results=tiers, run=run.model_copy(update={"recipe": run_dict}))
+    prow = {r.tier: r for r in plan.rows}["bf16+int8"]
+    assert prow.weights_bytes.value == tiers["bf16"].memory.weight_bytes + tiers["int8"].memory.weight_bytes
+    assert prow.kv_bytes_per_token.value == pytest.approx(tiers["bf16"].memory.kv_bytes_per_token
+                                                          + tiers["int8"].memory.kv_bytes_per_token)
+    assert prow.decode_bound.value is None and "speculative" in prow.decode_bound.formula
+
+
+def test_a_failed_pair_keeps_the_table_and_says_why(tmp_path):
+    from qeval.report.html import write_tables
+    run_dir = _pair_run(tmp_path, error="tier int8 did not finish (failed): the pair needs both tiers")
+    text = write_tables(run_dir)[0].read_text()
+    assert "bf16+int8 k=2" not in text and "tier int8 did not finish" in text
+    assert "| bf16 |" in text  # the tiers' rows stand

@@ -3,10 +3,10 @@ capacity plan, run comparison. Pure Python over the JSON in a run folder; never 
 torch or loads a model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..recipe import ParetoSpec, SpeedSpec
-from ..results import RunInfo, TierResult
+from ..results import RunInfo, SpeculativeStage, TierResult
 from .capacity import (DEFAULT_OVERHEAD_BYTES, decode_bound, kv_bytes_per_token_from_config, max_context,
                        max_sequences, param_count_from_config, parse_bandwidth, parse_size)
 from .compare import CompareRow, MetricDelta, compare_markdown, compare_runs
@@ -14,6 +14,7 @@ from .floor import FLOOR_FACTOR, INDISTINGUISHABLE, NoiseFloor, floor_not_measur
 from .gate import (CandidateVerdict, GateReport, RuleResult, analysis_depth, as_gate_spec,
                    evaluate_gate, tier_order, validate_section)
 from .ladder import Ladder, LadderStep, fallback_ladder
+from .speculative import pair_summaries
 from .pareto import (ParetoEntry, ParetoResult, decode_at, dominates, pareto_front, peak_bytes_at,
                      quality_value, users_at_slo_of)
 
@@ -44,6 +45,9 @@ class RunAnalysis:
         pareto, gate, ladder: the three decisions.
         noise_floor: the run's measured noise floor (None: not measured).
         noise_floor_why: why the run's floor is missing, when it says.
+        speculative: the run's speculative pairs with their predictions
+            (:class:`qeval.analysis.speculative.PairSummary`; :func:`analyse_run` with
+            ``speculative``); they are table rows, never gate or Pareto candidates.
     """
     recipe: dict
     depth: int
@@ -56,9 +60,11 @@ class RunAnalysis:
     ladder: Ladder
     noise_floor: NoiseFloor | None = None
     noise_floor_why: str | None = None
+    speculative: list = field(default_factory=list)  # PairSummary per recipe pair (qeval.analysis.speculative)
 
 
-def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict | None = None) -> RunAnalysis:
+def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict | None = None,
+                speculative: SpeculativeStage | None = None) -> RunAnalysis:
     """Pareto front, gate and ladder for a loaded run (see :func:`qeval.results.load_run`).
 
     Args:
@@ -66,6 +72,7 @@ def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict 
         tiers: ``{tier name: tier result}``.
         recipe: a recipe dict (``Recipe.model_dump()``) to judge with instead of the one
             stored in ``run.recipe`` (e.g. a stricter gate on an old run).
+        speculative: the run's speculative stage file (:func:`qeval.results.read_speculative`).
 
     Raises:
         QevalInputError: the recipe's ``speed`` or ``gate`` section does not validate.
@@ -84,4 +91,5 @@ def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict 
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
                        quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,
-                       ladder=ladder, noise_floor=floor, noise_floor_why=floor_not_measured(run))
+                       ladder=ladder, noise_floor=floor, noise_floor_why=floor_not_measured(run),
+                       speculative=pair_summaries(speculative, ordered, gate.reference))

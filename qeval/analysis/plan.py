@@ -36,9 +36,9 @@ from ..bounded import expand_user, load_json
 from ..errors import QevalInputError
 from ..model_config import ModelShape, model_shape
 from ..recipe import Tier
-from ..results import STATUS_OK, RunInfo, TierResult, get_path
+from ..results import STATUS_OK, Memory, RunInfo, TierResult, get_path
 from ..tiers import get_method
-from ..weight_formats import FlatBits, KVFormat, WeightEstimate, WeightFormat, kv_format
+from ..weight_formats import FlatBits, KVFormat, PairFormat, PairKV, WeightEstimate, WeightFormat, kv_format
 from .capacity import (DEFAULT_OVERHEAD_BYTES, GridCheck, LoadCheck, decode_bound, grid_vs_formula, load_vs_formula,
                        max_context, max_sequences)
 from .gpus import GpuSpec
@@ -86,6 +86,7 @@ class PlanTier:
     weight_format: WeightFormat | None = None
     kv: KVFormat | None = None
     note: str = ""
+    pair: tuple[str, str] | None = None  # a speculative pair's (target, draft)
 
 
 @dataclass
@@ -193,6 +194,47 @@ def tiers_from_specs(specs: list[Any], shape: ModelShape | None, dtype: str) -> 
         pt.kv = kv_format(pt.engine, kv_kind, dtype)
         out.append(pt)
     return out
+
+
+def speculative_plan_tiers(pairs: list[tuple[str, str]], tiers: list[PlanTier]) -> list[PlanTier]:
+    """A plan row per speculative pair ``(target, draft)`` whose two tiers are planned: both
+    models' weights (:class:`~qeval.weight_formats.PairFormat`) and both KV caches
+    (:class:`~qeval.weight_formats.PairKV`), named ``target+draft``."""
+    by = {t.name: t for t in tiers}
+    out = []
+    for target, draft in pairs:
+        t, d = by.get(target), by.get(draft)
+        if t is None or d is None:
+            continue
+        pt = PlanTier(f"{target}+{draft}", "speculative", t.engine, t.kv_cache,
+                      note=f"speculative: {target} with {draft} as its draft; weights and KV of both",
+                      pair=(target, draft))
+        if t.weight_format is not None and d.weight_format is not None:
+            pt.weight_format = PairFormat(t.weight_format, d.weight_format)
+        if t.kv is not None and d.kv is not None:
+            pt.kv = PairKV(t.kv.kind, t.kv.bits, f"{t.kv.label} + draft {d.kv.label}", draft_bits=d.kv.bits)
+        out.append(pt)
+    return out
+
+
+def speculative_pairs(recipe: dict | None) -> list[tuple[str, str]]:
+    """``(target, draft)`` of each ``speculative`` pair of a recipe dict (run.json's)."""
+    out = []
+    for p in (recipe or {}).get("speculative") or []:
+        if isinstance(p, dict) and isinstance(p.get("target"), str) and isinstance(p.get("draft"), str):
+            out.append((p["target"], p["draft"]))
+    return out
+
+
+def pair_result(target: TierResult | None, draft: TierResult | None, name: str) -> TierResult | None:
+    """A speculative pair's measured weight and KV figures: both tiers' sums (None unless both
+    finished with them)."""
+    if target is None or draft is None or not (target.status == draft.status == STATUS_OK):
+        return None
+    w = [get_path(x, "memory", "weight_bytes") for x in (target, draft)]
+    kv = [get_path(x, "memory", "kv_bytes_per_token") for x in (target, draft)]
+    return TierResult(tier=name, method="speculative", status=STATUS_OK, memory=Memory(
+        weight_bytes=sum(w) if all(w) else None, kv_bytes_per_token=sum(kv) if all(kv) else None))
 
 
 def default_tiers(shape: ModelShape | None, dtype: str) -> list[PlanTier]:
@@ -378,7 +420,7 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                run: RunInfo | None = None,
                gpu: GpuSpec | None = None, memory_bytes: int | None = None, bandwidth_bytes_per_s: float | None = None,
                usable: float | None = None, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, context: int = 32768,
-               users: int = 8, dtype: str | None = None) -> Plan:
+               users: int = 8, dtype: str | None = None, speculative: list[tuple[str, str]] | None = None) -> Plan:
     """Build the plan.
 
     Args:
@@ -393,6 +435,8 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
         overhead_bytes: runtime allowance (CUDA context, activations), bytes.
         context: tokens per sequence; users: concurrent sequences.
         dtype: source dtype (default: the config's ``torch_dtype``).
+        speculative: ``(target, draft)`` pairs planned as one row each (both models' weights
+            and KV; :func:`speculative_plan_tiers`); None: the run's recipe's.
 
     Raises:
         QevalInputError: bad config, non-positive context/users/memory, usable outside (0, 1],
@@ -448,10 +492,23 @@ def build_plan(*, config: dict | None = None, config_path: str | None = None, ti
                       for n, r in results.items() if n not in named]
         else:
             tiers = default_tiers(shape, dtype)
+    pairs = speculative if speculative is not None else speculative_pairs(run.recipe if run is not None else None)
+    pair_tiers = speculative_plan_tiers(pairs, tiers)
+    results = dict(results or {})
+    for pt in pair_tiers:
+        pr = pair_result(results.get(pt.pair[0]), results.get(pt.pair[1]), pt.name)
+        if pr is not None:
+            results[pt.name] = pr
+    tiers = list(tiers) + pair_tiers
     budget = int(mem * us)
     eff = DEFAULT_EFFICIENCY
-    rows = [_row(t, shape, (results or {}).get(t.name), budget=budget, overhead=overhead_bytes, bandwidth=bw,
+    rows = [_row(t, shape, results.get(t.name), budget=budget, overhead=overhead_bytes, bandwidth=bw,
                  context=context, users=users, efficiency=eff, run_device=run_device) for t in tiers]
+    for row, t in zip(rows, tiers):
+        if t.pair is not None:  # a step reads both models: the one-model bandwidth bound does not apply
+            why = "speculative: measured only (qeval run's speculative stage), not a bandwidth bound"
+            for c in ("decode_bound_empty", "decode_bound", "decode_expected", "aggregate_bound"):
+                setattr(row, c, Cell(None, "none", why))
     notes = []
     if shape is None:
         notes.append("no model config: measured figures only (give --model config.json for estimates)")

@@ -7,13 +7,18 @@ al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv:221
 Chen et al. 2023, arXiv:2302.01318). At greedy the output is the target's own, token for token
 (lossless); what changes is how many target forward passes it takes.
 
-Measured (:func:`speculative_generate`, transformers' assisted generation, ``generate(...,
+Measured, one definition for every engine (:class:`SpeculativeRun`): **drafted** tokens (the
+draft's proposals), **accepted** (those the target kept), **verification steps** = new tokens
+- accepted (each step, the prefill's first token included, yields its accepted drafts plus one
+token of the target's own), **acceptance rate** = accepted / drafted (llama.cpp's "accept"
+figure: ``llama-speculative`` prints n_drafted, n_accept and their ratio; llama-server reports
+``timings.draft_n`` and ``draft_n_accepted``), **mean accepted per step** = accepted / steps,
+decode tokens/s, TTFT, and whether the tokens equal the target's own greedy answer.
+Engines: :func:`speculative_generate` (transformers' assisted generation, ``generate(...,
 assistant_model=draft)`` with a constant ``num_assistant_tokens``: checked first, and it is
-the library's own loop, so nothing of it is written here): new tokens, target verification
-steps (forward passes of the target, counted by a hook), **mean accepted** draft tokens per
-step = new tokens / steps - 1 (each step yields its accepted tokens plus the target's own),
-**acceptance rate** = mean accepted / k, decode tokens/s, and whether the tokens equal the
-target's own greedy answer.
+the library's own loop, so nothing of it is written here; drafted = the draft's forward
+passes, counted by a hook), and llama-server's ``-md`` draft model
+(:mod:`qeval.engines.llamacpp_spec`).
 
 Predicted from the fidelity run's same-top agreement (the draft tier's top token equals the
 reference's at a position with probability ``alpha``):
@@ -82,20 +87,45 @@ def accepted_from_runs(agree: Sequence[bool], k: int) -> float | None:
     return sum(min(r, k) for r in runs) / len(runs)
 
 
+def accepted_from_hist(hist: Sequence[int], k: int) -> float | None:
+    """Mean draft tokens accepted per step predicted from a histogram of agreeing stretches
+    (``hist[j]``: positions whose agreeing stretch is ``j`` long, the last bin that long or
+    longer; :func:`qeval.measure.fidelity.same_top_runs`): ``sum_j min(j, k) hist[j] / sum_j
+    hist[j]``, as :func:`accepted_from_runs` on the positions themselves. None when empty.
+
+    Raises:
+        ValueError: ``k`` < 1, or ``k`` beyond the last bin (its stretches' lengths are unknown).
+    """
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    if k > len(hist) - 1:
+        raise ValueError(f"k {k} is beyond the histogram's last bin ({len(hist) - 1}: that many or more)")
+    total = sum(hist)
+    if not total:
+        return None
+    return sum(min(j, k) * n for j, n in enumerate(hist)) / total
+
+
 @dataclass
 class SpeculativeRun:
     """One speculative answer (module docstring; seconds, tokens/s).
 
     Attributes:
-        draft_tokens: ``k``, tokens the draft proposes per step.
+        draft_tokens: ``k``, the most tokens the draft proposes per step.
         token_ids: the new tokens.
         new_tokens: how many.
-        target_steps: forward passes of the target (verification steps, the first one with the
-            prompt's prefill).
+        target_steps: verification steps = new tokens - accepted (the prefill's one included).
         seconds: wall time of the whole answer (prefill included).
-        mean_accepted: new tokens / target steps - 1.
-        acceptance_rate: mean_accepted / k.
+        mean_accepted: accepted / target_steps.
+        acceptance_rate: accepted / drafted (None when nothing was drafted).
+        drafted: tokens the draft proposed.
+        accepted: drafted tokens the target kept.
+        ttft_s: seconds to the first new token (the target's prefill and the first draft);
+            None where the engine does not say.
+        decode_tokens_per_s: new tokens after the first / seconds after the first (None where
+            there is no TTFT or one token only).
         lossless: the tokens equal ``reference_ids`` (None when none was given).
+        details: what ran (engine, its own counters).
     """
     draft_tokens: int
     token_ids: list[int]
@@ -103,7 +133,10 @@ class SpeculativeRun:
     target_steps: int
     seconds: float
     mean_accepted: float
-    acceptance_rate: float
+    acceptance_rate: float | None
+    drafted: int | None = None
+    accepted: int | None = None
+    ttft_s: float | None = None
     lossless: bool | None = None
     details: dict = field(default_factory=dict)
 
@@ -111,6 +144,49 @@ class SpeculativeRun:
     def tokens_per_s(self) -> float | None:
         """New tokens / seconds (prefill included, as the answer's own rate)."""
         return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """(new tokens - 1) / (seconds - TTFT): the decode rate after the first token."""
+        if self.ttft_s is None or self.new_tokens < 2 or self.seconds <= self.ttft_s:
+            return None
+        return (self.new_tokens - 1) / (self.seconds - self.ttft_s)
+
+    @classmethod
+    def from_counts(cls, *, draft_tokens: int, token_ids: Sequence[int], drafted: int, accepted: int,
+                    seconds: float, ttft_s: float | None = None, reference_ids: Sequence[int] | None = None,
+                    details: dict | None = None) -> "SpeculativeRun":
+        """A run from an engine's drafted and accepted counts (module docstring's definitions).
+
+        Raises:
+            ValueError: ``accepted`` > ``drafted``, a negative count, or more accepted than new tokens.
+        """
+        new = [int(t) for t in token_ids]
+        if drafted < 0 or accepted < 0 or accepted > drafted or accepted > len(new):
+            raise ValueError(f"drafted {drafted}, accepted {accepted}, new tokens {len(new)}: inconsistent counts")
+        steps = max(len(new) - accepted, 1)
+        return cls(draft_tokens=int(draft_tokens), token_ids=new, new_tokens=len(new), target_steps=steps,
+                   seconds=float(seconds), mean_accepted=accepted / steps,
+                   acceptance_rate=accepted / drafted if drafted else None, drafted=int(drafted),
+                   accepted=int(accepted), ttft_s=ttft_s,
+                   lossless=None if reference_ids is None else new == [int(t) for t in reference_ids],
+                   details=dict(details or {}))
+
+
+class FirstTokenClock:
+    """A transformers streamer (the ``BaseStreamer`` interface: put, end) that notes when the
+    first new token arrives: generate() puts the prompt first, then the tokens it keeps."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:  # noqa: ANN001 - a tensor
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int], *, draft_tokens: int,
@@ -138,7 +214,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int], *, 
         raise ValueError("a prompt, draft_tokens >= 1 and max_new_tokens >= 1 are needed")
     dev = next(target.parameters()).device
     ids = torch.tensor([[int(t) for t in prompt_ids]], dtype=torch.long, device=dev)
-    steps = [0]
+    steps, drafts = [0], [0]
     # transformers' candidate generator reads its draft length, schedule and confidence cut-off
     # from the draft model's own generation config (AssistedCandidateGenerator.__init__), not
     # from generate()'s arguments: set there for this call, put back after
@@ -148,20 +224,46 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int], *, 
     gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = int(draft_tokens), "constant"
     gc.assistant_confidence_threshold = 0.0  # falsy: no confidence stop, the k asked is the k drafted
     hook = target.register_forward_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    dhook = draft.register_forward_hook(lambda *a: drafts.__setitem__(0, drafts[0] + 1))
+    first = FirstTokenClock()
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
-                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
+                                  streamer=first)
             seconds = time.perf_counter() - t0
     finally:
         hook.remove()
+        dhook.remove()
         for k, v in saved.items():
             setattr(gc, k, v)
     new = [int(t) for t in out[0, ids.shape[1]:].tolist()]
-    n_steps = max(steps[0], 1)
-    mean_acc = len(new) / n_steps - 1.0
-    return SpeculativeRun(draft_tokens=int(draft_tokens), token_ids=new, new_tokens=len(new), target_steps=n_steps,
-                          seconds=seconds, mean_accepted=mean_acc, acceptance_rate=mean_acc / draft_tokens,
-                          lossless=None if reference_ids is None else new == [int(t) for t in reference_ids],
-                          details={"engine": "transformers assisted generation (constant num_assistant_tokens)"})
+    # each target forward verifies one draft and keeps its accepted tokens plus one of its own
+    accepted = max(0, min(len(new) - steps[0], drafts[0]))
+    return SpeculativeRun.from_counts(
+        draft_tokens=draft_tokens, token_ids=new, drafted=drafts[0], accepted=accepted, seconds=seconds,
+        ttft_s=None if first.first is None else first.first - t0, reference_ids=reference_ids,
+        details={"engine": "transformers assisted generation (constant num_assistant_tokens, no confidence "
+                           "cut-off)", "target_forwards": steps[0], "draft_forwards": drafts[0]})
+
+
+@dataclass
+class PairRuns:
+    """What one engine measured for one (target, draft) pair on one set of prompts.
+
+    Attributes:
+        alone: the target alone, one run per prompt (``draft_tokens`` 0, nothing drafted):
+            its greedy answer is the reference of ``lossless``.
+        runs: ``{k: one run per prompt}`` with the draft proposing ``k`` tokens per step.
+        peak_bytes: peak memory of both models together while serving (None: not measured).
+        memory_counter: what ``peak_bytes`` counts (e.g. "process RSS (llama-server)").
+        how: what ran, in words (engine, binary or library call, flags).
+        details: the engine's own extra figures.
+    """
+    alone: list[SpeculativeRun]
+    runs: dict[int, list[SpeculativeRun]]
+    peak_bytes: int | None = None
+    memory_counter: str | None = None
+    how: str = ""
+    details: dict = field(default_factory=dict)

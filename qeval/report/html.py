@@ -30,10 +30,12 @@ from ..analysis import RunAnalysis, analyse_run
 from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES
 from ..analysis.gate import load_run_checked, validate_section
 from ..analysis.pareto import GIB, decode_at, finite, quality_direction
+from ..analysis.speculative import SPEC_HEADERS, spec_caption, spec_table
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
 from ..errors import QevalInputError
 from ..recipe import ReportSpec
-from ..results import STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, short_error
+from ..results import (STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, read_speculative,
+                       short_error)
 from . import plots
 from .review import REPORT_LIMIT, TierReview, run_reviews
 from .table import (LOAD_HEADERS, RATE_HEADERS, SlowPath, _f, _gib, floor_line, load_caption, load_table,
@@ -74,7 +76,7 @@ def slow_path_flags(tiers: dict[str, TierResult], reference: str, depth: int,
 
 def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, RunAnalysis, ReportSpec]:
     run, tiers = load_run_checked(run_dir)  # run.json's own sections are checked there, naming the file
-    a = analyse_run(run, tiers, recipe_dict)
+    a = analyse_run(run, tiers, recipe_dict, speculative=read_speculative(RunLayout(run_dir)))
     spec = validate_section(ReportSpec, a.recipe.get("report"), "report")
     return run, a, spec
 
@@ -102,6 +104,10 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
             md.append(f"- `{n}` not on the rate ladder: {why}")
         md.append("")
     md += workload_markdown(a.tiers)
+    srows = spec_table(a.speculative)
+    if srows:
+        md += ["## Speculative decoding: a tier as another's draft", "", spec_caption(a.speculative) or "", "",
+               markdown_table(SPEC_HEADERS, srows)]
     unfinished = [(n, t) for n, t in a.tiers.items() if t.status != STATUS_OK]
     if unfinished:
         md += ["Tiers that did not finish:", ""]
@@ -158,6 +164,14 @@ def _workloads(a: RunAnalysis) -> list[dict]:
     for w in workload_sections(a.tiers):
         fn, cap = png.get(w["key"], (None, None))  # a workload without a plot (the burst): its table alone
         out.append(dict(w, src=_data_uri(fn(a.tiers)) if fn is not None else None, plot_caption=cap))
+    srows = spec_table(a.speculative)
+    if srows:  # not a load workload, but the same shape: a table, a caption, a plot
+        out.append({"key": "speculative", "title": "Speculative decoding: a tier as another's draft",
+                    "caption": spec_caption(a.speculative) or "", "headers": SPEC_HEADERS, "rows": srows,
+                    "src": _data_uri(plots.speculative_png(a.speculative)),
+                    "plot_caption": "Accepted draft tokens per verification step against the draft length k, per "
+                                    "pair and depth: measured (solid) and predicted from the fidelity run (dashed); "
+                                    "the dotted line is k, every drafted token accepted."})
     return out
 
 

@@ -139,5 +139,5 @@ def plan_text(run_dir: Path | None, model: str | None, gpu_mem: str | None, cont
     plan = build_plan(config=cfg, config_path=str(cfg_path) if cfg_path else None, tiers=tiers, results=results,
                       run_dir=str(run_dir) if run_dir is not None else None, run=run, gpu=g, memory_bytes=mem,
                       bandwidth_bytes_per_s=bw, usable=usable, overhead_bytes=over, context=context, users=users,
-                      dtype=dtype)
+                      dtype=dtype, speculative=[(p.target, p.draft) for p in rec.speculative] if rec is not None else None)
     return plan_json(plan) if as_json else plan_markdown(plan)

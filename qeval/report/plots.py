@@ -469,3 +469,38 @@ def grid_heatmap_png(tiers: dict[str, TierResult]) -> bytes | None:
     ax.set_title("Users at SLO per depth (context x concurrency)", fontsize=10)
     fig.colorbar(im, ax=ax, label="users at SLO")
     return _png(fig)
+
+
+def speculative_png(summaries: list) -> bytes | None:
+    """Accepted draft tokens per verification step (y) against the draft length k (x), one
+    colour per pair and depth: measured (solid, markers) and predicted from the fidelity run
+    (dashed; :class:`qeval.analysis.speculative.PairSummary`), with y = k dotted (every drafted
+    token accepted). None when no pair has figures."""
+    series = []
+    for s in summaries:
+        for d in sorted({r.depth for r in s.pair.rows}):
+            rows = sorted((r for r in s.pair.rows if r.depth == d and r.mean_accepted is not None),
+                          key=lambda r: r.draft_tokens)
+            if rows:
+                series.append((f"{s.name} @{d}", [(r.draft_tokens, r.mean_accepted, s.predicted(r.draft_tokens))
+                                                   for r in rows]))
+    if not series:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    ks = sorted({k for _, pts in series for k, _, _ in pts})
+    ax.plot(ks, ks, linestyle=":", color="grey", label="k (all accepted)")
+    for i, (label, pts) in enumerate(series):
+        ax.plot([k for k, _, _ in pts], [m for _, m, _ in pts], marker="o", color=_color(i), label=f"{label} measured")
+        pred = [(k, p) for k, _, p in pts if p is not None]
+        if pred:
+            ax.plot([k for k, _ in pred], [p for _, p in pred], linestyle="--", color=_color(i),
+                    label=f"{label} predicted")
+    ax.set_xticks(ks)
+    ax.set_xlabel("draft length k (tokens proposed per step)")
+    ax.set_ylabel("accepted draft tokens per step")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Speculative decoding: acceptance against draft length", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 
 from ..analysis import RunAnalysis
 from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
+from ..analysis.speculative import pair_results
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
 from ..results import (STATUS_OK, Behaviour, Fidelity, LoadPoint, LoadSection, LoadSlo, RatePoint, TierResult, get_path,
@@ -61,7 +62,9 @@ class Row:
     def v(self, metric: str, depth: int | None = None) -> float | None:
         """A metric's value; the reference's by-definition values (KLD 0, PPL ratio 1,
         same-top 1) when it finished without them."""
-        return metric_value(self.t, metric, depth, is_reference=self.is_ref and self.ok)
+        # a speculative pair's row keeps its target's spec (its quality is the target's own)
+        ref = self.is_ref or (self.t.spec or {}).get("name") == self.a.reference
+        return metric_value(self.t, metric, depth, is_reference=ref and self.ok)
 
     @property
     def fid(self) -> Fidelity:
@@ -629,7 +632,9 @@ def tier_table(a: RunAnalysis, slow: dict[str, SlowPath] | None = None) -> TierT
                                  if c.per_depth and c.depths == "long_context" and c.section == "long_context"]
     for sec in SECTIONS[1:]:
         tab.html[sec]["headers"].insert(0, {"text": first.header, "numeric": first.numeric})
-    for name, t in a.tiers.items():
+    rows = dict(a.tiers)
+    rows.update(pair_results(a.speculative, a.tiers))  # speculative pairs: memory both, speed measured, quality the target's
+    for name, t in rows.items():
         row = Row(name, t, a, slow.get(name))
         md: list[str] = []
         raw: dict[str, Any] = {}
