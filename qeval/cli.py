@@ -34,7 +34,7 @@ from .executors import make_executor
 from .paths import cache_root, staging_dir
 from .pipeline import default_lanes
 from .progress import RunProgress, planned_stages
-from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe, load_time_floor
+from .recipe import MAX_COUNT, MAX_TOKENS, load_recipe, load_time_floor, speculative_depths, speculative_engine
 from .report.outputs import OUTPUT_NAMES, build_outputs, plan_text
 from .report.review import item_changes_markdown, tier_review
 from .report.show import show as show_review
@@ -140,6 +140,10 @@ def describe_plan(recipe, only: list[str] | None = None) -> str:
     lines.append(f"gate     reference {g.reference}; candidates {', '.join(recipe.gate_candidates) or '-'}; "
                  f"depth {recipe.gate_depth}; rules {rules or 'none'}")
     lines += power_lines(recipe)
+    for pair in recipe.speculative:
+        lines.append(f"draft    {pair.target} with {pair.draft} drafting on {speculative_engine(recipe.tier(pair.target))[0]}: "
+                     f"k {', '.join(map(str, pair.draft_tokens))}; depths {speculative_depths(recipe, pair)}; "
+                     f"{pair.prompts} prompts x {pair.new_tokens} new tokens (after every tier)")
     floor = load_time_floor(recipe)
     if floor:
         n = len(only) if only is not None else len(recipe.tiers)

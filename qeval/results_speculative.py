@@ -45,6 +45,10 @@ class SpecDivergence(_Closed):
     speculative_token: int
     top_logits: list[float] = Field(default_factory=list)  # the target's top two logits there
     rounding_steps: float | None = None                     # their gap in units of the logits' dtype
+    # llama.cpp: the largest logit difference between the target's own two passes (one batch,
+    # one token at a time) over the positions before it (qeval.engines.llamacpp_spec.first_divergence)
+    path_noise: float | None = None
+    tie: bool | None = None                                 # a tie by its engine's rule (SpecRow)
 
 
 class SpecRow(_Closed):
@@ -64,9 +68,10 @@ class SpecRow(_Closed):
     speedup: float | None = None           # decode tok/s over the target alone's at this depth
     lossless_prompts: Count = 0            # prompts whose answer equals the target's own greedy answer
     lossless: bool = False                 # every prompt's did
-    # answers that differ first where the target's top two logits are within TIE_STEPS rounding
-    # steps of its logit dtype (a tie the batched verification pass may break the other way);
-    # None where the engine gives no logits to check (llama-server)
+    # answers that differ first at a tie of the target's own logits (SpecDivergence.tie:
+    # transformers, within TIE_STEPS rounding steps of the logits' dtype; llama.cpp, the target's
+    # own one-batch and one-token passes pick different tokens there), which the verification
+    # pass (several tokens in one forward) may break the other way
     tie_divergences: Count | None = None
     lossless_to_rounding: bool | None = None  # every answer equal, or differing first at such a tie
     divergences: list[SpecDivergence] = Field(default_factory=list)

@@ -71,7 +71,7 @@ def summarize(pair: SpeculativeSpec, depth: int, runs: PairRuns) -> tuple[SpecAl
         tps = _median([r.decode_tokens_per_s for r in rs])
         same = sum(1 for r in rs if r.lossless)
         divs = [r.details.get("divergence") for r in rs if not r.lossless and r.details.get("divergence")]
-        ties = sum(1 for v in divs if v.rounding_steps is not None and v.rounding_steps <= TIE_STEPS)
+        ties = sum(1 for v in divs if v.tie)
         checked = bool(runs.details.get("checks_ties"))
         rows.append(SpecRow(depth=depth, draft_tokens=k, prompts=len(rs), new_tokens=sum(r.new_tokens for r in rs),
                             drafted=drafted, accepted=accepted, target_steps=steps,
@@ -100,8 +100,9 @@ def first_divergence(model: Any, prompt: list[int], alone: list[int], spec: list
         logits = model(torch.tensor([prompt + alone[:i]], dtype=torch.long, device=dev)).logits[0, -1]
     top = torch.topk(logits.float(), 2).values.tolist()
     step = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top[0]), 1e-30)))
+    steps = (top[0] - top[1]) / step
     return SpecDivergence(prompt=index, position=i, alone_token=int(alone[i]), speculative_token=int(spec[i]),
-                          top_logits=top, rounding_steps=(top[0] - top[1]) / step)
+                          top_logits=top, rounding_steps=steps, tie=steps <= TIE_STEPS)
 
 
 def _timed_greedy(model: Any, prompt: list[int], new_tokens: int) -> SpeculativeRun:
@@ -157,7 +158,7 @@ def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], ar
                   recipe: Recipe, device: str, progress: Callable[[str], None]) -> tuple[dict[int, PairRuns], int | None, str, str]:
     """Both GGUF files in one llama-server (``-md``), per depth
     (:func:`qeval.engines.llamacpp_spec.speculative_server`)."""
-    from .engines.llamacpp_spec import speculative_server  # start-up time: only a llama.cpp pair needs it
+    from .engines.llamacpp_spec import first_divergence, speculative_server  # start-up time: a llama.cpp pair only
     out: dict[int, PairRuns] = {}
     peak, counter, how = None, "", ""
     ctx = max(prompts) + pair.new_tokens + max(pair.draft_tokens) + 16
@@ -166,6 +167,16 @@ def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], ar
         runs = speculative_server(artifacts[pair.target], artifacts[pair.draft], ps, list(pair.draft_tokens),
                                   pair.new_tokens, threads=recipe.threads, ctx_size=ctx, device=device,
                                   kv_cache=recipe.tier(pair.target).kv_cache)
+        for k, rs in runs.runs.items():  # why an answer differs: a tie of the target's own paths, or not
+            for i, (p, a, r) in enumerate(zip(ps, runs.alone, rs)):
+                if not r.lossless:
+                    v = first_divergence(artifacts[pair.target], p, a.token_ids, r.token_ids, threads=recipe.threads)
+                    if v is not None:
+                        r.details["divergence"] = SpecDivergence(
+                            prompt=i, position=v["position"], alone_token=v["reference_token"],
+                            speculative_token=v["answer_token"], top_logits=v["top_logits"],
+                            path_noise=v["path_noise"], tie=v["paths_disagree"])
+        runs.details["checks_ties"] = True
         out[d] = runs
         if runs.peak_bytes is not None:
             peak = max(peak or 0, runs.peak_bytes)

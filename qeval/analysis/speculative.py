@@ -145,8 +145,11 @@ def _divergence_text(r: SpecRow) -> str:
     and the target's own top-2 logit gap there, in rounding steps of its logits' dtype)."""
     n = r.prompts - r.lossless_prompts
     where = "; ".join(f"prompt {v.prompt} at token {v.position}: logits {v.top_logits[0]:.4g} vs "
-                      f"{v.top_logits[1]:.4g} ({v.rounding_steps:.1f} rounding steps)"
-                      for v in r.divergences[:3] if v.rounding_steps is not None and len(v.top_logits) == 2)
+                      f"{v.top_logits[1]:.4g} (" + (f"{v.rounding_steps:.1f} rounding steps" if v.rounding_steps is not None
+                                                    else "the target's own passes " + ("disagree" if v.tie else "agree")
+                                                    + " there") + ")"
+                      for v in r.divergences[:3] if len(v.top_logits) == 2
+                      and (v.rounding_steps is not None or v.path_noise is not None))
     tie = f", {r.tie_divergences} at a tie of the target's own logits" if r.tie_divergences else ""
     return f"{n} of {r.prompts} answers differ from the target's own{tie}" + (f" ({where})" if where else "")
 
@@ -162,8 +165,10 @@ def spec_caption(summaries: list[PairSummary]) -> str | None:
             "Acceptance = accepted / drafted; accepted/step = accepted / verification steps; predicted = the "
             f"fidelity run's expectation ({'; '.join(bases)}); decode tok/s and speed-up against the target alone "
             "on the same prompts; lossless = every answer equals the target's own token for token, \"to rounding\" = "
-            "the others first differ where the target's own top two logits are within two rounding steps of their "
-            "dtype (a tie the verification pass, several tokens in one forward, may break the other way). "
+            "the others first differ at a tie of the target's own top two logits, which the verification pass "
+            "(several tokens in one forward) may break the other way: within two rounding steps of the logits' "
+            "dtype (transformers); the target's own one-batch and one-token passes picking different tokens there "
+            "(llama.cpp). "
             f"Ran: {'; '.join(hows) or 'see the pairs'}.")
     if slow:
         text += (" A speed-up below 1 means each step's k draft forward passes cost more than the target passes "

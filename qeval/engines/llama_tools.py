@@ -1,8 +1,9 @@
 """llama.cpp's own command-line tools, built from the source llama-cpp-python compiled.
 
 qeval measures GGUF tiers through llama-cpp-python; llama.cpp's ``llama-bench``,
-``llama-batched-bench`` and ``llama-server`` are the independent yardsticks
-(``benchmarks/against_llama_cpp.py``, serving checks). None of them ships in the
+``llama-batched-bench``, ``llama-server`` and ``llama-speculative`` are the independent
+yardsticks (``benchmarks/against_llama_cpp.py``, serving checks,
+``benchmarks/speculative_llama.py``). None of them ships in the
 llama-cpp-python wheel, and a system llama.cpp would be another version, so they are built
 here from ``vendor/llama.cpp`` of the llama-cpp-python sdist of the *installed* version
 (fetched through pip as :mod:`qeval.engines.gguf_convert` does). Two flavours:
@@ -21,14 +22,27 @@ here from ``vendor/llama.cpp`` of the llama-cpp-python sdist of the *installed* 
 Cache layout (``$QEVAL_CACHE``, default ``~/.cache/qeval``)::
 
     llama_cpp_src/<version>/llama.cpp/        the whole vendored tree, kept
-    llama_tools/<version>-<flags hash>/bin/   llama-bench, llama-batched-bench, llama-server
-    llama_tools/<version>-<flags hash>/build.json   version, cmake arguments, seconds
+    llama_tools/<version>-<flags hash>/bin/   llama-bench, llama-batched-bench, llama-server,
+                                              llama-speculative
+    llama_tools/<version>-<flags hash>/build.json   version, cmake arguments, tools built, seconds
 
-All three tools come from one CMake build (static, so the binaries need no library path),
+All the tools come from one CMake build (static, so the binaries need no library path),
 made only when :func:`tool_path` or :func:`build_tools` is called (a recipe with a
-llama-server tier, a benchmark; never at install or test time): about 5 minutes on 2 cores. Concurrent callers wait on a file lock instead of
-building twice. ``QEVAL_LLAMA_CMAKE_ARGS`` replaces the portable flags (e.g.
+llama-server tier, a benchmark; never at install or test time): minutes on 2 cores (565 s
+here on 2026-12-05 for the four tools, the sdist's download and extraction not counted).
+Concurrent callers wait on a file lock instead of building twice. ``QEVAL_LLAMA_CMAKE_ARGS`` replaces the portable flags (e.g.
 ``-DGGML_CUDA=on`` on a CUDA machine); a different set of flags is a different cache entry.
+
+``llama-speculative`` (llama.cpp's ``examples/speculative``: a target and a draft model,
+greedy or sampled verification, the independent peer of qeval's speculative decoding figures)
+is an example, not a tool: its CMake target exists only with ``LLAMA_BUILD_EXAMPLES=ON``
+(``examples/CMakeLists.txt`` adds ``speculative`` under ``if (LLAMA_BUILD_COMMON AND
+LLAMA_BUILD_EXAMPLES)`` of the top ``CMakeLists.txt``), so the build configures the examples
+too and compiles only the named targets (``--target``). It is built where the source has
+``examples/speculative`` (:data:`EXAMPLE_TOOLS`); a tools folder without it is still complete
+(the trimmed source ``tools/llama_src_trim.py`` carries to a GPU machine drops ``examples/``,
+and its build places only llama-bench, llama-batched-bench and llama-server), and
+:func:`tool_path` then says so instead of building again.
 
 Command line::
 
@@ -57,8 +71,11 @@ from ..paths import cache_root
 from . import ggml_cpu
 from .gguf_convert import download_sdist, llama_cpp_version
 
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-speculative")
 """The tool names :func:`tool_path` accepts (CMake target names, also the binary names)."""
+EXAMPLE_TOOLS = {"llama-speculative": "examples/speculative"}
+"""Tools of :data:`TOOLS` from llama.cpp's ``examples/`` (name -> folder in the source): built
+only where the source has the folder; a tools folder is complete without them (module notes)."""
 
 # The Makefile's LLAMA_CPU_FLAGS (tests/test_llama_tools.py checks it): llama-cpp-python
 # with ggml's CPU variants as modules, one chosen at run time (qeval.engines.ggml_cpu).
@@ -72,10 +89,11 @@ CUDA_CMAKE_ARGS = "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native"
 CMAKE_ARGS_ENV = "QEVAL_LLAMA_CMAKE_ARGS"
 FLAVORS = ("qeval", "native")
 
-# Fixed for every build: a static Release build of the tools only, with no network at build
-# time (no curl, no web UI download) and no tests or examples.
+# Fixed for every build: a static Release build of the tools, with no network at build time
+# (no curl, no web UI download) and no tests; the examples are configured (llama-speculative's
+# target exists only then) and only the targets named are compiled.
 _FIXED_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
                "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF")
 _MARKER = ".qeval-complete"
@@ -153,8 +171,19 @@ def tools_dir(version: str | None = None, args: list[str] | None = None) -> Path
     return _cache() / "llama_tools" / f"{version}-{key}"
 
 
+def _core_tools() -> tuple[str, ...]:
+    """The tools every complete tools folder holds (:data:`TOOLS` less :data:`EXAMPLE_TOOLS`)."""
+    return tuple(t for t in TOOLS if t not in EXAMPLE_TOOLS)
+
+
 def _tools_present(folder: Path) -> bool:
-    return (folder / _MARKER).is_file() and all(os.access(folder / "bin" / t, os.X_OK) for t in TOOLS)
+    return (folder / _MARKER).is_file() and all(os.access(folder / "bin" / t, os.X_OK) for t in _core_tools())
+
+
+def build_targets(src: Path) -> list[str]:
+    """The CMake targets a tools build of the llama.cpp tree ``src`` makes: every tool of
+    :data:`TOOLS` but the examples whose folder ``src`` lacks (:data:`EXAMPLE_TOOLS`)."""
+    return [t for t in TOOLS if t not in EXAMPLE_TOOLS or (src / EXAMPLE_TOOLS[t] / "CMakeLists.txt").is_file()]
 
 
 @contextmanager
@@ -221,9 +250,10 @@ def ensure_source(version: str | None = None, log: Callable[[str], None] = print
 
 def build_tools(version: str | None = None, log: Callable[[str], None] = print,
                 timeout: float = 3600.0, jobs: int | None = None, flavor: str = "qeval") -> Path:
-    """Build (when missing) llama-bench, llama-batched-bench and llama-server in one CMake
-    build of the vendored source of llama-cpp-python ``version`` (default: installed);
-    returns the folder whose ``bin/`` holds them.
+    """Build (when missing) llama-bench, llama-batched-bench, llama-server and, where the
+    source has it, llama-speculative (:func:`build_targets`) in one CMake build of the vendored
+    source of llama-cpp-python ``version`` (default: installed); returns the folder whose
+    ``bin/`` holds them.
 
     Args:
         timeout: seconds for configure plus build (s).
@@ -245,7 +275,8 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
         src = ensure_source(version, log=log)
         out.parent.mkdir(parents=True, exist_ok=True)
         jobs = jobs or os.cpu_count() or 1
-        log(f"building {', '.join(TOOLS)} from llama-cpp-python {version}'s llama.cpp "
+        targets = build_targets(src)
+        log(f"building {', '.join(targets)} from llama-cpp-python {version}'s llama.cpp "
             f"({' '.join(args[len(_FIXED_ARGS):])}); minutes on 2 cores")
         t0 = time.time()
         with tempfile.TemporaryDirectory(prefix=f"{out.name}-", dir=out.parent) as td:
@@ -253,7 +284,7 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
             logf = Path(td) / "build.log"
             steps = [["cmake", "-S", str(src), "-B", str(build), *args],
                      ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
-                      "--target", *TOOLS]]
+                      "--target", *targets]]
             with open(logf, "w") as lf:
                 for cmd in steps:
                     left = timeout - (time.time() - t0)
@@ -268,10 +299,10 @@ def build_tools(version: str | None = None, log: Callable[[str], None] = print,
                                            f"llama.cpp tools:\n{tail}")
             stage = Path(td) / "out"
             (stage / "bin").mkdir(parents=True)
-            for t in TOOLS:
+            for t in targets:
                 shutil.copy2(build / "bin" / t, stage / "bin" / t)
             info = {"llama_cpp_python": version, "cmake_args": args, "seconds": round(time.time() - t0, 1),
-                    "tools": list(TOOLS), "source": str(src), "flavor": flavor}
+                    "tools": targets, "source": str(src), "flavor": flavor}
             (stage / "build.json").write_text(json.dumps(info, indent=1) + "\n")
             (stage / _MARKER).write_text("ok\n")
             shutil.rmtree(out, ignore_errors=True)
@@ -290,7 +321,9 @@ def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = pri
 
     Raises:
         ValueError: ``name`` is not in :data:`TOOLS`.
-        FileNotFoundError: not built yet and ``build`` is False.
+        FileNotFoundError: not built yet and ``build`` is False; or an example tool
+            (:data:`EXAMPLE_TOOLS`) missing from a complete tools folder (built from a source
+            without its folder, e.g. the trimmed GPU source: never rebuilt here).
         RuntimeError: llama-cpp-python is not installed, or fetching/building failed.
     """
     if name not in TOOLS:
@@ -300,7 +333,11 @@ def tool_path(name: str, *, build: bool = True, log: Callable[[str], None] = pri
         if not build:
             raise FileNotFoundError(f"{name} is not built yet ({folder}); run python -m qeval.engines.llama_tools --build")
         folder = build_tools(log=log, flavor=flavor)
-    return folder / "bin" / name
+    path = folder / "bin" / name
+    if name in EXAMPLE_TOOLS and not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{name} is not in {folder / 'bin'}: that build's llama.cpp source had no "
+                                f"{EXAMPLE_TOOLS[name]} (remove the folder to build again from the full source)")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for n in (a.names or TOOLS):
+    for n in (a.names or [t for t in TOOLS if (folder / "bin" / t).exists()]):
         print(folder / "bin" / n)
     return 0
 
