@@ -536,10 +536,10 @@ class Fidelity(_Closed):
     kld_estimate: str | None = None  # None: full vocabulary; else e.g. "top-20 (...)": a server's top-k
     kld_topk: int | None = None      # k of that estimate
     not_measured: str | None = None  # why there is no figure (a chat-mode endpoint: no teacher-forced scoring)
-    # same_top_runs[j]: positions where the stretch of agreeing top tokens starting there is j
-    # long (the last entry: that long or longer; qeval.measure.fidelity.SAME_TOP_RUNS_CAP):
-    # what a draft of this tier would get accepted per step (qeval.measure.speculative)
-    same_top_runs: list[int] | None = None
+    # same_top_spec[k - 1] = [accepted, steps] of the greedy speculative loop replayed along the
+    # reference's answers with this tier as the draft of draft length k (k = 1..16;
+    # qeval.measure.speculative.speculative_steps): accepted / steps is what it predicts per step
+    same_top_spec: list[list[int]] | None = None
 
 
 class Behaviour(_Closed):

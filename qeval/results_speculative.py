@@ -7,7 +7,7 @@ Definitions of every figure: :mod:`qeval.measure.speculative` (drafted, accepted
 rate = accepted / drafted, verification steps = new tokens - accepted, mean accepted per
 step = accepted / steps). Seconds, tokens/s, bytes. What the fidelity run predicts for a pair
 is not stored here: :mod:`qeval.analysis.speculative` computes it from the draft tier's
-``quality.fidelity.same_top_runs`` whenever a table or report is drawn.
+``quality.fidelity.same_top_spec`` whenever a table or report is drawn.
 """
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ class SpecRow(_Closed):
     decode_tokens_per_s: float | None = None
     ttft_s: float | None = None
     speedup: float | None = None           # decode tok/s over the target alone's at this depth
+    # expected accepted per step from the draft's teacher-forced agreement with the target's own
+    # answers to these prompts (qeval.speculative_stage); the fidelity run's prediction is the report's
+    predicted_same_prompts: float | None = None
     lossless_prompts: Count = 0            # prompts whose answer equals the target's own greedy answer
     lossless: bool = False                 # every prompt's did
     # answers that differ first at a tie of the target's own logits (SpecDivergence.tie:

@@ -14,6 +14,10 @@ exactly that many tokens cut from ``speed.depth_text`` at different offsets:
   the logits' dtype is a tie that the verification pass (several tokens in one forward, other
   matmul shapes, other rounding) may break the other way, seen on SmolLM2 in BF16 (logits
   12.8125 and 12.75: one BF16 step); a wider gap is a real difference;
+* the draft's teacher-forced agreement with the target's own answers to these prompts, as
+  a second prediction beside the fidelity run's (``predicted_same_prompts``): a gap between
+  the two predictions is the texts (the suites' answers against the depth text), a gap
+  between this one and the measurement is the engine's loop;
 * peak memory with both models loaded (the process's VmHWM above the baseline taken before
   they load on the CPU; torch's peak allocation on CUDA; llama-server's own RSS).
 
@@ -33,7 +37,7 @@ from typing import Any, Callable
 
 from .engines.hf import pick_device
 from .measure.memory import PeakMemory, release_freed_memory, rss_bytes
-from .measure.speculative import FirstTokenClock, PairRuns, SpeculativeRun, speculative_generate
+from .measure.speculative import FirstTokenClock, PairRuns, SpeculativeRun, accepted_per_step, speculative_generate
 from .measure.speed import depth_prompt_ids
 from .recipe import Recipe, SpeculativeSpec, speculative_depths, speculative_engine
 from .results import (STATUS_OK, RunLayout, SpecAlone, SpecDivergence, SpecPair, SpecRow, read_stage, read_tier_result,
@@ -60,6 +64,7 @@ def summarize(pair: SpeculativeSpec, depth: int, runs: PairRuns) -> tuple[SpecAl
     """The stage file's figures at one depth from an engine's :class:`PairRuns` (counts
     summed over prompts, rates their medians; speed-up = the medians' ratio)."""
     alone_tps = _median([r.decode_tokens_per_s for r in runs.alone])
+    agree = runs.details.get("agreement") or []
     alone = SpecAlone(depth=depth, prompts=len(runs.alone), decode_tokens_per_s=alone_tps,
                       ttft_s=_median([r.ttft_s for r in runs.alone]))
     rows = []
@@ -82,7 +87,7 @@ def summarize(pair: SpeculativeSpec, depth: int, runs: PairRuns) -> tuple[SpecAl
                             lossless_prompts=same, lossless=bool(rs) and same == len(rs),
                             tie_divergences=ties if checked else None,
                             lossless_to_rounding=(bool(rs) and same + ties == len(rs)) if checked else None,
-                            divergences=divs))
+                            divergences=divs, predicted_same_prompts=accepted_per_step(agree, k)))
     return alone, rows
 
 
@@ -103,6 +108,17 @@ def first_divergence(model: Any, prompt: list[int], alone: list[int], spec: list
     steps = (top[0] - top[1]) / step
     return SpecDivergence(prompt=index, position=i, alone_token=int(alone[i]), speculative_token=int(spec[i]),
                           top_logits=top, rounding_steps=steps, tie=steps <= TIE_STEPS)
+
+
+def transformers_agreement(draft: Any, prompt: list[int], answer: list[int]) -> list[bool]:
+    """Teacher-forced agreement of the draft with the target's own answer: ``out[j]`` is True
+    where the draft's top token after the prompt and ``answer[:j]`` is ``answer[j]`` (one
+    forward pass over both)."""
+    import torch  # start-up time: torch loads only in stage processes
+    dev = next(draft.parameters()).device
+    with torch.inference_mode():
+        logits = draft(torch.tensor([prompt + answer[:-1]], dtype=torch.long, device=dev)).logits[0, len(prompt) - 1:]
+    return [int(t) == int(a) for t, a in zip(logits.argmax(dim=-1).tolist(), answer)]
 
 
 def _timed_greedy(model: Any, prompt: list[int], new_tokens: int) -> SpeculativeRun:
@@ -147,7 +163,8 @@ def transformers_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]]
             for i, (p, a, r) in enumerate(zip(ps, alone, runs[k])):  # why an answer differs: a tie, or not
                 if not r.lossless:
                     r.details["divergence"] = first_divergence(tm, p, a.token_ids, r.token_ids, i)
-        out[d] = PairRuns(alone=alone, runs=runs, details={"checks_ties": True})
+        out[d] = PairRuns(alone=alone, runs=runs, details={"checks_ties": True, "agreement": [
+            transformers_agreement(dm, p, a.token_ids) for p, a in zip(ps, alone)]})
     used = peak.read()
     for e in (target, draft):
         e.close()
@@ -158,7 +175,8 @@ def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], ar
                   recipe: Recipe, device: str, progress: Callable[[str], None]) -> tuple[dict[int, PairRuns], int | None, str, str]:
     """Both GGUF files in one llama-server (``-md``), per depth
     (:func:`qeval.engines.llamacpp_spec.speculative_server`)."""
-    from .engines.llamacpp_spec import first_divergence, speculative_server  # start-up time: a llama.cpp pair only
+    from .engines.llamacpp_spec import (draft_agreement, first_divergence,  # start-up time: a llama.cpp pair only
+                                        speculative_server)
     out: dict[int, PairRuns] = {}
     peak, counter, how = None, "", ""
     ctx = max(prompts) + pair.new_tokens + max(pair.draft_tokens) + 16
@@ -167,6 +185,8 @@ def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], ar
         runs = speculative_server(artifacts[pair.target], artifacts[pair.draft], ps, list(pair.draft_tokens),
                                   pair.new_tokens, threads=recipe.threads, ctx_size=ctx, device=device,
                                   kv_cache=recipe.tier(pair.target).kv_cache)
+        runs.details["agreement"] = [draft_agreement(artifacts[pair.draft], p, a.token_ids, threads=recipe.threads)
+                                     for p, a in zip(ps, runs.alone)]
         for k, rs in runs.runs.items():  # why an answer differs: a tie of the target's own paths, or not
             for i, (p, a, r) in enumerate(zip(ps, runs.alone, rs)):
                 if not r.lossless:

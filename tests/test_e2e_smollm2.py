@@ -226,10 +226,13 @@ def test_speculative_pair_on_the_default_model_is_lossless_beside_its_prediction
         assert 0 < r.drafted and 0 <= r.accepted <= r.drafted and r.target_steps == r.new_tokens - r.accepted
         assert r.mean_accepted is not None and r.mean_accepted <= r.draft_tokens
         assert r.speedup is not None and r.speedup > 0
-    hist = rows["int8"]["quality"]["fidelity"]["same_top_runs"]
-    assert sum(hist) == rows["int8"]["quality"]["fidelity"]["n_tokens"]
+    spec = rows["int8"]["quality"]["fidelity"]["same_top_spec"]
+    assert len(spec) == 16 and all(0 <= a <= (k + 1) * st for k, (a, st) in enumerate(spec))
+    assert spec[0][0] + spec[0][1] <= rows["int8"]["quality"]["fidelity"]["n_tokens"]  # k=1: each position once
     _, tiers = load_run(run_dir)
     (s,) = pair_summaries(stage, tiers, "bf16")
     assert s.predicted(2) is not None and s.predicted(2) <= s.predicted(4) <= 4
+    for r in pair.rows:  # the same replay on the measured prompts, beside the fidelity run's
+        assert r.predicted_same_prompts is not None and 0 <= r.predicted_same_prompts <= r.draft_tokens
     table = (run_dir / "table.md").read_text()
     assert "| bf16+int8 k=2 |" in table and "## Speculative decoding" in table

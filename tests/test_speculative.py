@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qeval.measure.speculative import (accepted_from_runs, expected_accepted, expected_speedup,
-                                       speculative_generate)
+from qeval.measure.speculative import (accepted_per_step, expected_accepted, expected_speedup,
+                                       speculative_generate, speculative_steps)
 
 
 def test_expected_accepted_and_speedup_on_known_cases():
@@ -24,14 +24,19 @@ def test_expected_accepted_and_speedup_on_known_cases():
         expected_speedup(0.5, 2, 0.0)
 
 
-def test_accepted_from_agreement_runs_caps_each_stretch_at_k():
-    # stretches starting at each position: 2, 1, 0, 3, 2, 1 -> capped at 2: 2, 1, 0, 2, 2, 1
-    assert accepted_from_runs([True, True, False, True, True, True], 2) == pytest.approx(8 / 6)
-    assert accepted_from_runs([True] * 5, 3) == pytest.approx((3 + 3 + 3 + 2 + 1) / 5)
-    assert accepted_from_runs([], 2) is None
-    # agreement in stretches accepts more than independent positions of the same rate predict
-    flags = [True] * 8 + [False] * 2
-    assert accepted_from_runs(flags, 4) > expected_accepted(0.8, 4) * 0.9
+def test_the_greedy_loop_replayed_along_an_answer():
+    # k=2 along T T F T T T: step 1 keeps 2 (pos 0-1) + own (pos 2); step 2 keeps 2 (3-4) + own (5): 4 in 2 steps
+    assert speculative_steps([True, True, False, True, True, True], 2) == (4, 2)
+    # a step after a disagreement starts fresh: F T T T with k=4 keeps 0 (own at 0), then 2 (room: 3 - 1) + own
+    assert speculative_steps([False, True, True, True], 4) == (2, 2)
+    # never more than the tokens left - 1: 5 agreeing tokens, k=8 -> 4 kept + the target's own
+    assert speculative_steps([True] * 5, 8) == (4, 1)
+    assert speculative_steps([], 2) == (0, 0) and accepted_per_step([[], []], 2) is None
+    assert accepted_per_step([[True, True, False], [False]], 2) == pytest.approx(2 / 2)
+    # full agreement: every step keeps k (50 = 10 steps of 4 kept + 1 own)
+    assert accepted_per_step([[True] * 50], 4) == 4.0
+    with pytest.raises(ValueError):
+        speculative_steps([True], 0)
 
 
 def test_speculative_answer_is_the_targets_own_and_counts_its_steps(tiny_llama):
@@ -59,35 +64,22 @@ def test_speculative_answer_is_the_targets_own_and_counts_its_steps(tiny_llama):
 
 # ---- the fidelity run's prediction: agreeing stretches ------------------------------------------
 
-def test_same_top_runs_histogram_breaks_at_answer_boundaries():
-    import numpy as np
-    from qeval.measure.fidelity import same_top_runs
-    from qeval.measure.speculative import accepted_from_hist
-    flags = np.array([True, True, False, True, True, True, True])
-    pos = np.array([0, 1, 2, 3, 4, 0, 1])  # a second answer starts at index 5
-    h = same_top_runs(flags, pos, cap=4)
-    # stretches from each position: 2, 1, 0, 2, 1 | 2, 1 (the run does not cross into the next answer)
-    assert h.tolist() == [1, 3, 3, 0, 0]
-    assert accepted_from_hist(h.tolist(), 2) == pytest.approx(accepted_from_runs([True, True, False, True, True], 2)
-                                                              * 5 / 7 + (2 + 1) / 7)
-    capped = same_top_runs(np.ones(10, dtype=bool), np.arange(10), cap=4)
-    assert capped.tolist() == [0, 1, 1, 1, 7]  # 10..4 -> the last bin
-    with pytest.raises(ValueError):
-        accepted_from_hist(capped.tolist(), 5)  # beyond the last bin: unknown
-
-
-def test_fidelity_summary_carries_the_histogram():
+def test_fidelity_summary_replays_the_loop_within_each_answer():
     import numpy as np
     from qeval.measure.fidelity import FidelityAccumulator
     acc = FidelityAccumulator()
-    ref = np.log(np.full((4, 3), 1 / 3))
+    ref = np.log(np.full((6, 3), 1 / 3))
     ref[:, 0] += 0.5  # the reference's top token is 0 everywhere
     tier = ref.copy()
-    tier[2, 1] += 1.0  # the tier's top is 1 at position 2
-    acc.add(ref, tier, np.zeros(4, dtype=int), np.arange(4))
+    tier[2, 1] += 1.0  # the tier's top is 1 at row 2
+    # rows 0-3 one answer (positions 0..3), rows 4-5 another (positions 0, 1): the loop does not cross
+    acc.add(ref, tier, np.zeros(6, dtype=int), np.array([0, 1, 2, 3, 0, 1]))
     s = acc.summary()
-    assert s["same_top_rate"] == 0.75 and sum(s["same_top_runs"]) == 4
-    assert s["same_top_runs"][:3] == [1, 2, 1]  # stretches 2, 1, 0, 1
+    assert s["same_top_rate"] == pytest.approx(5 / 6) and len(s["same_top_spec"]) == 16
+    # k=2: answer 1 (T T F T): keep 2 + own, then own -> (2, 2); answer 2 (T T): keep 1 + own -> (1, 1)
+    assert s["same_top_spec"][1] == [3, 3]
+    # k=1: answer 1: keep 1 + own (0-1), own at 2 (F), own at 3 -> (1, 3); answer 2: (1, 1)
+    assert s["same_top_spec"][0] == [2, 4]
 
 
 # ---- into decisions: the stage file read by the table, the report and the plan ------------------
@@ -102,7 +94,7 @@ def _pair_run(tmp_path, *, error: str | None = None, lossless: bool = True):
     shutil.copytree(FIXTURE_RUN, run_dir)
     layout = RunLayout(run_dir)
     draft = read_tier_result(layout, "int8")
-    draft.quality.fidelity.same_top_runs = [1, 1, 2, 6]  # positions: stretch 0, 1, 2, >= 3
+    draft.quality.fidelity.same_top_spec = [[10, 10], [17, 10], [20, 9]]  # k = 1, 2, 3 replayed
     from qeval.results import write_tier_result
     write_tier_result(layout, draft)
     rows = [SpecRow(depth=64, draft_tokens=k, prompts=2, new_tokens=64, drafted=20 * k, accepted=acc,
@@ -128,8 +120,9 @@ def test_pair_rows_in_the_table_report_and_plan(tmp_path, monkeypatch):
     run, tiers = load_run(run_dir)
     stage = read_speculative(RunLayout(run_dir))
     (s,) = pair_summaries(stage, tiers, "bf16")
-    # predicted from the stretches: k=2: (0*1 + 1*1 + 2*2 + 2*6) / 10; k=4: (0 + 1 + 4 + 3*6) / 10
-    assert s.predicted(2) == pytest.approx(1.7) and s.predicted(4) == pytest.approx(2.3)
+    # predicted from the replayed loop: k=2 17 / 10; k=4 is past the table: the independent formula
+    assert s.predicted(2) == pytest.approx(1.7)
+    assert s.predicted(4) == pytest.approx(expected_accepted(tiers["int8"].quality.fidelity.same_top_rate, 4))
     r2, r4 = s.pair.rows
     assert r2.mean_accepted == pytest.approx(30 / 34) and s.flagged(r2)  # 0.88 vs 1.7: flagged
     rows = pair_results([s], tiers)

@@ -2,11 +2,11 @@
 measured, and each (pair, draft length) as a row of the tier table.
 
 Prediction (:mod:`qeval.measure.speculative`): at greedy a drafted token is kept while it
-equals the target's choice, so the draft tier's agreeing stretches along the reference's
-greedy continuations (``quality.fidelity.same_top_runs``, teacher-forced on the reference's
-own answers) give the expected accepted tokens per step, ``sum_j min(j, k) hist[j] /
-sum_j hist[j]``; without that histogram (a run from before it existed) the independent
-estimate from the same-top rate ``alpha``, ``alpha (1 - alpha^k) / (1 - alpha)``. Both compare
+equals the target's choice, so the greedy loop replayed along the reference's answers with
+the draft tier's teacher-forced top tokens (``quality.fidelity.same_top_spec``: accepted and
+steps per k) gives the expected accepted tokens per step; for a k past its table, or a run
+from before it existed, the independent estimate from the same-top rate ``alpha``,
+``alpha (1 - alpha^k) / (1 - alpha)`` (said so in the table's caption). Both compare
 the draft with the *reference* tier; for another target they are an approximation, and the
 row says so. A measured figure more than :data:`GAP_FLAG` away from the prediction is
 flagged.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..measure.speculative import accepted_from_hist, expected_accepted
+from ..measure.speculative import expected_accepted
 from ..results import Memory, SpecPair, SpecRow, SpeedPoint, SpeculativeStage, TierResult, get_path
 
 #: |measured / predicted - 1| above this flags a row: the prediction's assumptions (greedy,
@@ -35,13 +35,13 @@ class PairSummary:
     Attributes:
         pair: the stage's record.
         alpha: the draft tier's same-top rate against the reference (None: not measured).
-        hist: the draft tier's agreeing-stretch histogram (None: not in its result).
+        spec: the draft tier's replayed loop, ``[accepted, steps]`` per k = 1.. (None: not in its result).
         basis: what the prediction compares ("the reference" or "the reference, not the
             target bf16-kv8: an approximation").
     """
     pair: SpecPair
     alpha: float | None = None
-    hist: list[int] | None = None
+    spec: list[list[int]] | None = None
     basis: str = "the reference"
     notes: list[str] = field(default_factory=list)
 
@@ -51,19 +51,19 @@ class PairSummary:
         return f"{self.pair.target}+{self.pair.draft}"
 
     def predicted(self, k: int) -> float | None:
-        """Expected draft tokens accepted per step at draft length ``k`` (module docstring);
-        for ``k`` past the histogram's last bin (stretches that long or longer) a lower bound:
-        the figure at that bin's length."""
-        if self.hist and sum(self.hist):
-            return accepted_from_hist(self.hist, min(k, len(self.hist) - 1))
+        """Expected draft tokens accepted per step at draft length ``k`` (module docstring)."""
+        if self.spec and k <= len(self.spec) and self.spec[k - 1][1]:
+            accepted, steps = self.spec[k - 1]
+            return accepted / steps
         if self.alpha is not None:
             return expected_accepted(self.alpha, k)
         return None
 
-    def predicted_source(self) -> str:
-        """Where :meth:`predicted` comes from, in words."""
-        if self.hist and sum(self.hist):
-            return f"the draft's agreeing stretches vs {self.basis} ({sum(self.hist)} positions)"
+    def predicted_source(self, k: int | None = None) -> str:
+        """Where :meth:`predicted` comes from, in words (for ``k``, or the table's k)."""
+        if self.spec and (k is None or k <= len(self.spec)) and self.spec[0][1]:
+            return (f"the greedy loop replayed along the reference's answers with the draft's teacher-forced top tokens "
+                    f"vs {self.basis} ({sum(self.spec[0])} positions)")
         if self.alpha is not None:
             return f"the draft's same-top rate vs {self.basis}, positions taken as independent"
         return "no fidelity figures for the draft"
@@ -89,7 +89,7 @@ def pair_summaries(stage: SpeculativeStage | None, tiers: dict[str, TierResult],
         fid = get_path(d, "quality", "fidelity") if d is not None else None
         basis = "the reference" if p.target == reference else \
             f"the reference {reference}, not the target {p.target}: an approximation"
-        out.append(PairSummary(p, alpha=getattr(fid, "same_top_rate", None), hist=getattr(fid, "same_top_runs", None),
+        out.append(PairSummary(p, alpha=getattr(fid, "same_top_rate", None), spec=getattr(fid, "same_top_spec", None),
                                basis=basis))
     return out
 
@@ -103,6 +103,7 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
 
 
 SPEC_HEADERS = ["pair", "depth", "k", "drafted", "accepted", "acceptance", "accepted/step", "predicted",
+                "predicted (these prompts)",
                 "decode tok/s", "alone tok/s", "speed-up", "TTFT s", "alone TTFT s", "lossless", "peak GiB (both)",
                 "notes"]
 
@@ -125,7 +126,7 @@ def spec_table(summaries: list[PairSummary]) -> list[list[str]]:
                 notes.append(_divergence_text(r))
             rows.append([s.name, str(r.depth), str(r.draft_tokens), str(r.drafted), str(r.accepted),
                          _f(r.acceptance_rate and 100 * r.acceptance_rate, ".0f") + ("%" if r.acceptance_rate is not None else ""),
-                         _f(r.mean_accepted), _f(pred), _f(r.decode_tokens_per_s, ".1f"),
+                         _f(r.mean_accepted), _f(pred), _f(r.predicted_same_prompts), _f(r.decode_tokens_per_s, ".1f"),
                          _f(alone.decode_tokens_per_s if alone else None, ".1f"), _f(r.speedup),
                          _f(r.ttft_s, ".3f"), _f(alone.ttft_s if alone else None, ".3f"),
                          lossless_text(r), _gib(p.peak_bytes), "; ".join(notes)])
@@ -163,7 +164,10 @@ def spec_caption(summaries: list[PairSummary]) -> str | None:
     slow = [s.name for s in summaries for r in s.pair.rows if r.speedup is not None and r.speedup < 1]
     text = ("The target served with a smaller tier as its draft (k tokens proposed per verification step), greedy. "
             "Acceptance = accepted / drafted; accepted/step = accepted / verification steps; predicted = the "
-            f"fidelity run's expectation ({'; '.join(bases)}); decode tok/s and speed-up against the target alone "
+            f"fidelity run's expectation ({'; '.join(bases)}); predicted (these prompts) = the same expectation from "
+            "the draft's teacher-forced agreement with the target's own answers to the measured prompts (a gap "
+            "between the two predictions is the texts, the suites' answers against the depth text; one between "
+            "this and the measurement is the engine's loop); decode tok/s and speed-up against the target alone "
             "on the same prompts; lossless = every answer equals the target's own token for token, \"to rounding\" = "
             "the others first differ at a tie of the target's own top two logits, which the verification pass "
             "(several tokens in one forward) may break the other way: within two rounding steps of the logits' "

@@ -396,10 +396,41 @@ def first_divergence(target_gguf: str | Path, prompt: Sequence[int], reference: 
             "path_noise": float(np.abs(batch - single).max()), "path_noise_positions": int(tail)}
 
 
+def draft_agreement(draft_gguf: str | Path, prompt: Sequence[int], answer: Sequence[int], *,
+                    threads: int = 1) -> list[bool]:
+    """Teacher-forced agreement of the draft (a GGUF file, or an artifact folder holding one) with
+    the target's own answer: ``out[j]`` is True
+    where the draft's top token after the prompt and ``answer[:j]`` is ``answer[j]`` (its
+    logits over the prompt and the answer in one batch, llama-cpp-python ``logits_all``, every
+    layer on the CPU); the speculative stage's same-prompt prediction
+    (:func:`qeval.measure.speculative.accepted_per_step`).
+
+    Raises:
+        ValueError: ``draft_gguf`` is missing, or an empty prompt or answer.
+    """
+    draft_gguf = _gguf("draft", draft_gguf)
+    if not prompt or not answer:
+        raise ValueError("a prompt and an answer of at least one token each")
+    import llama_cpp  # optional: the qeval[gguf] extra
+    import numpy as np  # start-up time: only a llama.cpp pair is looked at
+    from .llamacpp import cpu_backend  # start-up time: llama-cpp-python loads only here
+    cpu_backend()
+    seq = [int(t) for t in prompt] + [int(t) for t in answer[:-1]]
+    n_ctx = -(-(len(seq) + 1) // 256) * 256
+    llm = llama_cpp.Llama(model_path=str(draft_gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, flash_attn=False, n_gpu_layers=0, verbose=False)
+    try:
+        llm.eval(seq)
+        rows = np.asarray(llm.scores[len(prompt) - 1:len(seq)], dtype=np.float32)
+    finally:
+        llm.close()
+    return [bool(int(t) == int(a)) for t, a in zip(rows.argmax(axis=1), answer)]
+
+
 def _ttft(timings: dict) -> float | None:
     """``timings.prompt_ms`` in seconds (a TTFT proxy), None when absent."""
     ms = timings.get("prompt_ms")
     return float(ms) / 1000.0 if isinstance(ms, (int, float)) else None
 
 
-__all__ = ["speculative_server", "draft_args", "first_divergence", "ServerFailed"]
+__all__ = ["speculative_server", "draft_args", "draft_agreement", "first_divergence", "ServerFailed"]

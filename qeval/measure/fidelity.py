@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .speculative import SPEC_K_MAX, speculative_steps
+
 ROUND = np.float16
 DEFAULT_BUCKETS = ((0, 255), (256, 1023), (1024, None))
 
@@ -65,31 +67,12 @@ def kld_rows(ref_logp: np.ndarray, tier_logp: np.ndarray) -> np.ndarray:
     return np.maximum(d.sum(axis=1, dtype=np.float64), 0.0)
 
 
-#: Longest agreeing stretch :func:`same_top_runs` tells apart (the last bin holds longer ones):
-#: past 16 drafted tokens no speculative setting in use gains from knowing more.
-SAME_TOP_RUNS_CAP = 16
-
-
-def same_top_runs(same_top: np.ndarray, positions: np.ndarray, cap: int = SAME_TOP_RUNS_CAP) -> np.ndarray:
-    """Histogram of agreeing stretches: ``out[j]`` = positions where the tier's top token
-    equals the reference's there and at the next ``j - 1`` positions of the same answer, and
-    not at the ``j``-th (``out[cap]``: ``cap`` or more). A stretch ends where the positions
-    stop counting up by one (another answer or window), so one cut by a window boundary is
-    counted short. Shapes: ``same_top`` and ``positions`` ``[m]``; returns ``[cap + 1]`` ints.
-
-    What a draft tier would get accepted per step at greedy, draft length k (Leviathan et
-    al. 2023: a drafted token is kept while it equals the target's choice):
-    ``sum_j min(j, k) out[j] / sum_j out[j]`` (:func:`qeval.measure.speculative.accepted_from_hist`).
-    """
-    flags = np.asarray(same_top, dtype=bool)
+def contiguous_segments(values: np.ndarray, positions: np.ndarray) -> list[np.ndarray]:
+    """``values`` cut where ``positions`` stop counting up by one (another answer or window):
+    each piece one stretch of consecutive positions of one answer. Shapes ``[m]``."""
     pos = np.asarray(positions)
-    runs = np.zeros(len(flags), dtype=np.int64)
-    run = 0
-    for i in range(len(flags) - 1, -1, -1):
-        contiguous = i + 1 < len(flags) and pos[i + 1] == pos[i] + 1
-        run = (run + 1 if contiguous else 1) if flags[i] else 0
-        runs[i] = run
-    return np.bincount(np.minimum(runs, cap), minlength=cap + 1)
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    return [seg for seg in np.split(np.asarray(values), cuts) if len(seg)]
 
 
 @dataclass
@@ -109,7 +92,7 @@ class FidelityAccumulator:
     nll_tier: list = field(default_factory=list)
     dp: list = field(default_factory=list)
     pos: list = field(default_factory=list)
-    runs: np.ndarray = field(default_factory=lambda: np.zeros(SAME_TOP_RUNS_CAP + 1, dtype=np.int64))
+    spec: np.ndarray = field(default_factory=lambda: np.zeros((SPEC_K_MAX, 2), dtype=np.int64))
 
     def add(self, ref_logp: np.ndarray, tier_logp: np.ndarray, target_ids: np.ndarray,
             positions: np.ndarray) -> None:
@@ -118,7 +101,9 @@ class FidelityAccumulator:
         rows = np.arange(len(target_ids))
         self.kld.append(topk_kld_rows(ref, tier, self.topk) if self.topk else kld_rows(ref, tier))
         self.same_top.append(ref.argmax(axis=1) == tier.argmax(axis=1))
-        self.runs += same_top_runs(self.same_top[-1], positions)
+        for seg in contiguous_segments(self.same_top[-1], positions):  # the greedy speculative loop replayed
+            for k in range(1, SPEC_K_MAX + 1):
+                self.spec[k - 1] += speculative_steps(seg, k)
         lr = ref[rows, target_ids].astype(np.float64)
         lt = tier[rows, target_ids].astype(np.float64)
         self.nll_ref.append(-lr)
@@ -159,7 +144,7 @@ class FidelityAccumulator:
             "kld_by_bucket": by_bucket,
             "kld_estimate": f"top-{self.topk} (remaining mass in one bucket; a lower bound)" if self.topk else None,
             "kld_topk": self.topk,
-            "same_top_runs": [int(x) for x in self.runs],
+            "same_top_spec": [[int(a), int(st)] for a, st in self.spec],
         }
 
 

@@ -26,9 +26,10 @@ reference's at a position with probability ``alpha``):
 * independent positions: expected accepted per step ``sum_{i=1..k} alpha^i = alpha (1 -
   alpha^k) / (1 - alpha)`` (:func:`expected_accepted`; Leviathan et al. eq. 1 counts the
   target's own token too: ``(1 - alpha^(k+1)) / (1 - alpha)``);
-* from agreement runs along a greedy continuation (:func:`accepted_from_runs`): at each
-  position, the agreeing stretch that starts there, capped at ``k``, averaged (agreement comes
-  in stretches, which the independent formula does not see);
+* from agreement along greedy continuations (:func:`speculative_steps`): the loop itself
+  replayed along each answer, drafts kept while the draft's teacher-forced top token agrees
+  (agreement comes in stretches and a step starts right after a disagreement, which the
+  independent formula does not see);
 * the speed-up a cost ratio ``c`` (one draft step / one target step) allows:
   ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))`` (Leviathan et al., theorem 3.8).
 """
@@ -66,44 +67,44 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return (expected_accepted(alpha, k) + 1.0) / (k * cost_ratio + 1.0)
 
 
-def accepted_from_runs(agree: Sequence[bool], k: int) -> float | None:
-    """Mean draft tokens accepted per step predicted from per-position agreement along one
-    greedy continuation (``agree[i]``: the draft's top token equals the target's at position
-    ``i``): the mean over start positions of the agreeing stretch starting there, capped at
-    ``k``. None for an empty sequence.
+#: Draft lengths the fidelity run predicts for (``quality.fidelity.same_top_spec``): past 16
+#: drafted tokens per step no setting in use gains from knowing more.
+SPEC_K_MAX = 16
+
+
+def speculative_steps(agree: Sequence[bool], k: int) -> tuple[int, int]:
+    """The greedy speculative loop replayed along one answer of the target: ``agree[j]`` is
+    True where the draft's top token after the answer's first ``j`` tokens is the answer's
+    ``j``-th. Each step, from position ``pos``, keeps the drafted tokens while they agree, at
+    most ``k`` and at most the tokens left - 1, then the target's own token: ``pos += kept +
+    1`` (Leviathan et al. 2023 at greedy; llama.cpp's and transformers' loops draft no more
+    than the tokens left). Returns ``(accepted, steps)``; accepted / steps is the expected
+    accepted tokens per step, the teacher-forced agreement standing in for the draft's own
+    run (equal at greedy, up to rounding).
 
     Raises:
         ValueError: ``k`` < 1.
     """
     if k < 1:
         raise ValueError("k must be >= 1")
-    flags = [bool(a) for a in agree]
-    if not flags:
-        return None
-    run, runs = 0, [0] * len(flags)
-    for i in range(len(flags) - 1, -1, -1):  # the agreeing stretch starting at each position
-        run = run + 1 if flags[i] else 0
-        runs[i] = run
-    return sum(min(r, k) for r in runs) / len(runs)
+    flags = [bool(x) for x in agree]
+    n, pos, accepted, steps = len(flags), 0, 0, 0
+    while pos < n:
+        kept, room = 0, min(k, n - pos - 1)
+        while kept < room and flags[pos + kept]:
+            kept += 1
+        accepted, steps, pos = accepted + kept, steps + 1, pos + kept + 1
+    return accepted, steps
 
 
-def accepted_from_hist(hist: Sequence[int], k: int) -> float | None:
-    """Mean draft tokens accepted per step predicted from a histogram of agreeing stretches
-    (``hist[j]``: positions whose agreeing stretch is ``j`` long, the last bin that long or
-    longer; :func:`qeval.measure.fidelity.same_top_runs`): ``sum_j min(j, k) hist[j] / sum_j
-    hist[j]``, as :func:`accepted_from_runs` on the positions themselves. None when empty.
-
-    Raises:
-        ValueError: ``k`` < 1, or ``k`` beyond the last bin (its stretches' lengths are unknown).
-    """
-    if k < 1:
-        raise ValueError("k must be >= 1")
-    if k > len(hist) - 1:
-        raise ValueError(f"k {k} is beyond the histogram's last bin ({len(hist) - 1}: that many or more)")
-    total = sum(hist)
-    if not total:
-        return None
-    return sum(min(j, k) * n for j, n in enumerate(hist)) / total
+def accepted_per_step(answers: Sequence[Sequence[bool]], k: int) -> float | None:
+    """Expected accepted draft tokens per step over several answers' agreement
+    (:func:`speculative_steps`, accepted and steps summed); None without positions."""
+    acc = steps = 0
+    for agree in answers:
+        a, st = speculative_steps(agree, k)
+        acc, steps = acc + a, steps + st
+    return acc / steps if steps else None
 
 
 @dataclass

@@ -34,6 +34,17 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str) -> bytes:
+    """Label a one-axes plot (y from 0, light grid, legend) and return its PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
 def _color(i: int) -> str:
     """Colour of the i-th tier in recipe order (the same tier has the same colour in every plot)."""
     return f"C{i % 10}"
@@ -92,13 +103,7 @@ def decode_vs_depth_png(tiers: dict[str, TierResult], depths: list[int]) -> byte
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(depths))
     ax.set_xticklabels([str(d) for d in depths])
-    ax.set_xlabel("context depth (tokens)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Decode speed vs context depth", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return _png(fig)
+    return _finish(fig, ax, "context depth (tokens)", "decode tokens/s", "Decode speed vs context depth")
 
 
 def _bucket_start(label: str) -> float:
@@ -127,13 +132,8 @@ def kld_by_bucket_png(tiers: dict[str, TierResult]) -> bytes | None:
         ax.plot(xs, [vals[buckets[i]] for i in xs], marker="o", label=name, color=color_of[name])
     ax.set_xticks(range(len(buckets)))
     ax.set_xticklabels(buckets)
-    ax.set_xlabel("position inside long outputs (tokens)")
-    ax.set_ylabel("KLD mean (nats)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Drift along long outputs: KLD by position bucket", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return _png(fig)
+    return _finish(fig, ax, "position inside long outputs (tokens)", "KLD mean (nats)",
+                   "Drift along long outputs: KLD by position bucket")
 
 
 def _load_series(tiers: dict[str, TierResult], key: tuple[str, ...]) -> tuple[dict, dict, dict]:
@@ -497,10 +497,5 @@ def speculative_png(summaries: list) -> bytes | None:
             ax.plot([k for k, _ in pred], [p for _, p in pred], linestyle="--", color=_color(i),
                     label=f"{label} predicted")
     ax.set_xticks(ks)
-    ax.set_xlabel("draft length k (tokens proposed per step)")
-    ax.set_ylabel("accepted draft tokens per step")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Speculative decoding: acceptance against draft length", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return _png(fig)
+    return _finish(fig, ax, "draft length k (tokens proposed per step)", "accepted draft tokens per step",
+                   "Speculative decoding: acceptance against draft length")
