@@ -164,6 +164,13 @@ def _workloads(a: RunAnalysis) -> list[dict]:
     for w in workload_sections(a.tiers):
         fn, cap = png.get(w["key"], (None, None))  # a workload without a plot (the burst): its table alone
         out.append(dict(w, src=_data_uri(fn(a.tiers)) if fn is not None else None, plot_caption=cap))
+    return out
+
+
+def _speculative(a: RunAnalysis) -> list[dict]:
+    """The speculative pairs' section of the report in the workload sections' shape (a table,
+    a caption, a plot), when the run has pairs."""
+    out = []
     srows = spec_table(a.speculative)
     if srows:  # not a load workload, but the same shape: a table, a caption, a plot
         out.append({"key": "speculative", "title": "Speculative decoding: a tier as another's draft",
@@ -298,7 +305,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",
         load_rows=load_table(a.tiers), load_headers=LOAD_HEADERS, load_caption=load_caption(a.tiers) or "",
         load_plots=load_plots, rate_rows=rate_table(a.tiers), rate_headers=RATE_HEADERS,
-        workloads=_workloads(a),
+        workloads=_workloads(a) + _speculative(a),
         rate_caption=rate_caption(a.tiers) or "", rate_plots=rate_plots,
         rate_ladder=a.ladder.rates.text() if a.ladder.rates is not None else "",
         rate_unplaced=dict(a.ladder.rates.unplaced) if a.ladder.rates is not None else {},
