@@ -1144,6 +1144,10 @@ def _check_speculative(recipe: Recipe) -> None:
         if pair.target == pair.draft:
             raise recipe.error(("speculative", i, "draft"), f"the draft must be another tier than the target "
                                f"({pair.target!r})")
+        if max(pair.draft_tokens) >= pair.new_tokens:
+            raise recipe.error(("speculative", i, "draft_tokens"), f"k {max(pair.draft_tokens)} >= new_tokens "
+                               f"{pair.new_tokens}: a step drafts at most the tokens left - 1, so no step would draft "
+                               "k; raise new_tokens or lower k")
         if (pair.target, pair.draft) in seen:
             raise recipe.error(("speculative", i), f"the pair {pair.target} + {pair.draft} is listed twice")
         seen.add((pair.target, pair.draft))

@@ -44,6 +44,7 @@ class PairSummary:
     spec: list[list[int]] | None = None
     basis: str = "the reference"
     notes: list[str] = field(default_factory=list)
+    draft_quality_engine: str | None = None  # what computed the draft's fidelity (e.g. its dequantized weights)
 
     @property
     def name(self) -> str:
@@ -62,8 +63,9 @@ class PairSummary:
     def predicted_source(self, k: int | None = None) -> str:
         """Where :meth:`predicted` comes from, in words (for ``k``, or the table's k)."""
         if self.spec and (k is None or k <= len(self.spec)) and self.spec[0][1]:
+            how = f", the draft's quality engine: {self.draft_quality_engine}" if self.draft_quality_engine else ""
             return (f"the greedy loop replayed along the reference's answers with the draft's teacher-forced top tokens "
-                    f"vs {self.basis} ({sum(self.spec[0])} positions)")
+                    f"vs {self.basis} ({sum(self.spec[0])} positions{how})")
         if self.alpha is not None:
             return f"the draft's same-top rate vs {self.basis}, positions taken as independent"
         return "no fidelity figures for the draft"
@@ -90,7 +92,7 @@ def pair_summaries(stage: SpeculativeStage | None, tiers: dict[str, TierResult],
         basis = "the reference" if p.target == reference else \
             f"the reference {reference}, not the target {p.target}: an approximation"
         out.append(PairSummary(p, alpha=getattr(fid, "same_top_rate", None), spec=getattr(fid, "same_top_spec", None),
-                               basis=basis))
+                               basis=basis, draft_quality_engine=get_path(d, "quality", "engine") if d is not None else None))
     return out
 
 
@@ -168,7 +170,9 @@ def spec_caption(summaries: list[PairSummary]) -> str | None:
             "the draft's teacher-forced agreement with the target's own answers to the measured prompts (a gap "
             "between the two predictions is the texts, the suites' answers against the depth text; one between "
             "this and the measurement is the engine's loop); decode tok/s and speed-up against the target alone "
-            "on the same prompts; lossless = every answer equals the target's own token for token, \"to rounding\" = "
+            "on the same prompts (accepted/step leaves out the target's own token of each step: vLLM's mean "
+            "acceptance length is 1 + accepted/step; TTFT with the draft includes the draft's prefill and first "
+            "draft); lossless = every answer equals the target's own token for token, \"to rounding\" = "
             "the others first differ at a tie of the target's own top two logits, which the verification pass "
             "(several tokens in one forward) may break the other way: within two rounding steps of the logits' "
             "dtype (transformers); the target's own one-batch and one-token passes picking different tokens there "
@@ -215,12 +219,18 @@ def pair_results(summaries: list[PairSummary], tiers: dict[str, TierResult]) -> 
                          kind=p.memory_counter)
             best = max(rows, key=lambda r: r.depth)
             pred = s.predicted(k)
+            alone = p.alone_at(best.depth)
             note = (f"speculative: {p.target} with draft {p.draft}, k={k} ({p.engine}); at depth {best.depth}: "
                     f"{_f(best.mean_accepted)} accepted/step (predicted {_f(pred)}), acceptance "
-                    f"{_f(best.acceptance_rate and 100 * best.acceptance_rate, '.0f')}%, speed-up {_f(best.speedup)} "
-                    f"vs {p.target} alone, {_lossless_word(rows)}; "
-                    f"memory: both models; quality: {p.target}'s")
+                    f"{_f(best.acceptance_rate and 100 * best.acceptance_rate, '.0f')}%, decode speed-up "
+                    f"{_f(best.speedup)} vs {p.target} alone measured beside it in the same stage "
+                    f"({_f(alone.decode_tokens_per_s if alone else None, '.1f')} tok/s; the {p.target} row's figure "
+                    f"is its own measure stage's), TTFT {_f(best.ttft_s, '.3f')} s vs "
+                    f"{_f(alone.ttft_s if alone else None, '.3f')} s alone (the first token waits for the draft), "
+                    f"{_lossless_word(rows)}; memory: both models; quality: {p.target}'s (its answers)")
+            backend = f"{t.backend or t.engine} + draft {d.backend or d.engine}" if d is not None else t.backend
             out[f"{s.name} k={k}"] = t.model_copy(update={
                 "tier": f"{s.name} k={k}", "speed": speed, "memory": mem, "load": None, "decode_note": note,
-                "decode_mode": f"speculative k={k}", "engine": p.engine or t.engine})
+                "decode_mode": f"speculative k={k}", "engine": p.engine or t.engine, "backend": backend,
+                "quant": None})  # bits per weight: two models, no one figure
     return out

@@ -62,9 +62,13 @@ class Row:
     def v(self, metric: str, depth: int | None = None) -> float | None:
         """A metric's value; the reference's by-definition values (KLD 0, PPL ratio 1,
         same-top 1) when it finished without them."""
-        # a speculative pair's row keeps its target's spec (its quality is the target's own)
-        ref = self.is_ref or (self.t.spec or {}).get("name") == self.a.reference
-        return metric_value(self.t, metric, depth, is_reference=ref and self.ok)
+        return metric_value(self.t, metric, depth, is_reference=self.quality_is_ref and self.ok)
+
+    @property
+    def quality_is_ref(self) -> bool:
+        """Its quality is the reference's: the reference tier, or a speculative pair whose
+        target it is (the pair's row keeps its target's spec: its answers are the target's)."""
+        return self.is_ref or (self.t.spec or {}).get("name") == self.a.reference
 
     @property
     def fid(self) -> Fidelity:
@@ -126,7 +130,7 @@ def _whole(v: float | None) -> float | int | None:
 def _kld(r: Row) -> Cell:
     kld, se = r.v("kld_mean"), finite(r.fid.kld_se)
     text = "-" if kld is None else (f"{kld:.4f}" + (f" ± {se:.4f}" if se is not None else ""))
-    if r.is_ref and r.ok and r.fid.kld_mean is None:
+    if r.quality_is_ref and r.ok and r.fid.kld_mean is None:
         text = "0 (reference)"
     k = r.fid.kld_topk
     if kld is not None and k:  # a server's top-k: the estimate, a lower bound (qeval.measure.fidelity)
@@ -141,7 +145,7 @@ def vs_noise_floor(r: Row) -> str | None:
     floor, kld = r.a.noise_floor, r.v("kld_mean")
     if floor is None or not r.ok or kld is None:
         return None
-    if r.is_ref and get_path(r.t, "quality", "noise_floor"):
+    if r.quality_is_ref and get_path(r.t, "quality", "noise_floor"):
         return "noise floor"
     return INDISTINGUISHABLE if floor.indistinguishable(kld) else None
 
@@ -351,7 +355,7 @@ def kv_long_context_change(tiers: dict[str, TierResult], name: str, base: str, r
 
 
 def _lc(r: Row, d: int) -> dict[str, Any]:
-    return long_context_at(r.t, d, r.is_ref and r.ok)
+    return long_context_at(r.t, d, r.quality_is_ref and r.ok)
 
 
 def _lc_recall(r: Row, d: int) -> Cell:
