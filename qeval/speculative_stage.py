@@ -91,7 +91,7 @@ def summarize(pair: SpeculativeSpec, depth: int, runs: PairRuns) -> tuple[SpecAl
     return alone, rows
 
 
-def first_divergence(model: Any, prompt: list[int], alone: list[int], spec: list[int], index: int) -> SpecDivergence | None:
+def transformers_divergence(model: Any, prompt: list[int], alone: list[int], spec: list[int], index: int) -> SpecDivergence | None:
     """Where ``spec`` first differs from the target's own answer ``alone``, with the target's
     top two logits there (one forward pass over the prompt and ``alone`` up to that position)
     and their gap in rounding steps of the logits' dtype (``eps x 2^floor(log2 |top logit|)``,
@@ -162,7 +162,7 @@ def transformers_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]]
                                             reference_ids=a.token_ids) for p, a in zip(ps, alone)]
             for i, (p, a, r) in enumerate(zip(ps, alone, runs[k])):  # why an answer differs: a tie, or not
                 if not r.lossless:
-                    r.details["divergence"] = first_divergence(tm, p, a.token_ids, r.token_ids, i)
+                    r.details["divergence"] = transformers_divergence(tm, p, a.token_ids, r.token_ids, i)
         out[d] = PairRuns(alone=alone, runs=runs, details={"checks_ties": True, "agreement": [
             transformers_agreement(dm, p, a.token_ids) for p, a in zip(ps, alone)]})
     used = peak.read()
@@ -173,35 +173,39 @@ def transformers_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]]
 
 def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], artifacts: dict[str, Path],
                   recipe: Recipe, device: str, progress: Callable[[str], None]) -> tuple[dict[int, PairRuns], int | None, str, str]:
-    """Both GGUF files in one llama-server (``-md``), per depth
-    (:func:`qeval.engines.llamacpp_spec.speculative_server`)."""
+    """Both GGUF files in llama-server (``-md``), every depth's prompts through one set of
+    servers (:func:`qeval.engines.llamacpp_spec.speculative_server` starts one per k and one
+    alone), then split by depth; a divergence met at several k is examined once."""
     from .engines.llamacpp_spec import (draft_agreement, first_divergence,  # start-up time: a llama.cpp pair only
                                         speculative_server)
+    flat = [(d, p) for d, ps in prompts.items() for p in ps]
+    progress(f"{pair.target} + draft {pair.draft}: depths {', '.join(map(str, prompts))} on llama-server -md")
+    runs = speculative_server(artifacts[pair.target], artifacts[pair.draft], [p for _, p in flat],
+                              list(pair.draft_tokens), pair.new_tokens, threads=recipe.threads,
+                              ctx_size=max(prompts) + pair.new_tokens + max(pair.draft_tokens) + 16, device=device,
+                              kv_cache=recipe.tier(pair.target).kv_cache)
+    agreement = [draft_agreement(artifacts[pair.draft], p, a.token_ids, threads=recipe.threads)
+                 for (_, p), a in zip(flat, runs.alone)]
+    seen: dict[tuple, SpecDivergence | None] = {}
+    for rs in runs.runs.values():  # why an answer differs: a tie of the target's own paths, or not
+        for j, ((d, p), a, r) in enumerate(zip(flat, runs.alone, rs)):
+            i = next((n for n, (x, y) in enumerate(zip(a.token_ids, r.token_ids)) if x != y), None)
+            if i is None:
+                continue
+            key = (j, i, r.token_ids[i])  # the same prompt parting at the same token: the same examination
+            if key not in seen:
+                v = first_divergence(artifacts[pair.target], p, a.token_ids, r.token_ids, threads=recipe.threads)
+                seen[key] = None if v is None else SpecDivergence(
+                    prompt=prompts[d].index(p), position=v["position"], alone_token=v["reference_token"],
+                    speculative_token=v["answer_token"], top_logits=v["top_logits"], path_noise=v["path_noise"],
+                    tie=v["paths_disagree"])
+            r.details["divergence"] = seen[key]
     out: dict[int, PairRuns] = {}
-    peak, counter, how = None, "", ""
-    ctx = max(prompts) + pair.new_tokens + max(pair.draft_tokens) + 16
-    for d, ps in prompts.items():
-        progress(f"{pair.target} + draft {pair.draft}: depth {d} on llama-server -md")
-        runs = speculative_server(artifacts[pair.target], artifacts[pair.draft], ps, list(pair.draft_tokens),
-                                  pair.new_tokens, threads=recipe.threads, ctx_size=ctx, device=device,
-                                  kv_cache=recipe.tier(pair.target).kv_cache)
-        runs.details["agreement"] = [draft_agreement(artifacts[pair.draft], p, a.token_ids, threads=recipe.threads)
-                                     for p, a in zip(ps, runs.alone)]
-        for k, rs in runs.runs.items():  # why an answer differs: a tie of the target's own paths, or not
-            for i, (p, a, r) in enumerate(zip(ps, runs.alone, rs)):
-                if not r.lossless:
-                    v = first_divergence(artifacts[pair.target], p, a.token_ids, r.token_ids, threads=recipe.threads)
-                    if v is not None:
-                        r.details["divergence"] = SpecDivergence(
-                            prompt=i, position=v["position"], alone_token=v["reference_token"],
-                            speculative_token=v["answer_token"], top_logits=v["top_logits"],
-                            path_noise=v["path_noise"], tie=v["paths_disagree"])
-        runs.details["checks_ties"] = True
-        out[d] = runs
-        if runs.peak_bytes is not None:
-            peak = max(peak or 0, runs.peak_bytes)
-        counter, how = runs.memory_counter or counter, runs.how or how
-    return out, peak, counter, how
+    for d in prompts:
+        at = [j for j, (dd, _) in enumerate(flat) if dd == d]
+        out[d] = PairRuns(alone=[runs.alone[j] for j in at], runs={k: [rs[j] for j in at] for k, rs in runs.runs.items()},
+                          details={"checks_ties": True, "agreement": [agreement[j] for j in at]})
+    return out, runs.peak_bytes, runs.memory_counter or "", runs.how
 
 
 def run_pair(recipe: Recipe, run_dir: Path, pair: SpeculativeSpec, tokenizer: Any,
