@@ -338,3 +338,42 @@ def served_gguf_module(tmp_path_factory, prefix: str):
         yield build_tiny_gguf(tmp_path_factory.mktemp(prefix))
     finally:
         mp.undo()
+
+
+# ---- CPU variants a test needs, on any machine -------------------------------------------------
+
+def fake_cpu_variants(folder: Path, scores: dict[str, int | str]) -> dict[str, str]:
+    """Fake llama.cpp CPU variants at the named point ``QEVAL_TEST_EXTRA_CPU_VARIANTS``
+    (:data:`qeval.engines.ggml_cpu.EXTRA_VARIANTS_ENV`): for each ``name``, a copy of the
+    installed build's lowest-ranked variant that may run here (``haswell``: AVX2, built by
+    every ``make setup`` and run by every machine of this project) as
+    ``folder/libggml-cpu-<name>.so``, scored ``scores[name]`` (``"best"``: above every module
+    of the build). So a test has as many runnable variants as it needs on an AVX2-only
+    machine too, and ranks them as it needs (a fake ``sapphirerapids`` ranked best for the
+    AMX-trap branch).
+
+    Returns:
+        the environment entries to set (``{EXTRA_VARIANTS_ENV: folder}``).
+    """
+    import shutil
+
+    import llama_cpp
+
+    from qeval.engines import ggml_cpu as gc
+    here = Path(llama_cpp.__file__).resolve().parent
+    mods = [(n, p) for n, p in gc.variant_modules(gc.lib_dirs(here)) if not str(p).startswith(str(folder))]
+    saved = os.environ.pop(gc.EXTRA_VARIANTS_ENV, None)
+    try:
+        cands = gc.judge([gc.Candidate(n, p, gc._score(p)) for n, p in mods], gc.cpu_flags(), gc.amx_granted())
+    finally:
+        if saved is not None:
+            os.environ[gc.EXTRA_VARIANTS_ENV] = saved
+    ok = sorted((c for c in cands if c.excluded is None), key=lambda c: c.score)
+    assert ok, f"no CPU variant of the installed llama-cpp-python may run here (built: {[n for n, _ in mods]})"
+    top = max(c.score for c in cands)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, score in scores.items():
+        dest = folder / f"libggml-cpu-{name}.so"
+        shutil.copy2(ok[0].path, dest)
+        (folder / f"{dest.name}.score").write_text(f"{top + 1000 if score == 'best' else int(score)}\n")
+    return {gc.EXTRA_VARIANTS_ENV: str(folder)}

@@ -203,29 +203,50 @@ def _installed_variants():
     return sorted((c for c in cands if c.excluded is None), key=lambda c: -c.score)
 
 
-def test_the_real_probe_runs_each_variant_in_a_child_and_a_trapping_one_is_passed_over(tmp_path):
-    """The installed build, probed for real in child processes, with the best variant's
-    probe child killed by SIGILL at its named point (QEVAL_TEST_PROBE_SIGNAL): the next
-    variant is chosen and the first one is passed over with the signal as the reason; on a
-    build with one variant that may run, nothing is left and the error names the signal."""
+def test_the_real_probe_runs_each_variant_in_a_child_and_a_trapping_one_is_passed_over(tmp_path, monkeypatch):
+    """The installed build, probed for real in child processes, with a fake best variant (a
+    copy of the AVX2 module ranked above the build's, tests/conftest.py fake_cpu_variants:
+    so there are two runnable variants on every machine kind, an AVX2-only one included)
+    whose probe child is killed by SIGILL at its named point (QEVAL_TEST_PROBE_SIGNAL): the
+    next variant is chosen and the first one is passed over with the signal as the reason.
+    Without the fault the fake best runs (the probe is no false alarm): its code is the AVX2
+    module, which every machine of this project runs, so this holds on an AMX virtual machine
+    whose own AMX variant traps too."""
+    import os
     import subprocess
     import sys
+
+    from conftest import fake_cpu_variants
+    for k, v in fake_cpu_variants(tmp_path / "variants", {"fake": "best"}).items():
+        monkeypatch.setenv(k, v)
     ok = _installed_variants()
-    assert ok, "no CPU variant of the installed llama-cpp-python may run here"
-    env = dict(__import__("os").environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_TEST_PROBE_SIGNAL=ok[0].name)
+    assert len(ok) >= 2 and ok[0].name == "fake", [c.name for c in ok]
+    env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_TEST_PROBE_SIGNAL="fake")
     env.pop("QEVAL_LLAMA_CPU_VARIANT", None)
     p = subprocess.run([sys.executable, str(Path(gc.__file__)), "--choose"], capture_output=True, text=True,
                        env=env, timeout=600)
-    if len(ok) == 1:
-        assert p.returncode != 0 and "SIGILL (illegal instruction) in the probe" in p.stderr, p.stderr[-2000:]
-        return
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
     assert lines[0] == ok[1].name
-    assert f"  passed over {ok[0].name}: SIGILL (illegal instruction) in the probe" in lines
-    # without the fault the best variant runs (the probe is no false alarm), cached apart
+    assert "  passed over fake: SIGILL (illegal instruction) in the probe" in lines
     env2 = dict(env, QEVAL_CACHE=str(tmp_path / "cache2"))
     env2.pop("QEVAL_TEST_PROBE_SIGNAL")
     p2 = subprocess.run([sys.executable, str(Path(gc.__file__)), "--choose"], capture_output=True, text=True,
                         env=env2, timeout=600)
-    assert p2.returncode == 0 and p2.stdout.splitlines() == [ok[0].name], p2.stderr[-2000:]
+    assert p2.returncode == 0 and p2.stdout.splitlines() == ["fake"], p2.stderr[-2000:]
+
+
+def test_a_build_whose_only_runnable_variant_traps_is_refused_naming_the_signal(tmp_path):
+    """Forced to an AVX2-only machine (QEVAL_TEST_CPU_KIND=avx2: only ``haswell`` may run, on
+    every kind), with haswell's probe killed by SIGILL: nothing is left, and the error names
+    the signal instead of loading a variant that traps."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, QEVAL_CACHE=str(tmp_path / "cache"), QEVAL_TEST_PROBE_SIGNAL="haswell",
+               QEVAL_TEST_CPU_KIND="avx2")
+    for k in ("QEVAL_LLAMA_CPU_VARIANT", gc.EXTRA_VARIANTS_ENV):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(Path(gc.__file__)), "--choose"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode != 0 and "haswell: SIGILL (illegal instruction) in the probe" in p.stderr, p.stderr[-2000:]

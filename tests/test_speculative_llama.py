@@ -95,12 +95,16 @@ def test_a_draft_tier_is_lossless_at_greedy_and_its_counts_add_up(smol):
 
 def test_the_target_as_its_own_draft_accepts_nearly_everything(smol):
     """Not everything: the draft decodes one token at a time and the target verifies k + 1 at
-    once, so at a near-tie the two may round apart (17 of 18 accepted in one check here)."""
+    once, so at a near-tie the two may round apart. How far apart moves with the CPU variant's
+    kernels (their reduction order): 17 of 18 accepted (0.94) with zen4's on an AVX-512 EPYC,
+    32 of 36 (0.89) with haswell's on an AVX2-only Zen 3 (issue 65). The bound, 0.8, sits
+    below every kind seen; a draft that is not the target is caught by the losslessness
+    check below and by the acceptance of the test above (rejections seen)."""
     from qeval.engines.llamacpp_spec import speculative_server
     pair = speculative_server(smol["target"], smol["target"], smol["prompts"], [4], NEW, threads=2, ctx_size=256)
     runs = pair.runs[4]
     drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
-    assert drafted > 0 and accepted / drafted >= 0.9
+    assert drafted > 0 and accepted / drafted >= 0.8, (accepted, drafted)
     for p, alone, r in zip(smol["prompts"], pair.alone, runs):
         assert_lossless(smol["target"], p, alone, r)
 

@@ -34,11 +34,21 @@ from typing import Any
 SETTINGS = ("auto", "native", "float32")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
     """Whether torch has a fast bfloat16 matmul on this CPU: oneDNN's bfloat16 support
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX512 or AMX), else the CPU flags
-    ``avx512_bf16`` / ``amx_bf16`` in ``/proc/cpuinfo``. False when neither can be read."""
+    ``avx512_bf16`` / ``amx_bf16`` in ``/proc/cpuinfo``. False when neither can be read.
+    With a forced CPU kind (tests: :data:`qeval.engines.ggml_cpu.CPU_KIND_ENV`), oneDNN's
+    rule on that kind's flags (AVX-512 BW: ``avx512_core``, the ISA oneDNN's bfloat16
+    path needs)."""
+    from .ggml_cpu import cpu_flags, forced_kind  # standard library only
+    if forced_kind() is not None:
+        return "avx512bw" in cpu_flags()
+    return _machine_has_fast_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_has_fast_bf16() -> bool:
     try:
         import torch  # start-up time: torch loads only in stage processes
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -123,12 +123,16 @@ def amx_granted(syscall: Callable[..., int] | None = None) -> bool:
     machine can list it and refuse the state, and then ``tileloadd`` raises SIGILL.
 
     Args:
-        syscall: ``syscall(number, *args) -> int`` (tests inject the result); default libc's.
+        syscall: ``syscall(number, *args) -> int`` (tests inject the result); default libc's,
+            or the grant of the forced CPU kind (:data:`CPU_KIND_ENV`) when one is set.
 
     Returns:
         False on anything but x86-64 Linux, or when the request fails.
     """
     if syscall is None:
+        kind = forced_kind()
+        if kind is not None:
+            return CPU_KINDS[kind].amx_granted
         if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
             return False
         syscall = _libc_syscall
@@ -140,14 +144,117 @@ def amx_granted(syscall: Callable[..., int] | None = None) -> bool:
 
 def cpu_flags(text: str | None = None) -> frozenset[str]:
     """The ``flags`` of the first processor in ``/proc/cpuinfo`` (or in ``text``); empty
-    where there is no such file (not Linux)."""
+    where there is no such file (not Linux). With a forced CPU kind (:data:`CPU_KIND_ENV`)
+    and no ``text``, that kind's flags."""
     if text is None:
+        kind = forced_kind()
+        if kind is not None:
+            return CPU_KINDS[kind].flags
         try:
             text = Path("/proc/cpuinfo").read_text(errors="replace")
         except OSError:
             return frozenset()
     m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     return frozenset(m.group(1).split()) if m else frozenset()
+
+
+# ---- CPU kinds: what a machine has, and the kinds a test may force ---------------------------
+
+#: Test-only named point: ``QEVAL_TEST_CPU_KIND=<kind>`` (a key of :data:`CPU_KINDS`) makes
+#: every CPU-feature probe of qeval (:func:`cpu_flags`, :func:`amx_granted`, the variant probe,
+#: :func:`torch_bf16_native`, :func:`qeval.engines.bf16_matmul.cpu_has_fast_bf16`) answer as
+#: that kind of machine would, so the suite's machine-dependent branches run on any machine.
+#: It changes what qeval *decides*, never what the CPU executes: a variant the machine cannot
+#: run is still caught by the probe (it runs in a child), and only variants that were built
+#: are candidates.
+CPU_KIND_ENV = "QEVAL_TEST_CPU_KIND"
+
+_BASE_FLAGS = ("fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "f16c", "fma", "bmi1", "bmi2",
+               "avx2", "movbe")
+_AVX512 = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni")
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """A kind of x86-64 machine this project meets: its cpuinfo ``flags``, whether the kernel
+    grants AMX (``amx_granted``), whether AMX kernels trap although granted (``amx_traps``: a
+    virtual machine that lists AMX, grants it and kills ``tileloadd`` with SIGILL) and a
+    ``label`` for rows and the README."""
+    label: str
+    flags: frozenset[str]
+    amx_granted: bool = False
+    amx_traps: bool = False
+
+
+CPU_KINDS: dict[str, CpuKind] = {
+    "avx2": CpuKind("AVX2 only (no AVX-512, no AVX512_BF16, no AMX; e.g. Zen 3)", frozenset(_BASE_FLAGS)),
+    "avx512": CpuKind("AVX-512 without AVX512_BF16 (e.g. Ice Lake)", frozenset(_BASE_FLAGS + _AVX512)),
+    "avx512-bf16": CpuKind("AVX-512 with AVX512_BF16, no AMX (e.g. Zen 4)",
+                           frozenset(_BASE_FLAGS + _AVX512 + ("avx512_bf16",))),
+    "amx": CpuKind("AVX-512 and AMX, granted and working (e.g. Sapphire Rapids)",
+                   frozenset(_BASE_FLAGS + _AVX512 + ("avx512_bf16",) + AMX_FLAGS), amx_granted=True),
+    "amx-trap": CpuKind("AVX-512 and AMX listed and granted, AMX kernels trap (SIGILL; a virtual machine)",
+                        frozenset(_BASE_FLAGS + _AVX512 + ("avx512_bf16",) + AMX_FLAGS), amx_granted=True,
+                        amx_traps=True),
+}
+"""The kinds :data:`CPU_KIND_ENV` may force (and the README's per-kind rows)."""
+
+
+def forced_kind() -> str | None:
+    """The CPU kind forced by :data:`CPU_KIND_ENV` (tests only), None when unset.
+
+    Raises:
+        ValueError: the variable names no kind of :data:`CPU_KINDS`.
+    """
+    kind = os.environ.get(CPU_KIND_ENV, "").strip()
+    if not kind:
+        return None
+    if kind not in CPU_KINDS:
+        raise ValueError(f"{CPU_KIND_ENV}={kind!r}: expected one of {', '.join(CPU_KINDS)}")
+    return kind
+
+
+def machine_kind(flags: Iterable[str] | None = None, amx_ok: bool | None = None) -> str:
+    """The :data:`CPU_KINDS` key that best describes a machine with ``flags`` and the AMX
+    grant ``amx_ok`` (default: this machine, or the forced kind): ``amx`` where AMX is
+    listed and granted (whether its kernels trap is known only by running them: the probe),
+    ``avx512-bf16``, ``avx512`` (AVX-512 F), else ``avx2``."""
+    kind = forced_kind()
+    if kind is not None and flags is None and amx_ok is None:
+        return kind
+    fl = set(cpu_flags() if flags is None else flags)
+    ok = amx_granted() if amx_ok is None else amx_ok
+    if ok and "amx_tile" in fl:
+        return "amx"
+    if "avx512f" in fl:
+        return "avx512-bf16" if "avx512_bf16" in fl else "avx512"
+    return "avx2"
+
+
+def bf16_native_flags(flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The instruction sets among ``flags`` (default :func:`cpu_flags`) that compute bfloat16
+    natively on the CPU: ``avx512_bf16`` (VDPBF16PS) and ``amx_bf16`` (TDPBF16PS). Empty: a
+    bfloat16 matmul is emulated (widened to float32 in software, or torch's reference GEMM)."""
+    fl = set(cpu_flags() if flags is None else flags)
+    return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in fl)
+
+
+def torch_bf16_note(dtype: str, device: str = "cpu", flags: Iterable[str] | None = None) -> str | None:
+    """What a row says of a tier that torch computes in ``dtype`` on ``device`` when this
+    CPU has no native instructions for it: ``"emulated on this CPU: no AVX512_BF16"`` for
+    bfloat16 without :func:`bf16_native_flags`, ``"emulated on this CPU: no AVX512_FP16"``
+    for float16 without ``avx512_fp16`` (AMX-FP16 needs AMX too); None where the CPU has
+    them, on a GPU, and for other dtypes. Source of the rule: oneDNN's CPU ISA table
+    (``avx512_core_bf16`` for bf16 dot products; ``avx512_core_fp16``) and torch's
+    ``mkldnn_bf16_supported`` / ``mkldnn_fp16_supported`` checks."""
+    if device != "cpu":
+        return None
+    fl = set(cpu_flags() if flags is None else flags)
+    if dtype in ("bfloat16", "bf16") and not bf16_native_flags(fl):
+        return "emulated on this CPU: no AVX512_BF16"
+    if dtype in ("float16", "fp16") and "avx512_fp16" not in fl:
+        return "emulated on this CPU: no AVX512_FP16"
+    return None
 
 
 def variant_cmake_args(variant: str) -> list[str]:
@@ -203,7 +310,8 @@ def choose(cands: list[Candidate]) -> Candidate | None:
 
 
 def variant_modules(lib_dirs: Iterable[Path]) -> list[tuple[str, Path]]:
-    """``(variant, path)`` of every ``libggml-cpu-<variant>.so`` in ``lib_dirs``."""
+    """``(variant, path)`` of every ``libggml-cpu-<variant>.so`` in ``lib_dirs`` (the first
+    folder holding a name wins)."""
     out: dict[str, Path] = {}
     for d in lib_dirs:
         if d.is_dir():
@@ -229,7 +337,14 @@ def other_backend_modules(lib_dirs: Iterable[Path]) -> list[Path]:
 
 def _score(path: Path) -> int:
     """llama.cpp's ``ggml_backend_score()`` of a variant module (dlopen runs none of its
-    kernels: the score lives in the ``-feats`` object built without the variant's flags)."""
+    kernels: the score lives in the ``-feats`` object built without the variant's flags).
+    A module in the test-only :data:`EXTRA_VARIANTS_ENV` folder with a ``<module>.score``
+    file beside it scores that file's integer instead (a fake variant ranked where the test
+    needs it)."""
+    extra = os.environ.get(EXTRA_VARIANTS_ENV, "").strip()
+    fake = Path(str(path) + ".score")
+    if extra and Path(path).parent == Path(extra) and fake.is_file():
+        return int(fake.read_text().strip())
     lib = ctypes.CDLL(str(path))
     try:
         fn = getattr(lib, "ggml_backend_score", None)
@@ -308,6 +423,11 @@ PROBE_TIMEOUT_S = 120.0
 #: child of that variant kill itself with SIGNAL (default SIGILL) right after the variant is
 #: loaded, as an AMX kernel on a virtual machine that lists AMX but cannot run it does.
 PROBE_FAULT_ENV = "QEVAL_TEST_PROBE_SIGNAL"
+#: Test-only named point: a folder of extra ``libggml-cpu-<variant>.so`` modules (e.g. a copy
+#: of the AVX2 ``haswell`` module named ``x64``) searched before the build's own, so a test
+#: has two variants that run on any machine, an AVX2-only one included (tests/conftest.py
+#: ``second_variant``).
+EXTRA_VARIANTS_ENV = "QEVAL_TEST_EXTRA_CPU_VARIANTS"
 #: ``0`` turns the probe off (the choice is then by cpuinfo and the AMX grant alone).
 PROBE_ENV = "QEVAL_LLAMA_CPU_PROBE"
 #: A variant name: run that one and no other (the user's way out when a variant traps).
@@ -345,7 +465,8 @@ def probe_key(flags: Iterable[str], amx_ok: bool, mods: Iterable[tuple[str, Path
             return [st.st_size, st.st_mtime_ns]
         except OSError:
             return [None, None]
-    src = json.dumps([sorted(flags), bool(amx_ok), [[n, *stat(Path(p))] for n, p in mods], PROBE_VERSION])
+    src = json.dumps([sorted(flags), bool(amx_ok), [[n, *stat(Path(p))] for n, p in mods], PROBE_VERSION]
+                     + ([forced_kind()] if forced_kind() else []))  # a forced kind's verdicts apart
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
@@ -483,9 +604,13 @@ def _probe_child(variant: str, llama_cpp_dir: Path) -> int:
     this process with its signal (the parent reads it from the return code)."""
     load_backends(llama_cpp_dir, only=variant)
     fault = os.environ.get(PROBE_FAULT_ENV, "")
+    kind = forced_kind()
+    if kind is not None and CPU_KINDS[kind].amx_traps and variant in AMX_VARIANTS:
+        fault = f"{variant}:SIGILL"  # the forced kind's AMX kernels trap, as on such a virtual machine
     if fault and fault.split(":")[0] == variant:
         sig = signal.Signals[fault.split(":")[1]] if ":" in fault else signal.SIGILL
-        print(f"[qeval] test fault {PROBE_FAULT_ENV} in the probe of {variant}: {sig.name}", file=sys.stderr, flush=True)
+        why = PROBE_FAULT_ENV if os.environ.get(PROBE_FAULT_ENV) else f"{CPU_KIND_ENV}={kind}"
+        print(f"[qeval] test fault {why} in the probe of {variant}: {sig.name}", file=sys.stderr, flush=True)
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     try:
@@ -587,10 +712,11 @@ class Selection:
 
     def passed_over(self) -> list[str]:
         """``["zen4: SIGILL (illegal instruction) in the probe", ...]``: the variants that
-        llama.cpp's score ranks above the chosen one, and why each was not run."""
+        llama.cpp's score ranks above or level with the chosen one (a tie is tried first by
+        name, as :func:`run_probes` does), and why each was not run."""
         chosen = next((c["score"] for c in self.candidates if c["variant"] == self.variant), None)
         return [f"{c['variant']}: {c['excluded']}" for c in sorted(self.candidates, key=lambda c: -c["score"])
-                if c["excluded"] and (chosen is None or c["score"] > chosen)]
+                if c["excluded"] and c["variant"] != self.variant and (chosen is None or c["score"] >= chosen)]
 
 
 _SELECTION: Selection | None = None
@@ -598,9 +724,11 @@ _SELECTION: Selection | None = None
 
 def lib_dirs(llama_cpp_dir: Path) -> list[Path]:
     """Where a llama-cpp-python install keeps ggml's modules: ``llama_cpp/lib`` and the
-    ``bin``/``lib`` folders scikit-build-core installs llama.cpp's own targets into."""
+    ``bin``/``lib`` folders scikit-build-core installs llama.cpp's own targets into; first,
+    the test-only folder named by :data:`EXTRA_VARIANTS_ENV` when set."""
     site = llama_cpp_dir.parent
-    return [llama_cpp_dir / "lib", site / "bin", site / "lib"]
+    extra = os.environ.get(EXTRA_VARIANTS_ENV, "").strip()
+    return ([Path(extra)] if extra else []) + [llama_cpp_dir / "lib", site / "bin", site / "lib"]
 
 
 def select_variant(llama_cpp_dir: Path, *, amx_ok: bool | None = None, flags: frozenset[str] | None = None,
