@@ -59,6 +59,10 @@ not measured::
                                           # compiles_in_timed_decode, cudagraph_replays(_per_step),
                                           # cudagraph_skips; qeval.engines.hf.decode_check_summary)
       "decode_tokens": int,               # tokens per timed decode (int8 KV: whole re-quantization periods)
+      "dtype_emulated": "bfloat16" | "float16" | None,  # the dtype torch computed the tier in without
+                                          # native instructions on the run's CPU (no AVX512_BF16 /
+                                          # AMX-BF16; qeval.engines.ggml_cpu.torch_bf16_note); the
+                                          # backend then says "(emulated on this CPU: no AVX512_BF16)"
       "sampling": {"decode": "argmax", "ignored_file_defaults": {...}},  # model defaults set aside
       "runtime": {"libraries": [str], "kernel_build_seconds": float, "selected_kernel": str},  # readied before
                                           # the memory baseline and the timed load (prepare_runtime)
@@ -509,6 +513,11 @@ class MeasureStage(_StageBase):
     decode_check: dict[str, Any] | None = Field(None, description="static decode: what torch.compile did "
                                                 "(qeval.engines.hf: graph breaks, recompiles, CUDA-graph replays)")
     decode_tokens: int | None = None
+    # the dtype torch computed the tier in without native instructions on this CPU ("bfloat16"
+    # without AVX512_BF16 / AMX-BF16): speed and load are torch's emulated CPU path, not the
+    # dtype as served natively (qeval.engines.hf.HFEngine.dtype_emulated); None: native, a GPU
+    # or another engine
+    dtype_emulated: str | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None
     served: dict[str, Any] | None = Field(None, description="a served tier: prompt_mode, token_counts (server "
@@ -930,6 +939,9 @@ class LadderSection(_Closed):
     steps: list[LadderRung] = Field(default_factory=list)
     unplaced: dict[str, str] = Field(default_factory=dict)
     rates: RateLadderSection | None = None
+    # {member: "bfloat16"}: the ladder's members that torch computed in a dtype the run's CPU
+    # emulates (their rows' dtype_emulated); their users at SLO and knees are torch's CPU path
+    emulated: dict[str, str] = Field(default_factory=dict)
 
 
 class GateFile(_Closed):
@@ -994,6 +1006,11 @@ class TierResult(_Closed):
     decode_check: dict[str, Any] | None = Field(None, description="static decode: what torch.compile did "
                                                 "(qeval.engines.hf: graph breaks, recompiles, CUDA-graph replays)")
     decode_tokens: int | None = None
+    # the dtype torch computed the tier in without native instructions on this CPU ("bfloat16"
+    # without AVX512_BF16 / AMX-BF16): speed and load are torch's emulated CPU path, not the
+    # dtype as served natively (qeval.engines.hf.HFEngine.dtype_emulated); None: native, a GPU
+    # or another engine
+    dtype_emulated: str | None = None
     sampling: dict[str, Any] | None = None
     runtime: dict[str, Any] | None = None
     served: dict[str, Any] | None = None  # a served tier's prompt mode and token-count source (MeasureStage.served)

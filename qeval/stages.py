@@ -353,7 +353,7 @@ class TierRunner:
     #: Measure-stage fields copied into the tier result as they are.
     MEASURE_FIELDS = ("engine", "backend", "device", "threads", "kv_cache", "flash_attn", "kv_cache_dtype",
                       "attention", "memory", "speed", "open_seconds", "decode_mode", "decode_note", "decode_check",
-                      "decode_tokens", "sampling", "runtime", "served")
+                      "decode_tokens", "sampling", "runtime", "served", "dtype_emulated")
 
     def finish(self, tier: str, status: str, error: str | None = None, log_tail: str | None = None) -> TierResult:
         """Merge the tier's stage files into ``tiers/<tier>.json`` (atomically)."""

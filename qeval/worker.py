@@ -345,6 +345,7 @@ def stage_measure(recipe, run_dir: Path, tier: str) -> dict:
         "kv_cache_dtype": attention.get("kv_cache_dtype"), "attention": attention,
         "decode_mode": engine.decode_mode, "decode_note": engine.decode_note,
         "decode_check": getattr(engine, "decode_check", None),  # transformers' static decode only
+        "dtype_emulated": getattr(engine, "dtype_emulated", None),  # transformers on a CPU without the dtype's ISA
         "sampling": engine.sampling,
         "decode_tokens": n_decode,
         "open_seconds": load_s, "runtime": runtime,

@@ -295,6 +295,33 @@ def test_report_capacity_section_is_the_plan_table(tmp_path):
     assert f"| gptq | {gptq} |" in md
 
 
+def test_plan_notes_cpu_rows_measured_through_emulated_bf16(tmp_path, monkeypatch, capsys):
+    """A run's bf16 row measured on a CPU without AVX512_BF16 (its stored ``dtype_emulated``)
+    gets a note that its measured speed and users at SLO are torch's emulated CPU path, on
+    the command line (JSON and table) and in the report's capacity section; a native row, a
+    llama.cpp row and the same run without the field get none. The plan is drawn on a
+    machine with AVX512_BF16: the row decides."""
+    from qeval.engines.ggml_cpu import CPU_KIND_ENV
+    from qeval.report import write_report
+    monkeypatch.setenv(CPU_KIND_ENV, "avx512-bf16")
+    d = tmp_path / "run"
+    shutil.copytree(FIXTURE_RUN, d)
+    layout = RunLayout(d)
+    t = read_tier_result(layout, "bf16")
+    t.backend, t.dtype_emulated = "torch-bfloat16 (emulated on this CPU: no AVX512_BF16)", "bfloat16"
+    write_tier_result(layout, t)
+    note = ("run on a CPU without native BF16 instructions: torch emulated BF16, so the measured decode, "
+            "roofline share, prefill and users at SLO are torch's CPU path, not BF16 as served on a GPU")
+    rows = _rows(_plan(monkeypatch, capsys, str(d), "--gpu", "rtx4090", "--context", "1024"))
+    assert note in rows["bf16"]["notes"]
+    assert all(note not in r["notes"] for n, r in rows.items() if n != "bf16")
+    rc, out, _ = _qeval(monkeypatch, capsys, "plan", str(d), "--gpu", "rtx4090", "--context", "1024")
+    assert rc == 0 and note in next(x for x in out.splitlines() if x.startswith("| bf16 "))
+    assert note in write_report(d).read_text().replace("&#39;", "'")
+    run, tiers = load_run(FIXTURE_RUN)  # the recorded run: no row says emulated
+    assert not any("emulated" in n for r in build_plan(results=tiers, run=run, context=1024).rows for n in r.notes)
+
+
 # ---- bad flags: one line, exit 2 ----------------------------------------------------------------
 
 @pytest.mark.parametrize("args, want", [

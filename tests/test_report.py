@@ -542,3 +542,64 @@ def test_rate_table_plots_ladder_and_plan_knees(rated):
     from qeval.report.outputs import plan_text
     text = plan_text(d, None, "24GiB", 4096, 8, "1GiB")
     assert "measured knees" in text and re.search(r"\| int8 \| 2 \| 1 \| 4 \| 0.5, 1, 2, 4 \|", text), text
+
+
+EMULATED_NOTE = "emulated on this CPU: no AVX512_BF16"
+
+
+def test_ladder_caption_says_when_a_rung_ran_emulated_bf16(tmp_path, monkeypatch):
+    """bf16 and int8 rows measured on a CPU without AVX512_BF16 (their stored backend and
+    ``dtype_emulated``, as qeval.engines.hf records them): the overload ladder's caption, the
+    terminal's ladder, the load table's caption and the rate ladder say their figures are
+    torch's emulated CPU path, not BF16 on a GPU, and name no llama.cpp tier; gate.json
+    lists them. Rendered on a machine with AVX512_BF16: the rows decide, not the renderer.
+    The same run without such rows (the ``loaded``/``rated`` runs' shape) says none of it."""
+    from html import unescape
+    from qeval.engines.ggml_cpu import CPU_KIND_ENV
+    from qeval.report.outputs import build_outputs
+
+    def make(name: str, emulated: bool) -> Path:
+        d = tmp_path / name
+        shutil.copytree(FIXTURE, d)
+        run = json.loads((d / "run.json").read_text())
+        del run["recipe"]["gate"]["rules"]["min_pass_rate_rel"]  # as `loaded`: judged on the other rules
+        (d / "run.json").write_text(json.dumps(run))
+        for tier, sweep, cap in (("bf16", _sweep(1, 5.0, refuse_at=8), 1.2), ("int8", _sweep(2, 8.0), 2.5),
+                                 ("q4_k_m", _sweep(4, 12.0), 5.0)):
+            p = d / "tiers" / f"{tier}.json"
+            t = json.loads(p.read_text())
+            t["load"] = {**sweep, "arrivals": _rates(cap)}
+            if emulated and tier != "q4_k_m":
+                t["backend"] = (f"torch-bfloat16 ({EMULATED_NOTE})" if tier == "bf16"
+                                else f"torchao-int8-weight-only (bfloat16 {EMULATED_NOTE})")
+                t["dtype_emulated"] = "bfloat16"
+            p.write_text(json.dumps(t))
+        return d
+
+    sentence = ("bf16, int8: users at SLO on the run's CPU are torch's CPU path with BF16 emulated "
+                "(no native BF16 instructions), not BF16 as served on a GPU.")
+    monkeypatch.setenv(CPU_KIND_ENV, "avx512-bf16")
+    d = make("emulated", True)
+    out = rebuild_outputs(d)
+    g = json.loads(out.gate_json.read_text())
+    assert g["ladder"]["basis"] == "users_at_slo" and g["ladder"]["emulated"] == {"bf16": "bfloat16",
+                                                                                 "int8": "bfloat16"}
+    html = unescape(out.report_html.read_text())
+    cap = html[html.index("<h2>Overload ladder</h2>"):]
+    assert sentence in cap[:cap.index("</p>")]
+    assert f"torch-bfloat16 ({EMULATED_NOTE})" in html
+    md = out.table_md.read_text()
+    load_cap = md[md.index("## Load: users at SLO"):].splitlines()[2]
+    assert load_cap.endswith(sentence), load_cap
+    assert re.search(r"Rate ladder: serve bf16 .*\(rate-limit here\)\. bf16, int8: knees on the run's CPU are "
+                     r"torch's CPU path with BF16 emulated", md), md
+    _, text = build_outputs(d)
+    lad = text[text.index("overload ladder"):].splitlines()
+    assert lad[1] == f"  note: {sentence}" and "q4_k_m" not in lad[1]
+
+    monkeypatch.setenv(CPU_KIND_ENV, "avx2")  # a renderer without AVX512_BF16 adds nothing to native rows
+    plain = make("native", False)
+    out = rebuild_outputs(plain)
+    assert json.loads(out.gate_json.read_text())["ladder"]["emulated"] == {}
+    for text in (out.report_html.read_text(), out.table_md.read_text(), build_outputs(plain)[1]):
+        assert "emulated" not in text

@@ -32,6 +32,17 @@ TEXTS = [
 ]
 
 
+def _label(base: str, eng) -> str:
+    """``base`` as the engine labels it on this CPU: with the note of a compute dtype torch
+    emulates here (``(bfloat16 emulated on this CPU: no AVX512_BF16)``, qeval.engines.hf),
+    so the assertion holds on every kind of CPU."""
+    from qeval.engines.ggml_cpu import torch_bf16_note
+    from qeval.engines.hf import compute_dtype, emulated_label
+    dtype = compute_dtype(eng.model)
+    note = torch_bf16_note(dtype, eng.device)
+    return emulated_label(base, dtype, note) if note else base
+
+
 def _build_tiny(path: Path, hidden: int = 128, intermediate: int = 256) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -128,14 +139,14 @@ def _prepare(method_name: str, spec, ctx, tmp_path: Path) -> tuple[Path, dict]:
 
 # ---- INT8 -------------------------------------------------------------------------------
 
-def test_int8_round_trip(tiny, tmp_path):
+def test_int8_round_trip(tiny, tmp_path, monkeypatch):
     pytest.importorskip("torchao")
     m = get_method("int8")
     spec, ctx = _spec("int8"), _ctx(tiny)
     art, info = _prepare("int8", spec, ctx, tmp_path)
     assert info["backend"] == "torchao-int8-weight-only" and info["quantized_layers"] == 14
     eng = m.open_engine(spec, ctx, art)  # fresh open of the saved artifact
-    assert eng.backend == "torchao-int8-weight-only"
+    assert eng.backend == _label("torchao-int8-weight-only", eng)
     w = eng.model.model.layers[0].self_attn.q_proj.weight
     assert type(w).__name__ not in ("Tensor", "Parameter")  # still int8 after reload
     ref = _ref_logprobs(tiny)
@@ -162,6 +173,16 @@ def test_int8_round_trip(tiny, tmp_path):
     from qeval.engines.hf import HFEngine
     g = HFEngine(eng.model, "cpu", kv_cache="int8").generate(list(range(3, 40)), 5, ignore_stop=True)
     assert len(g.token_ids) == 5
+    # its activations run in bf16: on a CPU without AVX512_BF16 the row says torch emulated them
+    from qeval.engines.ggml_cpu import CPU_KIND_ENV
+    note = "emulated on this CPU: no AVX512_BF16"
+    monkeypatch.setenv(CPU_KIND_ENV, "avx2")
+    emu = m.open_engine(spec, ctx, art)
+    assert emu.backend == f"torchao-int8-weight-only (bfloat16 {note})" and emu.dtype_emulated == "bfloat16"
+    deq = m.load_dequantized(spec, ctx, art)
+    assert deq.backend == f"torch-bfloat16 (dequantized torchao-int8-weight-only; {note})"
+    monkeypatch.setenv(CPU_KIND_ENV, "avx512-bf16")
+    assert m.open_engine(spec, ctx, art).backend == "torchao-int8-weight-only"
 
 
 def test_int8_bitsandbytes_round_trip(tiny, tmp_path):
@@ -174,7 +195,7 @@ def test_int8_bitsandbytes_round_trip(tiny, tmp_path):
         assert "bitsandbytes 8-bit quantization failed" in str(e)
         pytest.skip(str(e))
     eng = m.open_engine(spec, ctx, art)
-    assert eng.backend == "bitsandbytes-llm.int8"
+    assert eng.backend == _label("bitsandbytes-llm.int8", eng)
     got = _logprobs(eng.model, _ids())
     assert float((_ref_logprobs(tiny) - got).abs().max()) < 0.1
     q = m.quant_info(spec, ctx, art, eng)

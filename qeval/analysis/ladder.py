@@ -32,6 +32,13 @@ is the member of best quality with a knee; each next rung is the best-quality re
 member whose knee is higher than the rung above's (a member that holds no higher rate than
 a better one is left out, with the reason). The closed loop's users-at-SLO order above
 stays as it is.
+
+**Emulated dtypes** (``Ladder.emulated``, :func:`emulated_members`): the members whose
+stored row says torch computed them in a dtype the run's CPU has no native instructions
+for (``TierResult.dtype_emulated``, e.g. BF16 without AVX512_BF16: qeval.engines.hf). Their
+users at SLO and knees are torch's emulated CPU path, not that dtype as served natively (on
+a GPU), and the ladders' captions say so (:func:`emulated_caption`). Read from the rows, as
+measured, never from the machine that renders the report.
 """
 from __future__ import annotations
 
@@ -92,6 +99,7 @@ class Ladder:
     basis: str = "peak_memory"
     load_depth: int | None = None
     rates: "RateLadder | None" = None
+    emulated: dict[str, str] = field(default_factory=dict)  # {member: dtype torch emulated on the run's CPU}
 
     @property
     def order(self) -> list[str]:
@@ -100,7 +108,40 @@ class Ladder:
     def to_dict(self) -> dict:
         return {"depth": self.depth, "quality_metric": self.quality_metric, "basis": self.basis,
                 "load_depth": self.load_depth, "steps": [asdict(s) for s in self.steps],
-                "unplaced": dict(self.unplaced), "rates": self.rates.to_dict() if self.rates else None}
+                "unplaced": dict(self.unplaced), "rates": self.rates.to_dict() if self.rates else None,
+                "emulated": dict(self.emulated)}
+
+
+#: How a caption names a dtype torch emulated on the run's CPU.
+DTYPE_NAMES = {"bfloat16": "BF16", "float16": "FP16"}
+
+
+def emulated_members(tiers: dict[str, TierResult], members: list[str]) -> dict[str, str]:
+    """``{member: dtype}`` of the ``members`` whose stored row says torch computed them in a
+    dtype without native instructions on the run's CPU (``TierResult.dtype_emulated``)."""
+    out = {}
+    for n in members:
+        t = tiers.get(n)
+        if t is not None and t.dtype_emulated:
+            out[n] = t.dtype_emulated
+    return out
+
+
+def emulated_caption(emulated: dict[str, str], on: list[str], what: str = "users at SLO") -> str:
+    """The ladder caption's sentence on the rungs among ``on`` that ran an emulated dtype
+    (``emulated``: :attr:`Ladder.emulated`), e.g. "bf16, bf16-kv8: users at SLO on the
+    run's CPU are torch's CPU path with BF16 emulated (no native BF16 instructions), not
+    BF16 as served on a GPU."; "" when there are none."""
+    by: dict[str, list[str]] = {}
+    for n in on:
+        if n in emulated:
+            by.setdefault(emulated[n], []).append(n)
+    parts = []
+    for dtype, names in by.items():
+        d = DTYPE_NAMES.get(dtype, dtype)
+        parts.append(f"{', '.join(names)}: {what} on the run's CPU are torch's CPU path with {d} emulated "
+                     f"(no native {d} instructions), not {d} as served on a GPU")
+    return "; ".join(parts) + "." if parts else ""
 
 
 @dataclass
@@ -258,6 +299,7 @@ def fallback_ladder(tiers: dict[str, TierResult], gate_report: GateReport,
     by_users = any(users_at_slo_of(tiers.get(n)) is not None for n in members)
     ladder = Ladder(depth=depth, quality_metric=quality_metric, basis="users_at_slo" if by_users else "peak_memory")
     ladder.rates = rate_ladder(tiers, members, ref, quality_metric)
+    ladder.emulated = emulated_members(tiers, members)
     if by_users:
         depths = {_load(tiers.get(n)).depth for n in members} - {None}
         ladder.load_depth = int(next(iter(depths))) if len(depths) == 1 else None

@@ -18,6 +18,10 @@ Per tier (a weight format served by an engine with a KV cache kind):
 * prefill: compute bound, so no estimate ("measure it") unless the run measured it;
 * users at SLO: only ever measured (the load stage's ``load.users_at_slo``); until a run has
   it the cell says so. :func:`measured_users_at_slo` is where that figure is read.
+* a run's tier that torch computed in a dtype its CPU has no native instructions for (the
+  row's ``dtype_emulated``, e.g. BF16 without AVX512_BF16: qeval.engines.hf) gets a note
+  (:func:`emulated_note`): its measured speed, roofline share and users at SLO are torch's
+  emulated CPU path, not that dtype as served on a GPU.
 
 Every cell carries its source: ``estimate`` (from the config and the formulas above) or
 ``measured`` (from the run, or computed from measured figures only).
@@ -42,6 +46,7 @@ from ..weight_formats import FlatBits, KVFormat, PairFormat, PairKV, WeightEstim
 from .capacity import (DEFAULT_OVERHEAD_BYTES, GridCheck, LoadCheck, decode_bound, grid_vs_formula, load_vs_formula,
                        max_context, max_sequences)
 from .gpus import GpuSpec
+from .ladder import DTYPE_NAMES
 from .pareto import GIB, finite
 
 #: Share of memory a process can use when neither ``--usable`` nor the GPU entry says.
@@ -319,6 +324,17 @@ def _speed_figures(result: TierResult) -> tuple[list[tuple[int, float]], list[tu
     return sorted(shares), sorted(prefill)
 
 
+def emulated_note(result: TierResult | None) -> str | None:
+    """The plan row's note for a run's tier that torch computed in a dtype the run's CPU
+    emulates (the stored ``dtype_emulated``; None for any other row)."""
+    dtype = result.dtype_emulated if result is not None and result.status == STATUS_OK else None
+    if not dtype or (result.device or "cpu") != "cpu":
+        return None
+    d = DTYPE_NAMES.get(dtype, dtype)
+    return (f"run on a CPU without native {d} instructions: torch emulated {d}, so the measured decode, "
+            f"roofline share, prefill and users at SLO are torch's CPU path, not {d} as served on a GPU")
+
+
 def _src(*cells: Cell) -> str:
     return MEAS if cells and all(c.source == MEAS for c in cells) else EST
 
@@ -347,6 +363,9 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: TierResult | None, *, b
     if result is not None and not ok:
         row.notes.append(f"run: status {result.status}" + ("; estimates only" if est else ""))
     if ok:
+        emulated = emulated_note(result)
+        if emulated:
+            row.notes.append(emulated)
         w = finite(get_path(result, "memory", "weight_bytes"))
         if w and w > _MAX_BYTES:  # a hostile or corrupt run folder: not a figure to plan with
             row.notes.append("run: memory.weight_bytes out of range, ignored")

@@ -29,6 +29,17 @@ graphs compiled, recompiles, graphs compiled inside a timed decode, CUDA-graph r
 step and skips, read from ``torch._dynamo.utils.counters`` and dynamo's compilation
 metrics), and a step that broke into eager parts says so in ``engine.decode_note``.
 
+Emulated dtypes: on a CPU without native bfloat16 instructions (no AVX512_BF16, no
+AMX-BF16) torch computes a bfloat16 model through an emulated path (widened to float32 in
+software, or its reference GEMM): on an AVX2-only Zen 3 (issue 65) a BF16 tier read 5.61 s
+TTFT at 256 tokens and 18.3 tok/s where GGUF Q4_K_M read 1.31 s and 69.7 tok/s. That is
+what torch's CPU path costs, not what BF16 costs, so the engine says so in the one place
+every tier on it passes (:class:`HFEngine`, from the loaded model's compute dtype and the
+device, whichever tier module built the label): ``engine.backend`` carries the note of
+:func:`qeval.engines.ggml_cpu.torch_bf16_note` (``torch-bfloat16 (emulated on this CPU: no
+AVX512_BF16)``) and ``engine.dtype_emulated`` the dtype, which the measure stage stores in
+the row (``dtype_emulated``) for the table, the ladder's caption and ``qeval plan``.
+
 Greedy means greedy: free-running answers go through ``model.generate`` with an explicit
 greedy :class:`~transformers.GenerationConfig` and the model's own
 ``generation_config.json`` defaults set aside for the call (transformers fills every
@@ -45,6 +56,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .base import Capabilities, EngineOptions, Generation, MemoryInfo, greedy_loop
+from .ggml_cpu import torch_bf16_note
 from .hf_core import cache_nbytes, open_core as open_hf_core
 
 
@@ -57,6 +69,32 @@ def cache_kwarg(model: Any) -> str:
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+def compute_dtype(model: Any) -> str | None:
+    """The dtype a transformers model computes in, as torch names it without ``torch.``
+    (``bfloat16``): the model's ``dtype`` (transformers: its first floating-point
+    parameter, e.g. the embeddings beside torchao or gptqmodel's packed weights, whose
+    activations run in it), else its first parameter's; None when neither can be read."""
+    dt = getattr(model, "dtype", None)
+    if dt is None:
+        try:
+            dt = next(model.parameters()).dtype
+        except (AttributeError, StopIteration, TypeError):
+            return None
+    return str(dt).replace("torch.", "")
+
+
+def emulated_label(backend: str, dtype: str, note: str) -> str:
+    """``backend`` with ``note`` (:func:`qeval.engines.ggml_cpu.torch_bf16_note`) in its
+    parentheses: ``torch-bfloat16 (emulated on this CPU: no AVX512_BF16)``; a label that
+    does not name ``dtype`` gets it in front of the note (``torchao-int8-weight-only
+    (bfloat16 emulated on this CPU: ...)``), and one that ends in parentheses gets the note
+    inside them (``torch-bfloat16 (dequantized gptq; emulated on this CPU: ...)``)."""
+    what = note if dtype in backend else f"{dtype} {note}"
+    if backend.endswith(")"):
+        return f"{backend[:-1]}; {what})"
+    return f"{backend} ({what})"
 
 
 def tensor_storage_bytes(tensors: Any) -> int:
@@ -379,6 +417,11 @@ class HFEngine:
             the re-quantization period); None: :data:`HQQ_RESIDUAL_LENGTH`.
 
     Attributes:
+        backend: ``backend`` as run: with the note of a dtype torch emulates on this CPU
+            (:func:`emulated_label`) and `` + KV int8 (HQQ)`` for the int8 cache.
+        dtype_emulated: the model's compute dtype (:func:`compute_dtype`) when torch runs it
+            without native instructions on this CPU (``bfloat16`` without AVX512_BF16 or
+            AMX-BF16; :func:`qeval.engines.ggml_cpu.torch_bf16_note`), else None.
         decode_mode: "eager" or "static" as run; ``decode_note`` says why when ``auto``
             fell back to eager.
         sampling: ``{"decode": "argmax", "ignored_file_defaults": {...}}``.
@@ -425,7 +468,13 @@ class HFEngine:
         self.decode_mode = resolve_decode_mode(decode, device, kv_cache)
         self.decode_note: str | None = None
         self.compile_backend = compile_backend
-        self.backend = backend + (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
+        # what ran: a dtype torch computes without this CPU's native instructions says so in
+        # the label (and dtype_emulated), whichever tier built the label (module notes)
+        dtype = compute_dtype(model)
+        note = torch_bf16_note(dtype, device) if dtype else None
+        self.dtype_emulated: str | None = dtype if note else None
+        self.backend = (emulated_label(backend, dtype, note) if note else backend) + \
+            (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self._torch = __import__("torch")
         self._cache_kw = cache_kwarg(model)

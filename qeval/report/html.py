@@ -29,6 +29,7 @@ from pathlib import Path
 from ..analysis import RunAnalysis, analyse_run
 from ..analysis.capacity import DEFAULT_OVERHEAD_BYTES
 from ..analysis.gate import load_run_checked, validate_section
+from ..analysis.ladder import emulated_caption
 from ..analysis.pareto import GIB, decode_at, finite, quality_direction
 from ..analysis.speculative import SPEC_HEADERS, spec_caption, spec_table
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
@@ -81,6 +82,13 @@ def _analyse(run_dir: str | Path, recipe_dict: dict | None) -> tuple[RunInfo, Ru
     return run, a, spec
 
 
+def _rate_emulated(a: RunAnalysis) -> str:
+    """The rate ladder's sentence on its rungs that ran a dtype torch emulated on the run's
+    CPU (:func:`qeval.analysis.ladder.emulated_caption`); "" when none did."""
+    rungs = [r.tier for r in a.ladder.rates.steps] if a.ladder.rates is not None else []
+    return emulated_caption(a.ladder.emulated, rungs, "knees")
+
+
 def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
     tab = tier_table(a, slow)
     name = a.recipe.get("name", "run")
@@ -99,7 +107,7 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
         md += ["## Load: request rates (open loop)", "", rate_caption(a.tiers) or "", "",
                markdown_table(RATE_HEADERS, rrows)]
         if a.ladder.rates is not None and a.ladder.rates.steps:
-            md += [f"Rate ladder: {a.ladder.rates.text()}.", ""]
+            md += [f"Rate ladder: {a.ladder.rates.text()}. {_rate_emulated(a)}".rstrip(), ""]
         for n, why in (a.ladder.rates.unplaced.items() if a.ladder.rates is not None else ()):
             md.append(f"- `{n}` not on the rate ladder: {why}")
         md.append("")
@@ -303,6 +311,8 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         unfinished=unfinished, slow=list(slow.values()), pareto=pareto_rows, rules=a.gate.rules,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,
         ladder_by_users=a.ladder.basis == "users_at_slo", load_depth=a.ladder.load_depth or "-",
+        ladder_emulated=emulated_caption(a.ladder.emulated, a.ladder.order) if a.ladder.basis == "users_at_slo" else "",
+        rate_emulated=_rate_emulated(a),
         load_rows=load_table(a.tiers), load_headers=LOAD_HEADERS, load_caption=load_caption(a.tiers) or "",
         load_plots=load_plots, rate_rows=rate_table(a.tiers), rate_headers=RATE_HEADERS,
         workloads=_workloads(a) + _speculative(a),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..analysis.capacity import format_gib, parse_bandwidth, parse_size
 from ..analysis.gpus import find_gpu
+from ..analysis.ladder import emulated_caption
 from ..analysis.plan import build_plan, find_config, plan_json, plan_markdown, read_config, tiers_from_specs
 from ..errors import QevalInputError
 from ..model_config import model_shape
@@ -49,6 +50,9 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         by_users = lad.basis == "users_at_slo"
         lines.append(f"overload ladder (users at SLO at depth {lad.load_depth or '-'}, fewest first):"
                      if by_users else "fallback ladder (most to least memory):")
+        emulated = emulated_caption(lad.emulated, [s.tier for s in lad.steps]) if by_users else ""
+        if emulated:
+            lines.append(f"  note: {emulated}")
         for i, s in enumerate(lad.steps):
             q, saved = s.quality, s.saved_vs_first_pct
             lines.append(f"  {i + 1}. {s.tier:<18}"

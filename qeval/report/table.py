@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 
 from ..analysis import RunAnalysis
 from ..analysis.floor import FLOOR_FACTOR, INDISTINGUISHABLE
+from ..analysis.ladder import emulated_caption, emulated_members
 from ..analysis.speculative import pair_results
 from ..metrics import GIB, finite
 from ..metrics import value as metric_value
@@ -504,11 +505,15 @@ def _load(r: Row) -> Cell:
 
 
 def _backend(r) -> tuple[str, dict]:
-    """The engine's backend, with llama.cpp's CPU variant where one ran
+    """The engine's backend as the row stores it, with llama.cpp's CPU variant where one ran
     (``llama.cpp-cpu (zen4)``; the row's ``runtime.cpu_variant``, qeval.engines.ggml_cpu),
     and the better variants passed over with why (``haswell; passed over zen4: SIGILL
-    (illegal instruction) in the probe``); CSV adds ``cpu_variant``,
-    ``cpu_instruction_sets`` and ``cpu_passed_over``."""
+    (illegal instruction) in the probe``). A transformers tier that torch computed in a
+    dtype the run's CPU has no instructions for says so in its stored backend
+    (``torch-bfloat16 (emulated on this CPU: no AVX512_BF16)``, qeval.engines.hf); the cell
+    shows it as measured, never re-judged on the machine that renders the table. CSV adds
+    ``cpu_variant``, ``cpu_instruction_sets``, ``cpu_passed_over`` and ``dtype_emulated``
+    (the row's, e.g. ``bfloat16``; empty when native)."""
     rt = r.t.runtime or {}
     variant = rt.get("cpu_variant")
     isa = rt.get("instruction_sets")
@@ -517,7 +522,7 @@ def _backend(r) -> tuple[str, dict]:
                                       if variant else "")
     return text, {"backend": r.t.backend, "cpu_variant": variant,
                   "cpu_instruction_sets": " ".join(isa) if isa else None,
-                  "cpu_passed_over": "; ".join(over) or None}
+                  "cpu_passed_over": "; ".join(over) or None, "dtype_emulated": r.t.dtype_emulated}
 
 
 #: Every column of the tier table, in order (CSV fields follow the same order).
@@ -737,17 +742,21 @@ def load_table(tiers: dict[str, TierResult]) -> list[list[str]]:
 
 
 def load_caption(tiers: dict[str, TierResult]) -> str | None:
-    """One line saying what the load table measured (depth, tokens, SLO), from the first sweep."""
+    """One line saying what the load table measured (depth, tokens, SLO), from the first sweep,
+    and which swept tiers ran a dtype torch emulated on the run's CPU (their rows'
+    ``dtype_emulated``: :func:`qeval.analysis.ladder.emulated_caption`)."""
     load = next((t.load for t in tiers.values() if t.load is not None and t.load.points), None)
     if load is None:
         return None
     slo = load.slo or LoadSlo()
     n = load.requests_per_stream
+    swept = [name for name, t in tiers.items() if t.load is not None and t.load.points]
+    emulated = emulated_caption(emulated_members(tiers, swept), swept)
     return (f"Closed loop: each stream sends {n} request{'' if n == 1 else 's'} in turn, each a fresh "
             f"{load.depth}-token prompt and {load.output_tokens} new tokens; prefill in chunks of "
             f"{load.prefill_chunk} tokens. SLO: TTFT p95 <= {slo.ttft_p95_s} s and ITL p95 <= "
             f"{slo.itl_p95_s} s. decode tok/s = all new tokens / run time; gain = / 1 stream; goodput = "
-            "tokens of requests within the SLO / run time (qeval.measure.load).")
+            "tokens of requests within the SLO / run time (qeval.measure.load)." + (f" {emulated}" if emulated else ""))
 
 
 RATE_HEADERS = ["tier", "point", "offered req/s", "achieved req/s", "TTFT p50/p95/p99 s", "ITL p50/p95/p99 s",
