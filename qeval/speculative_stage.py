@@ -138,10 +138,13 @@ def _timed_greedy(model: Any, prompt: list[int], new_tokens: int) -> Speculative
 
 
 def transformers_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], open_tier: Callable[[str], Any],
-                      device: str, progress: Callable[[str], None]) -> tuple[dict[int, PairRuns], int | None, str]:
+                      device: str, progress: Callable[[str], None]) -> tuple[dict[int, PairRuns], int | None, str, list[str]]:
     """Both tiers opened on transformers (``open_tier(name)`` -> an engine with ``.model``),
     a warm-up answer each way, then per depth the target alone and each k. Returns
-    ``({depth: PairRuns}, peak bytes of both models, what the peak counts)``."""
+    ``({depth: PairRuns}, peak bytes of both models, what the peak counts, notes)``; the
+    notes name a model whose dtype torch emulates on this CPU (the engines'
+    ``dtype_emulated``: on an AVX2-only CPU the BF16 target decodes on torch's emulated
+    path, several times slower than with AVX512_BF16, and the pair's speed is that path's)."""
     release_freed_memory()
     peak = PeakMemory(device, rss_bytes() if device == "cpu" else None)
     peak.reset()
@@ -166,9 +169,11 @@ def transformers_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]]
         out[d] = PairRuns(alone=alone, runs=runs, details={"checks_ties": True, "agreement": [
             transformers_agreement(dm, p, a.token_ids) for p, a in zip(ps, alone)]})
     used = peak.read()
+    notes = [f"{name}: {e.dtype_emulated} emulated on this CPU (no native instructions): torch's CPU path"
+             for name, e in ((pair.target, target), (pair.draft, draft)) if getattr(e, "dtype_emulated", None)]
     for e in (target, draft):
         e.close()
-    return out, used, peak.kind
+    return out, used, peak.kind, notes
 
 
 def llamacpp_pair(pair: SpeculativeSpec, prompts: dict[int, list[list[int]]], artifacts: dict[str, Path],
@@ -229,9 +234,9 @@ def run_pair(recipe: Recipe, run_dir: Path, pair: SpeculativeSpec, tokenizer: An
     device = pick_device(recipe.device)
     t0 = time.time()
     if engine == "transformers":
-        by_depth, peak, counter = transformers_pair(pair, prompts, open_tier, device, progress)
+        by_depth, peak, counter, notes = transformers_pair(pair, prompts, open_tier, device, progress)
         rec.how = ("transformers generate(assistant_model=draft), greedy, constant num_assistant_tokens = k, "
-                   "no confidence cut-off")
+                   "no confidence cut-off" + "".join(f"; {n}" for n in notes))
     else:
         artifacts = {n: Path(read_stage(layout, n, "prepare").artifact) for n in (pair.target, pair.draft)}
         by_depth, peak, counter, rec.how = llamacpp_pair(pair, prompts, artifacts, recipe, device, progress)

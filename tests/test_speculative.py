@@ -156,3 +156,26 @@ def test_a_failed_pair_keeps_the_table_and_says_why(tmp_path):
     text = write_tables(run_dir)[0].read_text()
     assert "bf16+int8 k=2" not in text and "tier int8 did not finish" in text
     assert "| bf16 |" in text  # the tiers' rows stand
+
+
+@pytest.mark.parametrize("kind, emulated", [("avx2", True), ("avx512-bf16", False)])
+def test_a_transformers_pair_says_when_its_bf16_models_run_emulated(tiny_llama, monkeypatch, kind, emulated):
+    """The pair's ``how`` names each model torch computes in emulated BF16 on this CPU (the
+    kind forced at its named point, QEVAL_TEST_CPU_KIND): an AVX2-only CPU's BF16 target
+    decodes several times slower there, and the pair's speed is that path's (issue 65)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qeval.engines.hf import HFEngine
+    from qeval.recipe import SpeculativeSpec
+    from qeval.speculative_stage import transformers_pair
+    monkeypatch.setenv("QEVAL_TEST_CPU_KIND", kind)
+
+    def open_tier(name):
+        m = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
+        return HFEngine(m, "cpu", backend="torch-bfloat16")
+    pair = SpeculativeSpec(target="bf16", draft="int8", draft_tokens=[2], new_tokens=4, prompts=1)
+    out, _, _, notes = transformers_pair(pair, {16: [list(range(5, 21))]}, open_tier, "cpu", lambda s: None)
+    assert out[16].runs[2][0].new_tokens == 4
+    want = [f"{t}: bfloat16 emulated on this CPU (no native instructions): torch's CPU path" for t in ("bf16", "int8")]
+    assert notes == (want if emulated else [])
