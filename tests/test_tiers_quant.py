@@ -366,3 +366,54 @@ def test_gptq_packing_compiles_the_extension_only_when_it_pays(tmp_path):
     built.mkdir(parents=True)
     (built / "gptqmodel_pack_block_cpu.so").write_bytes(b"")
     assert pack_extension_choice(small, tmp_path, env={}) == (True, "already compiled")
+
+
+# ---- a hybrid model: sliding-window layers with local RoPE beside full ones (issue 64) -------
+
+def _build_tiny_gemma3(path: Path) -> None:
+    """A tiny random Gemma 3 text model: 4 layers, 3 sliding-window (window 16) with local
+    RoPE and 1 full-attention with global RoPE (``Gemma3RotaryEmbedding.forward(x,
+    position_ids, layer_type)``), 1 KV head; the word-level tokenizer of :func:`_build_tiny`."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    _build_tiny(path)  # its tokenizer (the llama weights are overwritten below)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=16,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def test_per_layer_rotary_is_read_from_the_rotary_modules_signature(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from qeval.tiers.gptq import per_layer_rotary
+    g3 = tmp_path / "g3"
+    _build_tiny_gemma3(g3)
+    assert per_layer_rotary(AutoModelForCausalLM.from_pretrained(str(g3)))
+    assert not per_layer_rotary(AutoModelForCausalLM.from_pretrained(str(tiny)))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_w4_on_a_hybrid_sliding_window_model_round_trips(method, tmp_path, monkeypatch):
+    """gptqmodel 7.6's AWQ scale search recomputed RoPE with one argument and died on Gemma 3
+    (``Gemma3RotaryEmbedding.forward() missing 1 required positional argument: 'layer_type'``,
+    issue 64); with the captured position embeddings kept (qeval.tiers.gptq
+    keep_captured_position_embeddings) both methods quantize it, say what calibration could not
+    do per layer type, and the quantized model stays close to the source."""
+    pytest.importorskip("gptqmodel")
+    monkeypatch.chdir(tmp_path)
+    g3 = tmp_path / "g3"
+    _build_tiny_gemma3(g3)
+    m = get_method(method)
+    logs: list[str] = []
+    spec, ctx = _spec(method), _ctx(g3)
+    ctx.log = logs.append
+    art, info = _prepare(method, spec, ctx, tmp_path)
+    assert "layer 0's captured attention mask and RoPE" in info["calibration_note"]
+    assert any("keeps the captured position_embeddings" in x for x in logs), logs
+    eng = m.open_engine(spec, ctx, art)
+    kld = _kld(_ref_logprobs(g3), _logprobs(eng.model, _ids()))
+    assert 0 < kld < 0.05, kld

@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field, field_validator
 
@@ -271,6 +271,48 @@ class AwqTier(W4Tier):
                             "matmuls over the bfloat16 weights; auto: float32 on a CPU without a fast bfloat16 path")
 
 
+def per_layer_rotary(model: Any) -> bool:
+    """Whether ``model``'s rotary embedding is computed per layer type (its ``forward`` takes
+    a required argument beyond ``x`` and ``position_ids``: Gemma 3's ``layer_type``, local
+    RoPE for sliding-window layers and global RoPE for full-attention ones), read from the
+    module's signature, never the model's name. Such a model's decoder layers receive their
+    ``position_embeddings`` from the model's forward, and the one-argument recomputation in
+    gptqmodel 7.6's AWQ scale search (``AWQProcessor._iter_module_forward_outputs``:
+    ``rotary(x, pos)``) raises ``TypeError: ... missing 1 required positional argument:
+    'layer_type'``."""
+    import inspect
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None) or getattr(getattr(inner, "language_model", None), "rotary_emb", None)
+    if rotary is None:
+        return False
+    try:
+        params = list(inspect.signature(rotary.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return len(required) > 2
+
+
+def keep_captured_position_embeddings(gm: Any, log: Callable[[str], None]) -> bool:
+    """Fix at a named point for gptqmodel 7.6's AWQ on models with per-layer-type RoPE
+    (:func:`per_layer_rotary`): set the model definition's own switch
+    ``awq_preserve_explicit_position_embeddings`` (``models/base.py``; gptqmodel sets it for
+    Cohere Compass only) on this instance, so the scale search reuses the
+    ``position_embeddings`` captured from the model's forward instead of recomputing them with
+    one argument. The switch is upstream's; what it cannot fix is said in the log: gptqmodel
+    captures layer 0's inputs (its attention mask and RoPE) and replays them to every layer,
+    so on a hybrid model the full-attention layers calibrate with layer 0's kind of mask and
+    RoPE (GPTQ and AWQ alike). Returns whether the switch was set."""
+    if not per_layer_rotary(gm.model):
+        return False
+    gm.awq_preserve_explicit_position_embeddings = True
+    log("rotary embedding per layer type: AWQ keeps the captured position_embeddings "
+        "(gptqmodel's awq_preserve_explicit_position_embeddings); every layer calibrates with layer 0's "
+        "captured attention mask and RoPE (gptqmodel replays one layer's inputs)")
+    return True
+
+
 @contextlib.contextmanager
 def awq_clip_search(enabled: bool):
     """Within the block, gptqmodel's AWQ processors run the clipping search or not.
@@ -427,6 +469,7 @@ class _GptqModelMethod(TierMethod):
             gm = GPTQModel.load(ctx.source_path, qc, device=ctx.device, trust_remote_code=ctx.trust_remote_code,
                                 dtype=getattr(torch, ctx.dtype))
             torch.set_num_threads(ctx.threads)  # gptqmodel may re-pin threads while loading
+            per_layer_rope = keep_captured_position_embeddings(gm, lambda m: ctx.log(f"{self.method}: {m}"))
             matmul = self._calibration_matmul(spec, ctx)
             ctx.log(f"{self.method}: quantizing with {len(calib)} calibration rows ({n_tok} tokens), "
                     f"bits {spec.bits}, group {group}, calibration matmuls {matmul}")
@@ -444,6 +487,9 @@ class _GptqModelMethod(TierMethod):
                 "backend": f"gptqmodel:{self._quant_backend(ctx.device)}",
                 "calibration_rows": len(calib), "calibration_tokens": n_tok, "calibration_matmul": matmul,
                 **({"clip_search": clip} if self.quant_method == "awq" else {}),
+                **({"calibration_note": "per-layer-type RoPE: every layer calibrated with layer 0's captured "
+                                        "attention mask and RoPE (gptqmodel replays one layer's inputs)"}
+                   if per_layer_rope else {}),
                 "library": {"gptqmodel": gptqmodel.__version__}}
 
     # -- runtime -------------------------------------------------------------------------
