@@ -13,7 +13,8 @@ Tensors per decoder layer (shapes ``rows x cols`` = ``out_features x in_features
 * ``gate`` and ``up`` ``intermediate x hidden``, ``down`` ``hidden x intermediate``;
 * 1-D: two RMSNorm weights of ``hidden``; q/k/v biases when ``model_type`` starts with
   ``qwen2`` or ``attention_bias`` is true (llama's ``attention_bias`` also biases ``o``);
-  MLP biases when ``mlp_bias``; per-head q/k RMSNorms of ``head_dim`` for ``qwen3``.
+  MLP biases when ``mlp_bias``; per-head q/k RMSNorms of ``head_dim`` for ``qwen3`` and
+  ``gemma3``; two more RMSNorms of ``hidden`` (around the MLP) for ``gemma2``/``gemma3``.
 
 Plus the token embedding ``vocab x hidden``, the final norm ``hidden`` and, unless
 ``tie_word_embeddings`` is true, the LM head ``vocab x hidden`` (absent counts as untied,
@@ -24,6 +25,17 @@ and ``qeval plan`` answers from a config file alone in well under a second.
 
 Mixture-of-experts configs (``num_experts``, ``num_local_experts``) are refused: their
 expert routing is not modelled.
+
+Sliding-window and hybrid attention (issue 64): a layer of type ``sliding_attention`` keeps
+only the last ``sliding_window`` tokens' K and V, so the KV cache at a depth is not
+``depth x`` a per-token figure but, per layer's bytes per token,
+``full_layers x depth + sliding_layers x min(depth, window)`` (:meth:`ModelShape.kv_bytes_at`).
+The layer types are read as transformers' ``cache_utils.get_layer_types_and_kwargs`` reads
+them (:func:`attention_layer_types`): ``layer_types`` when the config lists them, else
+every layer sliding when ``sliding_window`` is set (mistral, phi3), with the older
+configs' own rules first (qwen2/qwen3 ``use_sliding_window`` from ``max_window_layers`` on;
+gemma2/gemma3 ``sliding_window_pattern``). :func:`int8_kv_layers` says which layers the
+transformers engine's int8 KV cache quantizes (the full-attention ones).
 """
 from __future__ import annotations
 
@@ -93,6 +105,43 @@ class ModelShape:
     max_position: int | None
     dtype: str
     tensors: tuple[TensorShape, ...] = field(repr=False)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    @property
+    def sliding_layers(self) -> int:
+        """Layers whose cache keeps only the last :attr:`sliding_window` tokens."""
+        return sum(t in SLIDING_TYPES for t in self.layer_types) if self.sliding_window else 0
+
+    @property
+    def full_layers(self) -> int:
+        """Layers whose cache grows with the depth (every layer but the sliding ones)."""
+        return self.layers - self.sliding_layers
+
+    @property
+    def kv_elements_per_layer_token(self) -> int:
+        """K and V elements one layer caches per token: ``2 x kv_heads x head_dim``."""
+        return 2 * self.kv_heads * self.head_dim
+
+    def kv_elements_at(self, depth: int) -> int:
+        """K and V elements cached at ``depth`` tokens:
+        ``2 x kv_heads x head_dim x (full_layers x depth + sliding_layers x min(depth, window))``
+        (every layer full without a sliding window: ``kv_elements_per_token x depth``)."""
+        d = max(0, int(depth))
+        held = self.full_layers * d + self.sliding_layers * min(d, self.sliding_window or d)
+        return self.kv_elements_per_layer_token * held
+
+    def kv_bytes_at(self, depth: int, bytes_per_element: float = 2.0) -> float:
+        """Bytes of the KV cache at ``depth`` tokens (:meth:`kv_elements_at`), at
+        ``bytes_per_element`` (2: BF16/FP16)."""
+        return self.kv_elements_at(depth) * float(bytes_per_element)
+
+    def kv_layout(self) -> str:
+        """``18 layers: 3 full, 15 sliding (window 512)``, or ``18 layers, full attention``."""
+        if not self.sliding_layers:
+            return f"{self.layers} layers, full attention"
+        return (f"{self.layers} layers: {self.full_layers} full, {self.sliding_layers} sliding "
+                f"(window {self.sliding_window})")
 
     @property
     def params(self) -> int:
@@ -101,7 +150,9 @@ class ModelShape:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """K and V elements cached per token: ``2 x layers x kv_heads x head_dim``."""
+        """K and V elements cached per token: ``2 x layers x kv_heads x head_dim`` (every
+        layer: with sliding layers, the figure up to the window; :meth:`kv_elements_at`
+        is the cache at a depth)."""
         return 2 * self.layers * self.kv_heads * self.head_dim
 
     def in_features(self) -> dict[str, int]:
@@ -138,6 +189,81 @@ def text_config(config: dict) -> dict:
     return config
 
 
+#: transformers' layer types whose cache keeps a window of tokens (``cache_utils``:
+#: ``DynamicSlidingWindowLayer``; ``chunked_attention`` is windowed by
+#: ``attention_chunk_size`` instead and is counted as full here, an upper bound).
+SLIDING_TYPES = ("sliding_attention",)
+
+
+def attention_layer_types(config: dict) -> tuple[list[str], int | None]:
+    """``(layer type per layer, sliding window or None)`` of a HF ``config.json`` dict, as
+    transformers builds its cache (module notes): ``layer_types`` as listed; else the older
+    configs' rules (qwen2/qwen3: sliding from ``max_window_layers`` on when
+    ``use_sliding_window``; gemma2: every other layer; gemma3: ``sliding_window_pattern``,
+    default 6, every pattern-th layer full); else every layer sliding when
+    ``sliding_window`` is set, full otherwise. The window is None (and every layer full)
+    without a positive ``sliding_window``.
+
+    Raises:
+        QevalInputError: ``num_hidden_layers`` missing or not a positive integer;
+            ``layer_types`` not a list of one string per layer.
+    """
+    cfg = text_config(config)
+    layers = _int(cfg, "num_hidden_layers")
+    window = cfg.get("sliding_window")
+    window = window if isinstance(window, int) and not isinstance(window, bool) and 0 < window <= MAX_CONFIG_INT \
+        else None
+    mtype = str(cfg.get("model_type") or "").lower()
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
+            raise QevalInputError(f"must list one layer type (a string) per layer ({layers})", field="layer_types")
+        types = list(types)
+    elif mtype.startswith(("qwen2", "qwen3")):
+        start = cfg.get("max_window_layers") if isinstance(cfg.get("max_window_layers"), int) else layers
+        types = ["sliding_attention" if cfg.get("use_sliding_window") and window and i >= start
+                 else "full_attention" for i in range(layers)]
+    elif mtype.startswith("gemma2"):
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    elif mtype.startswith("gemma3"):
+        pattern = cfg.get("sliding_window_pattern")
+        pattern = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0 else 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    else:
+        types = ["sliding_attention" if window else "full_attention"] * layers
+    if window is None:
+        types = ["full_attention" if t in SLIDING_TYPES else t for t in types]
+    return types, window
+
+
+def int8_kv_layers(config: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(quantized, kept)`` layer indices of the transformers engine's int8 KV cache for a
+    HF config dict: the full-attention layers quantized (HQQ int8, transformers'
+    ``HQQQuantizedLayer``), the sliding ones kept in the model's dtype within their window
+    (``DynamicSlidingWindowLayer``: at most ``window`` tokens, where int8 saves least, and
+    transformers' quantized layers do not slide). ``quantized`` empty means the tier
+    cannot run (every layer sliding, e.g. mistral with ``sliding_window`` set): the
+    engine refuses it with a ValueError, and validation may refuse it earlier from this.
+
+    Raises:
+        QevalInputError: as :func:`attention_layer_types`.
+    """
+    types, _ = attention_layer_types(config)
+    kept = tuple(i for i, t in enumerate(types) if t in SLIDING_TYPES)
+    return tuple(i for i in range(len(types)) if i not in kept), kept
+
+
+def kv_bytes_at_depth(config: dict, depth: int, bytes_per_element: float = 2.0) -> float:
+    """KV cache bytes at ``depth`` tokens for a HF config dict:
+    ``2 x kv_heads x head_dim x bytes_per_element x (full x depth + sliding x min(depth, window))``
+    (:meth:`ModelShape.kv_bytes_at`).
+
+    Raises:
+        QevalInputError: as :func:`model_shape`.
+    """
+    return model_shape(config).kv_bytes_at(depth, bytes_per_element)
+
+
 def model_shape(config: dict) -> ModelShape:
     """The tensors of a llama-style decoder described by a HF ``config.json`` dict.
 
@@ -164,7 +290,10 @@ def model_shape(config: dict) -> ModelShape:
     qkv_bias = mtype.startswith("qwen2") or bool(cfg.get("attention_bias"))
     o_bias = bool(cfg.get("attention_bias")) and not mtype.startswith("qwen2")
     mlp_bias = bool(cfg.get("mlp_bias"))
-    qk_norm = mtype.startswith("qwen3")
+    qk_norm = mtype.startswith(("qwen3", "gemma3"))
+    # gemma2/gemma3: RMSNorms before and after the MLP too (modeling_gemma3.py: pre_ and
+    # post_feedforward_layernorm beside input_ and post_attention_layernorm)
+    ffn_norms = mtype.startswith(("gemma2", "gemma3"))
     out: list[TensorShape] = [TensorShape("embed", None, vocab, hidden)]
     for i in range(layers):
         out += [TensorShape("q", i, q_dim, hidden), TensorShape("k", i, kv_dim, hidden),
@@ -172,6 +301,8 @@ def model_shape(config: dict) -> ModelShape:
                 TensorShape("gate", i, inter, hidden), TensorShape("up", i, inter, hidden),
                 TensorShape("down", i, hidden, inter),
                 TensorShape("norm", i, hidden), TensorShape("norm", i, hidden)]
+        if ffn_norms:
+            out += [TensorShape("norm", i, hidden), TensorShape("norm", i, hidden)]
         if qkv_bias:
             out += [TensorShape("bias", i, q_dim), TensorShape("bias", i, kv_dim), TensorShape("bias", i, kv_dim)]
         if o_bias:
@@ -186,7 +317,8 @@ def model_shape(config: dict) -> ModelShape:
         out.append(TensorShape("lm_head", None, vocab, hidden))
     mpe = cfg.get("max_position_embeddings")
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    types, window = attention_layer_types(config)
     return ModelShape(model_type=mtype, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                       head_dim=head_dim, intermediate=inter, vocab=vocab, tied=tied,
                       max_position=mpe if isinstance(mpe, int) and not isinstance(mpe, bool) and mpe > 0 else None,
-                      dtype=str(dtype), tensors=tuple(out))
+                      dtype=str(dtype), tensors=tuple(out), layer_types=tuple(types), sliding_window=window)

@@ -13,6 +13,15 @@ When ``free`` is negative nothing fits: both are 0.
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
 (docs/glossary.md).
 
+Sliding-window layers (Gemma 3, mistral; issue 64) keep at most ``window`` tokens, so a
+sequence's KV at context c is ``full x c + sliding x min(c, window)`` (``full`` and
+``sliding``: bytes per token of the full and of the sliding layers,
+:func:`kv_split_from_config`); :func:`max_sequences` and :func:`max_context` take
+``sliding=(sliding bytes per token, window)`` for it, ``kv_bytes_per_token`` then being the
+full layers' figure. Without it a hybrid model's figure is either every layer's (an upper
+bound past the window) or a run's slope between depths past the window (the full layers
+only: too low by ``sliding x window`` per sequence).
+
 Decode bound (docs/design.md "Roofline"): one decode step reads every weight once and the
 K/V of every cached token, so at context c one stream makes at most
 ``bandwidth / (weights + kv_bytes_per_token * c)`` tokens/s and N streams batched together
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 from dataclasses import asdict, dataclass
 
@@ -140,31 +150,73 @@ def decode_bound(bandwidth_bytes_per_s: float, weights_bytes: float, kv_bytes_pe
     return streams * bandwidth_bytes_per_s / (weights_bytes + streams * kv_bytes_per_token * context)
 
 
+def _sliding_args(sliding: tuple[float, int] | None) -> tuple[float, int]:
+    if sliding is None:
+        return 0.0, 0
+    per, window = sliding
+    if per < 0 or int(window) <= 0:
+        raise QevalInputError(f"sliding layers' KV bytes/token ({per}) and window ({window}) must be positive")
+    return float(per), int(window)
+
+
 def max_sequences(budget_bytes: float, weights_bytes: float, overhead_bytes: float,
-                  kv_bytes_per_token: float, context: int) -> int:
-    """``floor((M - weights - overhead) / (kv_bytes_per_token * context))``, at least 0.
+                  kv_bytes_per_token: float, context: int, *, sliding: tuple[float, int] | None = None) -> int:
+    """``floor((M - weights - overhead) / (kv_bytes_per_token * context))``, at least 0;
+    with ``sliding=(bytes per token, window)`` of the sliding layers, a sequence holds
+    ``kv_bytes_per_token * context + sliding bytes * min(context, window)``.
 
     Raises:
-        QevalInputError: ``context`` or ``kv_bytes_per_token`` not positive.
+        QevalInputError: ``context`` or ``kv_bytes_per_token`` not positive (with
+            ``sliding``: the full layers' figure may be 0, not both).
     """
-    if context <= 0 or kv_bytes_per_token <= 0:
+    s_per, window = _sliding_args(sliding)
+    if context <= 0 or kv_bytes_per_token < 0 or (kv_bytes_per_token <= 0 and (not sliding or s_per <= 0)):
         raise QevalInputError(f"context ({context}) and KV bytes/token ({kv_bytes_per_token}) must be positive")
     free = budget_bytes - weights_bytes - overhead_bytes
-    return _floor_share(free, kv_bytes_per_token * context)
+    return _floor_share(free, kv_bytes_per_token * context + s_per * min(context, window))
 
 
 def max_context(budget_bytes: float, weights_bytes: float, overhead_bytes: float,
-                kv_bytes_per_token: float, users: int) -> int:
+                kv_bytes_per_token: float, users: int, *, sliding: tuple[float, int] | None = None) -> int:
     """Longest context (tokens) each of ``users`` concurrent sequences can have:
-    ``floor((M - weights - overhead) / (kv_bytes_per_token * users))``, at least 0.
+    ``floor((M - weights - overhead) / (kv_bytes_per_token * users))``, at least 0. With
+    ``sliding=(bytes per token, window)``: the largest c with ``users x
+    (kv_bytes_per_token x c + sliding x min(c, window))`` within the budget (past the window
+    only the full layers grow; no full layer: unbounded by the KV, ``sys.maxsize``).
 
     Raises:
-        QevalInputError: ``users`` or ``kv_bytes_per_token`` not positive.
+        QevalInputError: ``users`` or ``kv_bytes_per_token`` not positive (with
+            ``sliding``: the full layers' figure may be 0, not both).
     """
-    if users <= 0 or kv_bytes_per_token <= 0:
+    s_per, window = _sliding_args(sliding)
+    if users <= 0 or kv_bytes_per_token < 0 or (kv_bytes_per_token <= 0 and (not sliding or s_per <= 0)):
         raise QevalInputError(f"users ({users}) and KV bytes/token ({kv_bytes_per_token}) must be positive")
     free = budget_bytes - weights_bytes - overhead_bytes
-    return _floor_share(free, kv_bytes_per_token * users)
+    if not sliding:
+        return _floor_share(free, kv_bytes_per_token * users)
+    inside = _floor_share(free, (kv_bytes_per_token + s_per) * users)
+    if inside <= window:  # the budget runs out inside the window: every layer grows
+        return inside
+    if kv_bytes_per_token <= 0:
+        return sys.maxsize
+    past = free / users - s_per * window
+    return _floor_share(past, kv_bytes_per_token)
+
+
+def kv_split_from_config(config: dict, kv_dtype_bytes: float = 2) -> tuple[float, float, int | None]:
+    """``(full, sliding, window)``: KV bytes per token of the full-attention layers and of
+    the sliding ones, and the window, from a HF config (:func:`qeval.model_config.model_shape`);
+    ``sliding`` 0 and ``window`` None without sliding layers. A sequence at context c holds
+    ``full x c + sliding x min(c, window)``.
+
+    Raises:
+        QevalInputError: as :func:`kv_bytes_per_token_from_config`.
+    """
+    shape = model_shape(config)
+    per_layer = shape.kv_elements_per_layer_token * kv_dtype_bytes
+    if not shape.sliding_layers:
+        return per_layer * shape.layers, 0.0, None
+    return per_layer * shape.full_layers, per_layer * shape.sliding_layers, shape.sliding_window
 
 
 def _floor_share(free: float, per: float) -> int:
@@ -180,7 +232,8 @@ def _floor_share(free: float, per: float) -> int:
 
 
 def kv_bytes_per_token_from_config(config: dict, kv_dtype_bytes: float = 2) -> float:
-    """KV cache bytes per token: ``2 x num_hidden_layers x kv_heads x head_dim x kv_dtype_bytes``.
+    """KV cache bytes per token: ``2 x num_hidden_layers x kv_heads x head_dim x kv_dtype_bytes``
+    (every layer: for sliding layers an upper bound past their window, :func:`kv_split_from_config`).
 
     ``kv_heads`` is ``num_key_value_heads`` (default ``num_attention_heads``); ``head_dim``
     is ``head_dim`` (default ``hidden_size / num_attention_heads``).

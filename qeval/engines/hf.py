@@ -40,6 +40,35 @@ device, whichever tier module built the label): ``engine.backend`` carries the n
 AVX512_BF16)``) and ``engine.dtype_emulated`` the dtype, which the measure stage stores in
 the row (``dtype_emulated``) for the table, the ladder's caption and ``qeval plan``.
 
+Sliding-window and hybrid attention (issue 64; Gemma 3: five sliding layers to one full,
+mistral: every layer sliding). transformers builds a ``DynamicSlidingWindowLayer`` for a
+sliding layer, which keeps its last ``window - 1`` tokens and drops the rest as it goes, so:
+
+* :meth:`HFEngine.decode_again` cannot ``crop`` such a layer back past the window (the
+  positions it needs were dropped; transformers raises). Of the exact ways (a fresh prefill
+  whenever a layer has dropped positions, a whole copy of the cache at the depth, a layer
+  that keeps what it drops), the engine takes the cheapest: a copy of the **sliding
+  layers' own window only**, taken once right after the timed prefill (the layers record
+  the prefill's full states for that forward, ``activate_past_recording``, and are cut to
+  their window again at once, so the decode that follows and its memory are the model's
+  own). That is ``sliding_layers x (window - 1)`` token rows (Gemma 3 270M at window 512:
+  15 x 511 x 1 KiB, 7.5 MiB, a copy inside the TTFT that no decode sees); the full layers
+  are cut back by ``crop`` as before. A fresh prefill would cost the whole depth per
+  repeat (what ``decode_again`` exists to avoid); a whole copy doubles the full layers'
+  memory; a recording layer grows every step (its decode then reads and concatenates the
+  whole depth, not its window). A layer of another kind (indexed, linear attention) is
+  not cut: ``decode_again`` answers None and the sweep prefills that repeat.
+* the int8 KV cache quantizes the full-attention layers (transformers'
+  ``HQQQuantizedLayer``) and keeps the sliding ones in the model's dtype within their
+  window (``DynamicSlidingWindowLayer``), in one ``Cache(layers=...)``: transformers'
+  ``QuantizedCache`` refuses any layer type but full attention. The backend says so
+  (``+ KV int8 (HQQ) on 1 of 4 layers (3 sliding, BF16, window 32)``); a model with no
+  full-attention layer is refused (:func:`int8_kv_plan`).
+* the KV bytes at a depth are ``full x depth + sliding x min(depth, window)`` times a
+  layer's bytes per token (:meth:`HFEngine.kv_bytes_at_depth`,
+  :func:`qeval.model_config.kv_bytes_at_depth`), not a per-token figure times the depth:
+  the sweep's slope between two depths past the window counts the full layers only.
+
 Greedy means greedy: free-running answers go through ``model.generate`` with an explicit
 greedy :class:`~transformers.GenerationConfig` and the model's own
 ``generation_config.json`` defaults set aside for the call (transformers fills every
@@ -400,6 +429,108 @@ def _greedy_step(fn: Any, kw: dict, state: dict) -> Any:
         return _next_token(fn(input_ids=state["nxt"], **kw), state)
     return step
 
+def cache_layer_types(model: Any) -> tuple[list[str], int | None]:
+    """``(layer type per layer, sliding window or None)`` as transformers builds the model's
+    cache (``cache_utils.get_layer_types_and_kwargs`` over the decoder config: what
+    ``DynamicCache(config=...)`` dispatches on)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs  # start-up time: transformers loads only in stage processes
+
+    cfg = model.config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    windows = [kw["sliding_window"] for t, kw in zip(types, kwargs) if t == "sliding_attention" and "sliding_window" in kw]
+    return list(types), (int(windows[0]) if windows else None)
+
+
+_DTYPE_SHORT = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+
+
+def int8_kv_plan(types: Sequence[str], window: int | None, dtype: str | None) -> tuple[list[int], str]:
+    """The int8 KV cache's layers and its label for a model of layer ``types``: ``(full-
+    attention layer indices to quantize, label)``, the label `` + KV int8 (HQQ)`` when every
+    layer is quantized, else `` + KV int8 (HQQ) on 1 of 4 layers (3 sliding, BF16, window 32)``
+    (the other layers kept in the model's ``dtype``).
+
+    Raises:
+        ValueError: no full-attention layer (every layer sliding, as mistral with a
+            ``sliding_window``): nothing the int8 cache could hold (module notes).
+    """
+    quant = [i for i, t in enumerate(types) if t == "full_attention"]
+    if not quant:
+        kinds = sorted(set(types))
+        raise ValueError(f"kv_cache int8 on transformers quantizes full-attention layers only, and none of this "
+                         f"model's {len(types)} layers is one ({', '.join(kinds)}"
+                         f"{f', window {window}' if window else ''}): transformers' quantized cache layers "
+                         f"do not slide; use the model's KV cache")
+    if len(quant) == len(types):
+        return quant, " + KV int8 (HQQ)"
+    kept: dict[str, int] = {}
+    for t in types:
+        if t != "full_attention":
+            name = "sliding" if t == "sliding_attention" else t
+            kept[name] = kept.get(name, 0) + 1
+    what = ", ".join(f"{n} {k}" for k, n in kept.items())
+    dt = _DTYPE_SHORT.get(str(dtype), str(dtype))
+    return quant, (f" + KV int8 (HQQ) on {len(quant)} of {len(types)} layers ({what}, {dt}"
+                   f"{f', window {window}' if window and 'sliding' in kept else ''})")
+
+
+def _sliding(layer: Any) -> bool:
+    """A transformers cache layer that keeps a window of tokens (``DynamicSlidingWindowLayer``)."""
+    return bool(getattr(layer, "is_sliding", False)) and hasattr(layer, "sliding_window") \
+        and hasattr(layer, "cumulative_length")
+
+
+def record_sliding(cache: Any, tokens: int) -> list[int]:
+    """Make ``cache``'s sliding layers whose window ``tokens`` (the prompt and the tokens
+    to decode) reach keep the next forward's full states (transformers'
+    ``activate_past_recording``; :func:`window_copy` cuts them back): their indices. A
+    layer the decode leaves inside its window is cropped as a full one."""
+    idx = [i for i, lay in enumerate(cache.layers) if _sliding(lay) and tokens - 1 >= lay.sliding_window]
+    for i in idx:
+        cache.layers[i].record_past = True
+    return idx
+
+
+def window_copy(cache: Any, idx: Sequence[int], depth: int) -> dict[int, tuple]:
+    """After a forward recorded by :func:`record_sliding`: each sliding layer's state at
+    ``depth`` tokens (``(keys, values, depth)``: the ``min(depth, window - 1)`` rows before
+    position ``depth``, copied), then the layer cut to its window (``crop(0)``) and its
+    recording turned off, as if it had never recorded."""
+    out: dict[int, tuple] = {}
+    for i in idx:
+        lay = cache.layers[i]
+        if lay.keys is None or lay.keys.dim() != 4:
+            continue
+        held = lay.keys.shape[-2]  # every position recorded: cumulative_length rows
+        if held == lay.cumulative_length and depth <= held:
+            lo = max(0, depth - (lay.sliding_window - 1))
+            out[i] = (lay.keys[:, :, lo:depth].clone(), lay.values[:, :, lo:depth].clone(), int(depth))
+        lay.crop(0)
+        lay.record_past = False
+    return out
+
+
+def cut_back(cache: Any, depth: int, windows: dict[int, tuple] | None) -> bool:
+    """Cut ``cache`` back to ``depth`` tokens, exactly: a sliding layer from its window copy
+    (:func:`window_copy`, taken at that depth), where it has one; any other layer by
+    ``crop``. False where a layer cannot be cut exactly (a sliding layer past its window
+    without a copy, another kind of layer): the caller prefills again."""
+    windows = windows or {}
+    for i, lay in enumerate(cache.layers):
+        got = windows.get(i)
+        if got is not None and got[2] == depth:
+            lay.keys, lay.values, lay.cumulative_length = got  # never written in place: update concatenates
+            continue
+        held = lay.get_seq_length()
+        if held < depth:
+            return False
+        try:
+            lay.crop(depth - held)
+        except (RuntimeError, ValueError, NotImplementedError):
+            return False
+    return all(lay.get_seq_length() == depth for lay in cache.layers if getattr(lay, "is_initialized", False))
+
+
 class HFEngine:
     """Engine over a transformers causal LM.
 
@@ -414,11 +545,14 @@ class HFEngine:
         compile_backend: ``torch.compile`` backend of the static mode ("inductor"; tests
             use "eager", dynamo without code generation).
         kv_residual: the int8 cache's ``residual_length`` (tokens kept in full precision, and
-            the re-quantization period); None: :data:`HQQ_RESIDUAL_LENGTH`.
+            the re-quantization period); None: :data:`HQQ_RESIDUAL_LENGTH`. On a model with
+            sliding layers only its full-attention layers are quantized (module notes).
 
     Attributes:
         backend: ``backend`` as run: with the note of a dtype torch emulates on this CPU
-            (:func:`emulated_label`) and `` + KV int8 (HQQ)`` for the int8 cache.
+            (:func:`emulated_label`) and `` + KV int8 (HQQ)`` for the int8 cache (`` on 1 of
+            4 layers (3 sliding, BF16, window 32)`` where sliding layers are kept: :func:`int8_kv_plan`).
+        layer_types, sliding_window: the cache's layer types and window (:func:`cache_layer_types`).
         dtype_emulated: the model's compute dtype (:func:`compute_dtype`) when torch runs it
             without native instructions on this CPU (``bfloat16`` without AVX512_BF16 or
             AMX-BF16; :func:`qeval.engines.ggml_cpu.torch_bf16_note`), else None.
@@ -429,7 +563,8 @@ class HFEngine:
             the model's cache): a timed decode should span whole periods.
 
     Raises:
-        ValueError: see :func:`resolve_decode_mode`.
+        ValueError: see :func:`resolve_decode_mode`; the int8 cache on a model without a
+            full-attention layer (:func:`int8_kv_plan`).
     """
 
     name = "hf"
@@ -473,8 +608,12 @@ class HFEngine:
         dtype = compute_dtype(model)
         note = torch_bf16_note(dtype, device) if dtype else None
         self.dtype_emulated: str | None = dtype if note else None
-        self.backend = (emulated_label(backend, dtype, note) if note else backend) + \
-            (" + KV int8 (HQQ)" if kv_cache == "int8" else "")
+        self.layer_types, self.sliding_window = cache_layer_types(model)
+        self.kv_quantized_layers: list[int] | None = None
+        kv_label = ""
+        if kv_cache == "int8":  # full-attention layers quantized, sliding ones kept (module notes)
+            self.kv_quantized_layers, kv_label = int8_kv_plan(self.layer_types, self.sliding_window, dtype)
+        self.backend = (emulated_label(backend, dtype, note) if note else backend) + kv_label
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self._torch = __import__("torch")
         self._cache_kw = cache_kwarg(model)
@@ -510,9 +649,27 @@ class HFEngine:
 
         cfg = self.model.config
         if self.kv_cache == "int8":
+            if len(self.kv_quantized_layers or ()) < len(self.layer_types):
+                return self._hybrid_int8_cache()
             return QuantizedCache(backend="hqq", config=cfg, nbits=8, axis_key=1, axis_value=1,
                                   q_group_size=self.kv_group_size(), residual_length=self.kv_residual)
         return DynamicCache(config=cfg)
+
+    def _hybrid_int8_cache(self) -> Any:
+        """The int8 cache of a model with sliding layers: transformers' ``HQQQuantizedLayer``
+        (as ``QuantizedCache`` builds it) on the full-attention layers, the layer
+        ``DynamicCache`` would build (``DynamicSlidingWindowLayer``) on the others, in one
+        ``Cache(layers=...)`` (module notes)."""
+        from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache,  # start-up time: as transformers
+                                              HQQQuantizedLayer, get_layer_types_and_kwargs)
+
+        types, kwargs = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
+        quant = set(self.kv_quantized_layers or ())
+        g = self.kv_group_size()
+        layers = [HQQQuantizedLayer(nbits=8, axis_key=1, axis_value=1, q_group_size=g,
+                                    residual_length=self.kv_residual) if i in quant
+                  else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw) for i, (t, kw) in enumerate(zip(types, kwargs))]
+        return Cache(layers=layers)
 
     def _compiled_step(self) -> Any:
         """The model's ``__call__`` compiled by transformers' own ``get_compiled_call`` (what
@@ -676,9 +833,16 @@ class HFEngine:
             cache = self.new_cache()
         kw = {self._cache_kw: cache, "use_cache": True}
         state = {}
+        keep = type(cache).__name__ == "DynamicCache" and step_fn is model  # decode_again may cut it back
+        # sliding layers past their window cannot be cropped: their window at the depth is
+        # copied right after the prefill (module notes)
+        sliding = record_sliding(cache, ids.shape[1] + max_new_tokens) if keep else []
+        windows: dict = {}
 
         def prefill() -> int:
             out = model(input_ids=ids, **kw, logits_to_keep=1)
+            if sliding:
+                windows.update(window_copy(cache, sliding, ids.shape[1] - 1))
             return _next_token(out, state)  # the host copy synchronises CUDA too
 
         step = _greedy_step(step_fn, kw, state)
@@ -697,12 +861,12 @@ class HFEngine:
             self._record_timed(dynamo_delta(before, dynamo_snapshot()), len(gen.token_ids) - 1,
                                replays.count if replays is not None else None)
         # a dynamic (unquantized) cache can be cut back for decode_again; others are not kept
-        self._cached = (list(prompt_ids), cache) if (type(cache).__name__ == "DynamicCache"
-                                                    and step_fn is model) else None
+        self._cached = (list(prompt_ids), cache, windows) if keep else None
         self.last_cache_tokens = ids.shape[1] + len(gen.token_ids) - 1
         if self.decode_mode == "static":  # K/V rows of the tokens held, not the preallocated length
-            held = sum((lay.keys.nbytes + lay.values.nbytes) * self.last_cache_tokens // lay.max_cache_len
-                       for lay in cache.layers if getattr(lay, "is_initialized", False))
+            # (a sliding layer's rows are its window: max_cache_len is min(window, length) there)
+            held = sum((lay.keys.nbytes + lay.values.nbytes) * min(self.last_cache_tokens, lay.max_cache_len)
+                       // lay.max_cache_len for lay in cache.layers if getattr(lay, "is_initialized", False))
         else:
             held = cache_nbytes(cache)
         self.last_cache_bytes = held
@@ -727,20 +891,17 @@ class HFEngine:
         dynamic cache of the last :meth:`generate` of the same prompt is cut back to
         ``len(prompt_ids) - 1`` tokens (each layer's ``crop``), the last prompt token is fed
         again, then the same greedy loop (stop tokens ignored). Its ``prefill_s`` is one
-        token's time, not a TTFT. None when the last cache was not a plain dynamic one
-        (int8 KV, static decode) or held another prompt."""
+        token's time, not a TTFT. A sliding layer past its window is restored from the copy
+        of its window :meth:`generate` took at that depth (module notes). None when the last
+        cache was not a plain dynamic one (int8 KV, static decode), held another prompt, or
+        has a layer that cannot be cut back exactly (:func:`cut_back`)."""
         torch = self._torch
         got = getattr(self, "_cached", None)
         ids = list(prompt_ids)
         if got is None or got[0] != ids or not ids:
             return None
         cache = got[1]
-        held = cache.get_seq_length()
-        drop = held - (len(ids) - 1)
-        if drop > 0:
-            for layer in cache.layers:
-                layer.crop(-drop)
-        if cache.get_seq_length() != len(ids) - 1:
+        if not cut_back(cache, len(ids) - 1, got[2]) or cache.get_seq_length() != len(ids) - 1:
             self._cached = None
             return None
         model = self.model
@@ -826,7 +987,10 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = 1
         kwargs: dict = {}
-        if self.kv_cache == "int8":
+        cache_obj: dict = {}
+        if self.kv_cache == "int8" and len(self.kv_quantized_layers or ()) < len(self.layer_types):
+            cache_obj[self._cache_kw] = self._hybrid_int8_cache()  # transformers' "quantized" refuses sliding layers
+        elif self.kv_cache == "int8":
             kwargs["cache_implementation"] = "quantized"
             kwargs["cache_config"] = {"backend": "hqq", "nbits": 8, "axis_key": 1, "axis_value": 1,
                                       "q_group_size": self.kv_group_size(), "residual_length": self.kv_residual}
@@ -834,7 +998,7 @@ class HFEngine:
         gc = greedy_generation_config(max_new_tokens, stop, pad_id, **kwargs)
         with torch.inference_mode(), _ModelDefaultsAside(self.model):
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=gc)
+                                      generation_config=gc, **cache_obj)
         res = []
         for row in out[:, width:].tolist():
             toks: list[int] = []
@@ -856,8 +1020,14 @@ class HFEngine:
         keys = getattr(layer, "keys", None)
         if isinstance(keys, self._torch.Tensor) and keys.numel():
             dtype = str(keys.dtype).replace("torch.", "")
+        lay = self.kv_layout() if self.sliding_window else None
         if self.kv_cache == "int8":
-            return f"int8 (HQQ, group 64) + {dtype} residual of {self.kv_residual} tokens"
+            out = f"int8 (HQQ, group 64) + {dtype} residual of {self.kv_residual} tokens"
+            if lay and lay["full"] < lay["layers"]:
+                out += f" on {lay['full']} of {lay['layers']} layers; {dtype} on {lay['sliding']} sliding (window {lay['window']})"
+            return out
+        if lay and lay["sliding"]:
+            return f"{dtype} ({lay['sliding']} of {lay['layers']} layers sliding, window {lay['window']})"
         return dtype
 
     def attention_info(self, prompt_ids: Sequence[int]) -> dict:
@@ -893,18 +1063,66 @@ class HFEngine:
         flash = any("flash" in k for ks in phases.values() for k in ks)
         # the profiled steps are eager forwards on a dynamic cache; a static-mode decode
         # runs the same attention implementation through its compiled call
-        return {"engine": "transformers", "implementation": impl, "kernels": phases, "flash_attn": flash,
-                "kv_cache_dtype": self.kv_cache_dtype(cache), "profiled": "eager forward, dynamic cache",
-                "decode_mode": getattr(self, "decode_mode", None)}
+        out = {"engine": "transformers", "implementation": impl, "kernels": phases, "flash_attn": flash,
+               "kv_cache_dtype": self.kv_cache_dtype(cache), "profiled": "eager forward, dynamic cache",
+               "decode_mode": getattr(self, "decode_mode", None)}
+        if self.sliding_window:  # KV bytes at a depth are not depth x a per-token figure (module notes)
+            lay = self.kv_layout()
+            out["kv_layout"] = {**lay, "kv_bytes_at_depth": (f"{lay['bytes_per_layer_token']} x ({lay['full']} x depth"
+                                                             f" + {lay['sliding']} x min(depth, {lay['window']}))")}
+        return out
 
     def kv_bytes_per_token(self, depth: int = 256) -> float:
-        """Bytes per token of a cache filled with ``depth`` tokens by one forward pass."""
+        """Bytes per token of a cache filled with ``depth`` tokens by one forward pass (with
+        sliding layers: :meth:`filled_cache_bytes` over ``depth``, the figure at that depth
+        only, see :meth:`kv_bytes_at_depth`)."""
+        if self.sliding_window:
+            return self.filled_cache_bytes(depth) / depth
         torch = self._torch
         cache = self.new_cache()
         ids = torch.randint(0, self.vocab_size, (1, depth), device=self.device)
         with torch.inference_mode():
             self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
         return cache_nbytes(cache) / depth
+
+    def filled_cache_bytes(self, depth: int) -> int:
+        """Bytes (:func:`qeval.engines.hf_core.cache_nbytes`: the storages behind the cache's
+        tensors) of a cache holding ``depth`` tokens as a decode holds them: ``depth - 1``
+        prefilled, then one decode step. One step matters for sliding layers: right after a
+        prefill their window is a view of the prefill's whole states, which the first step
+        frees."""
+        torch = self._torch
+        cache = self.new_cache()
+        ids = torch.randint(0, self.vocab_size, (1, max(1, depth)), device=self.device)
+        kw = {self._cache_kw: cache, "use_cache": True}
+        with torch.inference_mode():
+            if depth > 1:
+                self.model(input_ids=ids[:, :-1], **kw, logits_to_keep=1)
+            self.model(input_ids=ids[:, -1:], **kw, logits_to_keep=1)
+        return cache_nbytes(cache)
+
+    def kv_layout(self) -> dict:
+        """The cache's layers by kind: ``{"layers", "full", "sliding", "window",
+        "bytes_per_layer_token"}`` (the last: K and V of one layer and token in the model's
+        dtype)."""
+        cfg = self.model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_attention_heads", 1) or 1
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        dt = getattr(self.model, "dtype", None)  # activations' dtype (packed int weights beside it)
+        elt = (self._torch.empty((), dtype=dt) if dt is not None else next(self.model.parameters())).element_size()
+        sliding = sum(t == "sliding_attention" for t in self.layer_types) if self.sliding_window else 0
+        return {"layers": len(self.layer_types), "full": len(self.layer_types) - sliding, "sliding": sliding,
+                "window": self.sliding_window, "bytes_per_layer_token": int(2 * kv_heads * head_dim * elt)}
+
+    def kv_bytes_at_depth(self, depth: int) -> int:
+        """KV bytes of the model's cache at ``depth`` tokens, from the config:
+        ``bytes_per_layer_token x (full x depth + sliding x min(depth, window))`` (module
+        notes; :func:`qeval.model_config.kv_bytes_at_depth` from a config file). The int8
+        cache's quantized layers hold less: measure it (:meth:`filled_cache_bytes`)."""
+        lay = self.kv_layout()
+        d = max(0, int(depth))
+        return lay["bytes_per_layer_token"] * (lay["full"] * d + lay["sliding"] * min(d, lay["window"] or d))
 
     def memory(self) -> MemoryInfo:
         """Stored weight bytes and KV bytes per token (cache filled with 256 tokens)."""

@@ -29,7 +29,12 @@ class ServingContext:
         load: the recipe's load section (:class:`qeval.recipe.LoadSpec`).
         base_ids: token ids of the recipe's depth text; every prompt is cut from them.
         depth: the load depth (prompt tokens per request).
-        kv_bytes_per_token: the tier's measured KV bytes per token (None: unknown).
+        kv_bytes_per_token: the tier's measured KV bytes per token (None: unknown); for an
+            engine with sliding-window layers (``engine.sliding_window``) and its model cache,
+            raised at construction to the bytes per token of a sequence at the load depth
+            plus its output tokens (``engine.kv_bytes_at_depth(c) / c``: ``full x c +
+            sliding x min(c, window)``), since a slope measured past the window counts the
+            full layers only (issue 64); the figure given is kept in ``kv_bytes_per_token_measured``.
         kv_budget_bytes: bytes the KV cache may take (memory budget less what the loaded engine
             holds); None: not checked.
         max_context: the model's context (tokens per sequence).
@@ -56,6 +61,17 @@ class ServingContext:
     keep: Callable[[str, str | None, dict], None] = lambda at, key, section: None
     checkpoint: Callable[[str], None] = lambda name: None
     sections: dict = field(default_factory=dict)
+    kv_bytes_per_token_measured: float | None = None
+
+    def __post_init__(self) -> None:
+        """Admission at the load depth for sliding-window layers (attribute notes)."""
+        self.kv_bytes_per_token_measured = self.kv_bytes_per_token
+        at = getattr(self.engine, "kv_bytes_at_depth", None)
+        if (self.kv_bytes_per_token and callable(at) and getattr(self.engine, "sliding_window", None)
+                and getattr(self.engine, "kv_cache", None) == "model"):
+            tokens = int(self.depth) + int(getattr(self.load, "output_tokens", 0) or 0)
+            if tokens > 0:
+                self.kv_bytes_per_token = max(float(self.kv_bytes_per_token), at(tokens) / tokens)
 
     @property
     def slo(self) -> Slo:
