@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .ggml_cpu import cpu_flags, forced_kind  # standard library only: cheap at import
+
 #: Settings of ``quality.bf16_matmul``.
 SETTINGS = ("auto", "native", "float32")
 
@@ -41,7 +43,6 @@ def cpu_has_fast_bf16() -> bool:
     With a forced CPU kind (tests: :data:`qeval.engines.ggml_cpu.CPU_KIND_ENV`), oneDNN's
     rule on that kind's flags (AVX-512 BW: ``avx512_core``, the ISA oneDNN's bfloat16
     path needs)."""
-    from .ggml_cpu import cpu_flags, forced_kind  # standard library only
     if forced_kind() is not None:
         return "avx512bw" in cpu_flags()
     return _machine_has_fast_bf16()

@@ -34,6 +34,7 @@ Notes from trials on a 2-core CPU machine with gptqmodel 7.6:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -280,7 +281,6 @@ def per_layer_rotary(model: Any) -> bool:
     gptqmodel 7.6's AWQ scale search (``AWQProcessor._iter_module_forward_outputs``:
     ``rotary(x, pos)``) raises ``TypeError: ... missing 1 required positional argument:
     'layer_type'``."""
-    import inspect
     inner = getattr(model, "model", model)
     rotary = getattr(inner, "rotary_emb", None) or getattr(getattr(inner, "language_model", None), "rotary_emb", None)
     if rotary is None:
