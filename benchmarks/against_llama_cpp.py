@@ -39,8 +39,9 @@ Two checks on a finished qeval run folder:
                                              [--decode-tokens N] [--depths 256,1024]
                                              [--skip-speed] [--skip-kld] [--no-native]
 
-The first run builds llama.cpp's tools (about 5 minutes on 2 cores per flavour; cached
-under ``$QEVAL_CACHE/llama_tools``). Shortest mode (proves it runs, figures meaningless):
+The ``qeval`` flavour's tools come with ``make setup``'s llama-cpp-python build (where that
+wheel has none, the first run builds them); the ``native`` flavour is built on its first run
+(about 5 minutes on 2 cores; cached under ``$QEVAL_CACHE/llama_tools``). Shortest mode (proves it runs, figures meaningless):
 ``--rounds 1 --depths 64 --decode-tokens 8 --skip-kld``. A run folder for it: a copy of the default recipe with
 ``--tiers bf16,gguf-q4_k_m`` (the reference and floor come with bf16).
 

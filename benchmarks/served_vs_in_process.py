@@ -31,8 +31,9 @@ With RUN_DIR: the served GGUF tier of a finished run (default: the first whose
 ``serve`` is llama-server), its artifact, threads and KV cache, and the recipe's
 ``speed.depths`` and ``load`` section. Without: the GGUF file and tokenizer given, and the
 settings of ``--recipe``. ``--depths``, ``--concurrency``, ``--decode-tokens``,
-``--output-tokens`` and ``--requests-per-stream`` override the recipe's. The first run
-builds llama-server (10+ minutes on 2 cores; cached under ``$QEVAL_CACHE/llama_tools``).
+``--output-tokens`` and ``--requests-per-stream`` override the recipe's. llama-server comes
+with ``make setup``'s llama-cpp-python build; where that wheel has none, the first run builds
+it (10+ minutes on 2 cores; cached under ``$QEVAL_CACHE/llama_tools``).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ llama-server's draft model (``-md DRAFT.gguf``), measured with the figures of
 :class:`~qeval.measure.speculative.PairRuns`).
 
 What was checked, and where (llama-cpp-python 0.3.36 and its vendored llama.cpp, the source
-:func:`qeval.engines.llama_tools.source_dir` holds after ``python -m qeval.engines.llama_tools
---build``):
+:func:`qeval.engines.llama_tools.source_dir` holds once :func:`qeval.engines.llama_tools.ensure_source`
+has fetched it):
 
 * llama-cpp-python's own draft interface takes no draft *model*: ``llama_cpp/llama_speculative.py``
   holds ``LlamaDraftModel``, an abstract ``__call__(input_ids) -> draft ids``, and its only

@@ -1,6 +1,6 @@
-"""llama.cpp's ``llama-server`` on a tier's GGUF file (``serve: llama-server``), built
-from the vendored llama.cpp of the installed llama-cpp-python
-(:func:`qeval.engines.llama_tools.tool_path`, cached, the same portable flags).
+"""llama.cpp's ``llama-server`` on a tier's GGUF file (``serve: llama-server``), built in the
+installed llama-cpp-python's own CMake build and run with the CPU variant qeval chose
+(:func:`qeval.engines.llama_tools.tool_path`; a separate cached build where that wheel has none).
 
 Checked against that source (``tools/server`` and ``common/arg.cpp`` of llama-cpp-python
 0.3.36's llama.cpp):
