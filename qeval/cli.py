@@ -3,11 +3,16 @@
 Exit codes (a contract release CI relies on; :mod:`qeval.errors` holds the constants):
 
 * 0: done; for ``run`` and ``gate``, every gate candidate passed.
-* 1: a gate candidate failed (or the gate judged no candidate).
+* 1: a gate candidate failed a rule, damage measured (or the gate judged no candidate); wins
+  over 4 when both occur.
 * 2: bad input: a recipe, suite, model config, run folder, flag or an output that cannot
   be written. One line on stderr naming file, line and field; no traceback.
 * 3: internal error (a bug in qeval or a library): one line on stderr naming the log file
   that holds the traceback.
+* 4: the gate could not judge some candidate (its tier or the reference tier has no result
+  or did not finish: verdict ERROR with the reason) and none failed a rule; not a verdict on
+  the model (``run`` and ``gate``; :data:`qeval.errors.EXIT_GATE_ERROR`).
+* 5: reserved for the gate's INCONCLUSIVE verdict (gate statistics, issue 58; not built yet).
 * 130: interrupted by Ctrl-C; 143: by SIGTERM (a CI cancel). Finished stages are kept.
 """
 from __future__ import annotations
@@ -460,7 +465,9 @@ def report(run_dir: str = typer.Argument(..., help="a run folder, or its URL und
 @app.command()
 def gate(run_dir: str = typer.Argument(..., help="a run folder, or its URL under a storage URL"),
          junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here")) -> None:
-    """Judge a finished run against its recipe's gate: exit 0 pass, 1 fail, 2 bad input."""
+    """Judge a finished run against its recipe's gate: exit 0 pass, 1 fail (a rule measured
+    damage), 4 error (a candidate's tier or the reference's did not finish: not judged),
+    2 bad input."""
     try:
         if junit is not None and not junit.strip():
             raise QevalInputError("give a file name (got an empty string)", field="--junit")

@@ -2,7 +2,12 @@
 
 Exit codes (used by model-release CI; the contract is applied in :func:`qeval.cli.main`):
     0    run finished and every gate candidate passed
-    1    run finished and a gate candidate failed (or the gate judged no candidate)
+    1    run finished and a gate candidate failed a rule: damage measured (or the gate judged
+         no candidate); wins over 4 when both occur
+    4    the gate could not judge some candidate: its tier or the reference tier has no
+         result or did not finish (a crash in qeval's own code, a failed or aborted stage, a
+         tier refused for a capability); no candidate failed a rule (that would be 1)
+    5    reserved: the gate-statistics work's INCONCLUSIVE verdict (issue 58, not built yet)
     2    bad input (recipe, dataset, model config, run folder, flags, an output that cannot
          be written): one line on stderr naming file, line and field, no traceback
     3    internal error: an unexpected exception (one line naming the log with the
@@ -22,6 +27,10 @@ EXIT_OK = 0
 EXIT_GATE_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
+#: The gate could not judge some candidate (its tier or the reference's did not finish) and
+#: none failed a rule: not a verdict on the model (qeval.analysis.gate.GateReport.exit_code).
+EXIT_GATE_ERROR = 4
+# 5 is reserved for the gate's INCONCLUSIVE verdict (issue 58: gate statistics, not built yet).
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 

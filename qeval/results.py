@@ -368,13 +368,16 @@ class SourceStage(_StageBase):
     """``stages/_run.source.json``: the resolved BF16 source checkpoint.
 
     ``max_context`` in tokens (``max_position_embeddings``); ``storage_rel`` its place in a
-    storage URL when the recipe has one."""
+    storage URL when the recipe has one; ``gguf`` the GGUF file a GGUF source was expanded
+    from and ``locate_seconds`` how long ``gguf_package: package:function`` took to name it."""
     path: str
     sha256: str
     origin: str
     converted: bool = False
     max_context: int | None = None
     storage_rel: str | None = None
+    gguf: str | None = None  # the GGUF file the checkpoint was expanded from (model.source .gguf, gguf_package)
+    locate_seconds: float | None = None  # gguf_package package:function: the call's seconds
 
 
 class EnvStage(_StageBase):
@@ -824,18 +827,24 @@ class GateRuleRow(_Closed):
     threshold: Any = None
     message: str = ""
     # behaviour rules decided on evidence (qeval.analysis.evidence): "pass" | "fail" | "not enough
-    # evidence", and {method, n, p_value, observed, tolerance, detectable, interval, alpha, power, why}
+    # evidence", and {method, n, p_value, observed, tolerance, detectable, interval, alpha, power, why};
+    # on a candidate the gate could not judge: "error" (its status check) and "not judged" (its rules)
     outcome: str | None = None
     evidence: dict[str, Any] | None = None
 
 
 class GateCandidate(_Closed):
-    """A candidate's verdict: its tier status, ``pass``/``fail``, the rules it failed (names),
-    every rule's result and notes (e.g. within the noise floor)."""
+    """A candidate's verdict: its tier status, ``pass``/``fail`` (a rule measured damage) or
+    ``error`` (not judged: its tier or the reference's has no result or did not finish;
+    ``error`` says why), the rules it failed (names), the rules left not judged, every
+    rule's result and notes (e.g. within the noise floor)."""
     tier: str
     status: str | None = None
-    verdict: Literal["pass", "fail", "not run"]  # "not run": left out by --tiers, neither pass nor fail
+    # "not run": left out by --tiers, neither pass nor fail; "error": qeval could not judge it
+    verdict: Literal["pass", "fail", "error", "not run"]
+    error: str | None = None  # for "error": which tier did not finish, its status, the short error
     failed_rules: list[str] = Field(default_factory=list)
+    not_judged_rules: list[str] = Field(default_factory=list)  # set rules of an "error" candidate
     undecided_rules: list[str] = Field(default_factory=list)  # rules whose suites could not decide
     rules: list[GateRuleRow] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
@@ -946,11 +955,16 @@ class LadderSection(_Closed):
 
 class GateFile(_Closed):
     """``gate.json`` (:func:`qeval.report.rebuild_outputs`): the gate's verdict (``passed``,
-    its ``exit_code``: 0 pass, 1 fail), the reference tier, the gate depth (tokens), the
-    rules that were set ``{name: threshold}``, the noise floor used, warnings about the gate
+    ``verdict`` ``pass``/``fail``/``error`` and its ``reason``, the ``exit_code``: 0 pass,
+    1 fail, 4 error: some candidate could not be judged and none failed), the reference
+    tier, the gate depth (tokens), the rules that were set ``{name: threshold}``, the noise floor used, warnings about the gate
     itself, one verdict per candidate; the quality metric, Pareto front, overload ladder and
     ``slow_path`` (``{tier: why its decode is slow}``) beside it."""
     passed: bool
+    # "error": qeval could not judge some candidate (and none failed a rule); None: written
+    # before the verdict was recorded (then read ``passed``)
+    verdict: Literal["pass", "fail", "error"] | None = None
+    reason: str | None = None  # why not "pass": the failing candidates and rules, or what was not judged
     exit_code: int
     reference: str
     depth: int
@@ -1055,6 +1069,9 @@ class RunInfo(_Closed):
     started_at: str | None = None
     finished_at: str | None = None
     source: SourceStage | None = None
+    # how the suites' conversations became prompts (qeval.measure.prompt_format, recipe model.chat_template):
+    # "tokenizer" (its own chat template), "file:<name>" (a Jinja file), "plain" (lm-eval's plain text)
+    prompt_format: str | None = None
     env: EnvStage | None = None
     bandwidth_bytes_per_s: float | None = None
     device: str | None = None

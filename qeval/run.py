@@ -34,10 +34,11 @@ from .results import (RUN_SCOPE, TIER_STAGES, FloorStage, NoiseFloorSummary, Run
                       write_stage)
 from .stages import (Interrupted, StageOutcome, TierRunner, changed_fields, child_env, recipe_fingerprint,
                      stage_threads, tier_fingerprint)
+from .measure.prompt_format import prompt_format
 from .source import hub_download_bytes, model_source_path
 from .storage import redact_options
 from .tiers import get_method
-from .validate import check_long_context_depths
+from .validate import check_long_context_depths, check_prompt_format
 
 __all__ = ["Interrupted", "Runner", "StageFailed", "StageOutcome", "child_env", "estimate_disk_bytes", "new_run_dir", "preflight",
            "stage_threads", "tier_fingerprint"]
@@ -128,6 +129,7 @@ class Runner(TierRunner):
             "recipe_fingerprint": recipe_fingerprint(self.recipe_dict),
             "started_at": run.get("started_at") or datetime.now(timezone.utc).isoformat(),
             "tiers_run": self.subset,
+            "prompt_format": prompt_format(self.recipe.model),
         })
         run.update(extra or {})
         info = RunInfo.model_validate(run)
@@ -199,10 +201,17 @@ class Runner(TierRunner):
         self.write_run_json()
         if not stage_done(self.layout, RUN_SCOPE, "source"):
             self.check_download()
-        src = self.run_global("source")
+        try:
+            src = self.run_global("source")
+        except QevalInputError as e:  # the source stage's one line: give it the recipe's file and line
+            field, _, rest = e.message.partition(": ")
+            if field in ("model.source", "model.gguf_package") and rest:
+                raise self.recipe.error(tuple(field.split(".")), rest) from None
+            raise
         check_context(self.recipe, src.max_context)
         check_endpoints(self.recipe, Path(src.path))  # the tokenizer check where preflight had no tokenizer
         m = self.recipe.model
+        check_prompt_format(self.recipe, Path(src.path))  # a hub id or package:function: its tokenizer is here only now
         if not self.depths_checked:  # a hub id or a GGUF package not expanded yet: its tokenizer is here only now
             check_long_context_depths(self.recipe, Path(src.path))
         self.check_disk(Path(src.path))

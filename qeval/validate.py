@@ -23,7 +23,10 @@ from .osutil import stderr_fd_to
 from .paths import cache_root
 from .results import atomic_write_json
 from .recipe import check_context, check_data_paths, fidelity_rules
-from .source import find_package_gguf, gguf_context_length, model_max_context, model_source_path, resolve_source
+from .measure.prompt_format import (apply_prompt_format, folder_has_template, no_template_message,
+                                    prompt_format_key, read_template)
+from .source import (check_gguf_file, find_package_gguf, gguf_context_length, gguf_has_key, is_gguf_path,
+                     is_package_function, model_max_context, model_source_path, package_function, resolve_source)
 from .storage import check_protocol, is_url
 from .tiers import get_method
 from .tiers.base import TierContext
@@ -58,7 +61,13 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
     check_prompt_mode_fidelity(recipe)
     m = recipe.model
     maxctx = None
-    if m.gguf_package:
+    gguf: Path | None = None
+    if m.gguf_package and is_package_function(m.gguf_package):
+        try:  # imported and checked callable here; called once, by the source stage
+            package_function(m.gguf_package)
+        except QevalInputError as e:
+            raise recipe.error(("model", "gguf_package"), e.message) from None
+    elif m.gguf_package:
         try:
             gguf = find_package_gguf(m.gguf_package)
         except QevalInputError as e:
@@ -71,14 +80,27 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
             if not p.exists():
                 raise recipe.error(("model", "source"), f"model path {src!r} does not exist ({p}; relative "
                                                         "paths start at the recipe's folder)")
-            if not (p / "config.json").is_file():
+            if is_gguf_path(src) and not p.is_dir():
+                try:
+                    check_gguf_file(p, "file", "model.source")
+                except QevalInputError as e:
+                    raise recipe.error(("model", "source"), e.message) from None
+                gguf = p
+                maxctx = gguf_context_length(p)
+            elif p.is_file():
+                raise recipe.error(("model", "source"), f"{src} is a file, not a Hugging Face checkpoint folder "
+                                                        "(a GGUF file must end in .gguf)")
+            elif not (p / "config.json").is_file():
                 raise recipe.error(("model", "source"), f"{src} has no config.json (not a Hugging Face checkpoint)")
-            try:
-                with open(p / "config.json", "rb") as f:
-                    f.read(1)
-            except OSError as e:
-                raise recipe.error(("model", "source"), f"cannot read {p / 'config.json'}: {e.strerror or e}") from None
-            maxctx = model_max_context(p)
+            else:
+                try:
+                    with open(p / "config.json", "rb") as f:
+                        f.read(1)
+                except OSError as e:
+                    raise recipe.error(("model", "source"), f"cannot read {p / 'config.json'}: "
+                                                            f"{e.strerror or e}") from None
+                maxctx = model_max_context(p)
+    check_prompt_format(recipe, _local_checkpoint(m, recipe.base_dir), gguf)
     check_context(recipe, maxctx)
     check_data_paths(recipe)
     for s in recipe.suites:  # bad rows: file:line
@@ -189,9 +211,9 @@ def check_long_context_depths(recipe, folder: Path | None = None, gguf_file: boo
     gguf: Path | None = None
     if folder is None:
         folder = _local_checkpoint(m, recipe.base_dir)
-        if folder is None and m.gguf_package and gguf_file:
+        if folder is None and gguf_file:
             try:
-                gguf = find_package_gguf(m.gguf_package)
+                gguf = _known_gguf(m, recipe.base_dir)
             except QevalInputError as e:
                 raise recipe.error(field, e.message) from None
         if folder is None and gguf is None:
@@ -204,6 +226,7 @@ def check_long_context_depths(recipe, folder: Path | None = None, gguf_file: boo
             with open(os.devnull, "w") as devnull, stderr_fd_to(devnull.fileno()):  # GGUF reading prints notices
                 tok = (AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name) if gguf is not None
                        else AutoTokenizer.from_pretrained(str(folder)))
+            apply_prompt_format(tok, m, recipe.base_dir)  # the prompts as the reference renders them
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise recipe.error(field, f"cannot load the model's tokenizer from {gguf or folder} to check the "
                                       f"long_context depths: {e.__class__.__name__}: "
@@ -240,7 +263,12 @@ def _needs_cache_file(recipe, folder: Path | None, gguf: Path | None) -> Path | 
                   if s.kind == "long_context"]
     except OSError:
         return None
-    key = hashlib.sha256(json.dumps([ident, suites, tf, NEEDS_VERSION]).encode()).hexdigest()[:16]
+    try:
+        fmt = prompt_format_key(recipe.model, recipe.base_dir)  # model.chat_template: other prompts, other needs
+    except QevalInputError:
+        return None
+    parts = [ident, suites, tf, NEEDS_VERSION] + ([fmt] if fmt else [])  # unset: the key it always had
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return cache_root() / "validate" / f"lc-needs-{key}.json"
 
 
@@ -264,15 +292,61 @@ def _write_needs(path: Path | None, needs: dict[int, dict]) -> None:
 
 def _local_checkpoint(model, base: Path | None = None) -> Path | None:
     """The recipe's checkpoint folder when it is on this machine without converting or
-    downloading anything (a local folder, relative to ``base``, or a GGUF package converted
-    by an earlier run)."""
-    if model.gguf_package:
+    downloading anything (a local folder, relative to ``base``, or a GGUF file or package
+    expanded by an earlier run; a ``package:function`` is not called here: None)."""
+    if model.gguf_package or is_gguf_path(model.source or ""):
         try:
-            return Path(resolve_source(model, convert=False).path)
+            return Path(resolve_source(model, convert=False, base=base).path)
         except QevalInputError:
             return None
     p = model_source_path(model.source or "", base)
     return p if p is not None and (p / "config.json").is_file() else None
+
+
+def _known_gguf(model, base: Path | None = None) -> Path | None:
+    """The GGUF file the recipe's model comes from when it is known without calling
+    anything: a ``.gguf`` ``source`` or a package's single ``.gguf`` (None otherwise)."""
+    if model.gguf_package:
+        return None if is_package_function(model.gguf_package) else find_package_gguf(model.gguf_package)
+    src = model.source or ""
+    p = model_source_path(src, base) if is_gguf_path(src) else None
+    return p if p is not None and p.is_file() else None
+
+
+def check_prompt_format(recipe, folder: Path | None = None, gguf: Path | None = None) -> bool:
+    """The prompt format the suites' conversations need (:mod:`qeval.measure.prompt_format`):
+    ``model.chat_template`` names a readable Jinja file (or ``none``); unset, the tokenizer
+    must carry a chat template, read from the checkpoint ``folder``'s files or the GGUF
+    file's ``tokenizer.chat_template`` key without loading transformers. A recipe without
+    suites renders no conversation and passes.
+
+    Returns:
+        True when checked; False when no tokenizer is on this machine yet (a hub id, a
+        ``package:function``: checked again after the source stage, :meth:`qeval.run.Runner.run`).
+
+    Raises:
+        QevalInputError: one line naming ``model.chat_template`` and both ways to set it.
+    """
+    m = recipe.model
+    loc = ("model", "chat_template")
+    if m.chat_template is not None:
+        if m.chat_template != "none":
+            try:
+                read_template(m.chat_template, recipe.base_dir)
+            except QevalInputError as e:
+                raise recipe.error(loc, e.message) from None
+        return True
+    if not recipe.suites:
+        return True
+    if folder is not None:
+        has, where = folder_has_template(folder), str(folder)
+    elif gguf is not None:
+        has, where = gguf_has_key(gguf, "tokenizer.chat_template"), str(gguf)
+    else:
+        return False
+    if has is False:
+        raise recipe.error(loc, no_template_message(m.source or m.gguf_package or where))
+    return True
 
 
 def tier_shape_checks(recipe, checkpoint: Path | None) -> None:

@@ -214,33 +214,125 @@ def test_recall_rel_is_judged_at_the_gate_depth():
 
 
 @pytest.mark.parametrize("rule", ["min_pass_rate_rel", "max_peak_memory_rel", "min_decode_rel", "min_recall_rel"])
-def test_relative_rule_without_reference_fails(rule):
-    res = _gate({rule: RULE_CASES[rule][0]}, {"cand": CAND}).candidate("cand")
-    assert not res.passed and "reference tier 'bf16' has no result" in res.failed_rules[0].message
-    failed_ref = {"bf16": {"status": "failed"}, "cand": CAND}
-    res = _gate({rule: RULE_CASES[rule][0]}, failed_ref).candidate("cand")
-    assert not res.passed and "status failed" in res.failed_rules[0].message
+def test_relative_rule_without_reference_is_an_error_not_a_fail(rule):
+    """A reference with no result, or one that did not finish: qeval could not measure what
+    the rule compares with, so the candidate is ERROR (exit 4), never FAIL."""
+    rep = _gate({rule: RULE_CASES[rule][0]}, {"cand": CAND})
+    res = rep.candidate("cand")
+    assert res.verdict == "error" and not res.passed and res.failed_rules == []
+    assert res.error == "the reference tier 'bf16' has no result (tiers/bf16.json missing)"
+    assert rep.verdict == "error" and rep.exit_code() == 4
+    failed_ref = {"bf16": {"status": "failed", "error": "RuntimeError: boom\ntraceback"}, "cand": CAND}
+    rep = _gate({rule: RULE_CASES[rule][0]}, failed_ref)
+    res = rep.candidate("cand")
+    assert res.verdict == "error" and res.failed_rules == [] and rep.exit_code() == 4
+    assert res.error == "the reference tier 'bf16' did not finish (status failed: RuntimeError: boom (+1 more lines))"
+    (r,) = res.unjudged_rules
+    assert r.rule == rule and r.outcome == "not judged" and r.message == "not judged: reference tier 'bf16' has status failed"
 
 
-def test_failed_and_not_built_tiers_fail_every_rule_and_status():
+def test_reference_that_did_not_finish_makes_every_candidate_an_error():
+    """Every candidate ERROR, whatever its own figures and even for absolute rules (the
+    run is broken, not the model); the verdict line and the dict say why; exit 4."""
+    tiers = {"bf16": {"status": "failed", "error": "ZeroDivisionError: division by zero (at qeval/x.py:3)"},
+             "cand": CAND, "bad": tier(9.0, 0.1, 9.0)}  # "bad" would fail every rule if it were judged
+    rep = _gate({r: RULE_CASES[r][0] for r in RULES}, tiers)
+    why = "the reference tier 'bf16' did not finish (status failed: ZeroDivisionError: division by zero (at qeval/x.py:3))"
+    assert [(c.tier, c.verdict, c.error) for c in rep.candidates] == [("cand", "error", why), ("bad", "error", why)]
+    for c in rep.candidates:
+        assert c.failed_rules == [] and len(c.unjudged_rules) == len(RULES) and not c.passed
+        assert c.rules[0].rule == "status" and c.rules[0].outcome == "error" and c.rules[0].message == why
+    assert rep.verdict == "error" and rep.exit_code() == 4 and not rep.passed
+    assert rep.verdict_line() == f"gate: ERROR over 2 candidates: {why}: nothing was judged (exit 4)"
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["verdict"] == "error" and d["reason"] == why and d["exit_code"] == 4
+    assert [c["verdict"] for c in d["candidates"]] == ["error", "error"] and d["candidates"][1]["failed_rules"] == []
+    # the same with no rule set at all, and with the reference's result missing
+    assert _gate({}, tiers).exit_code() == 4
+    assert _gate({"max_kld_mean": 1.0}, {"cand": CAND}).candidate("cand").verdict == "error"
+
+
+def test_long_error_is_cut_in_the_verdict_line_but_kept_on_the_candidate():
+    err = "RuntimeError: " + "x" * 400
+    rep = _gate({}, {"bf16": REF, "cand": CAND, "f": {"status": "failed", "error": err}})
+    assert len(rep.candidate("f").error) > 290  # short_error's 300 characters
+    line = rep.verdict_line()
+    assert line.startswith("gate: ERROR over 2 candidates: tier 'f' did not finish (status failed: RuntimeError: xxx")
+    assert len(line) < 250 and line.endswith("…): 1 of 2 not judged (f), the other passes (exit 4)"), line
+
+
+def test_reference_left_out_by_tiers_errors_only_rules_that_read_it():
+    """`qeval run --tiers cand` (the reference tier not run): absolute rules are judged
+    without it; a rule comparing with the reference tier cannot be, so ERROR."""
+    sub = evaluate_gate(None, typed({"cand": CAND}), {"reference": "bf16", "rules": {"max_kld_mean": 0.03}}, D,
+                        tiers_run=["cand"])
+    assert sub.candidate("cand").verdict == "pass" and sub.exit_code() == 0
+    rel = evaluate_gate(None, typed({"cand": CAND}), {"reference": "bf16", "rules": {"min_decode_rel": 0.5}}, D,
+                        tiers_run=["cand"])
+    assert rel.candidate("cand").error == "the reference tier 'bf16' was not run (--tiers)" and rel.exit_code() == 4
+
+
+def test_failed_and_not_built_tiers_are_errors_with_every_rule_not_judged():
     tiers = {"bf16": REF, "cand": CAND, "f": {"status": "failed", "error": "boom"},
              "nb": {"status": "not_built", "error": None}}
     rules = {r: RULE_CASES[r][0] for r in RULES}
     rep = _gate(rules, tiers)
-    assert rep.candidate("cand").passed
+    assert rep.candidate("cand").passed and rep.candidate("cand").verdict == "pass"  # the others are judged
     for name in ("f", "nb"):
         c = rep.candidate(name)
-        assert c.verdict == "fail"
+        assert c.verdict == "error" and c.failed_rules == []
         assert len(c.rules) == 1 + len(RULES) and not any(r.passed for r in c.rules)
-    assert "boom" in rep.candidate("f").rules[0].message
-    assert rep.exit_code() == 1
+        assert [r.outcome for r in c.rules] == ["error"] + ["not judged"] * len(RULES)
+        assert all(r.message == f"not judged: tier has status {c.status}" for r in c.rules[1:])
+    assert rep.candidate("f").error == "tier 'f' did not finish (status failed: boom)"
+    assert rep.candidate("nb").error == "tier 'nb' did not finish (status not_built)"
+    assert rep.verdict == "error" and rep.exit_code() == 4
+    assert rep.verdict_line() == ("gate: ERROR over 3 candidates: tier 'f' did not finish (status failed: boom); "
+                                  "tier 'nb' did not finish (status not_built): 2 of 3 not judged (f, nb), "
+                                  "the other passes (exit 4)")
 
 
-def test_failed_tier_fails_even_without_rules_and_absent_candidate_fails():
+def test_a_measured_fail_beside_an_error_exits_1():
+    """Precedence: 1 when any candidate failed a rule (damage measured), else 4, else 0."""
+    tiers = {"bf16": REF, "cand": CAND, "worse": tier(2.0, 20.0, 0.5), "f": {"status": "failed", "error": "boom"}}
+    rep = _gate({"max_kld_mean": 0.03}, tiers)
+    assert [c.verdict for c in rep.candidates] == ["pass", "fail", "error"]
+    assert rep.verdict == "fail" and rep.exit_code() == 1
+    assert [r.rule for r in rep.candidate("worse").failed_rules] == ["max_kld_mean"]
+    assert rep.verdict_line() == ("gate: FAIL over 3 candidates; not judged: tier 'f' did not finish "
+                                  "(status failed: boom) (exit 1)")
+    assert rep.reason() == "worse failed max_kld_mean; not judged: tier 'f' did not finish (status failed: boom)"
+    del tiers["worse"]
+    assert _gate({"max_kld_mean": 0.03}, tiers).exit_code() == 4
+    del tiers["f"]
+    assert _gate({"max_kld_mean": 0.03}, tiers).exit_code() == 0
+
+
+def test_errored_tiers_stay_off_the_pareto_front_and_the_ladder():
+    """The reference's measure failed: the candidates' own figures exist, but the gate could
+    not judge them, so neither the front nor the ladder uses them."""
+    from qeval.results import RunInfo
+    tiers = typed({"bf16": {"status": "failed", "error": "boom"}, "int8": tier(2.0, 15.0, 0.004),
+                   "q4": tier(1.0, 20.0, 0.03)})
+    a = analyse_run(RunInfo(recipe={"gate": {"reference": "bf16", "rules": {}}, "speed": {"depths": [D]}}), tiers)
+    assert [c.verdict for c in a.gate.candidates] == ["error", "error"]
+    assert a.pareto.front == [] and a.pareto.not_compared == {"bf16": "status failed", "int8": "gate error: not judged",
+                                                              "q4": "gate error: not judged"}
+    assert a.ladder.order == [] and a.gate.passing == []
+    # judged, the same tiers are on the front and the ladder
+    tiers["bf16"] = typed({"bf16": tier(4.0, 10.0, None)})["bf16"]
+    a = analyse_run(RunInfo(recipe={"gate": {"reference": "bf16", "rules": {}}, "speed": {"depths": [D]}}), tiers)
+    assert set(a.pareto.front) == {"int8", "q4", "bf16"} - set(a.pareto.dominated) and "q4" in a.pareto.front
+    assert set(a.ladder.order) == {"bf16", "int8", "q4"}
+
+
+def test_failed_tier_is_an_error_even_without_rules_and_absent_candidate_too():
     rep = _gate({}, {"bf16": REF, "cand": CAND, "f": {"status": "failed"}},
                 candidates=["cand", "f", "ghost"])
-    assert [c.verdict for c in rep.candidates] == ["pass", "fail", "fail"]
-    assert "no result" in rep.candidate("ghost").rules[0].message
+    assert [c.verdict for c in rep.candidates] == ["pass", "error", "error"]
+    assert rep.candidate("ghost").rules[0].message == "tier 'ghost' has no result (tiers/ghost.json missing)"
+    assert rep.candidate("f").error == "tier 'f' did not finish (status failed)"
+    assert rep.exit_code() == 4
 
 
 def test_subset_run_judges_only_the_candidates_asked_to_run():
@@ -250,7 +342,7 @@ def test_subset_run_judges_only_the_candidates_asked_to_run():
     tiers = {"bf16": REF, "cand": CAND}
     rules = {"max_kld_mean": 0.03}
     rep = _gate(rules, tiers, candidates=["cand", "left-out"])
-    assert rep.exit_code() == 1  # no subset recorded: the missing candidate fails closed
+    assert rep.exit_code() == 4  # no subset recorded: the missing candidate did not finish (not judged)
     sub = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": rules, "candidates": ["cand", "left-out"]},
                         D, tiers_run=["bf16", "cand"])
     assert [c.verdict for c in sub.candidates] == ["pass", "not run"]
@@ -261,13 +353,15 @@ def test_subset_run_judges_only_the_candidates_asked_to_run():
     assert sub.verdict_line() == "gate: PASS over 1 of 2 candidates (not run, --tiers: left-out) (exit 0)"
     d = json.loads(json.dumps(sub.to_dict()))
     assert d["judged"] == 1 and d["not_run"] == ["left-out"] and d["candidates"][1]["verdict"] == "not run"
-    # asked to run, but no result: fails closed even in a subset run
+    # asked to run, but no result: an error even in a subset run (it did not finish)
     ghost = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": rules,
                                                "candidates": ["cand", "ghost", "left-out"]},
                           D, tiers_run=["bf16", "cand", "ghost"])
-    assert [c.verdict for c in ghost.candidates] == ["pass", "fail", "not run"]
+    assert [c.verdict for c in ghost.candidates] == ["pass", "error", "not run"]
     assert "no result" in ghost.candidate("ghost").rules[0].message
-    assert ghost.exit_code() == 1 and "FAIL over 2 of 3 candidates" in ghost.verdict_line()
+    assert ghost.exit_code() == 4 and ghost.verdict_line() == (
+        "gate: ERROR over 2 of 3 candidates (not run, --tiers: left-out): tier 'ghost' has no result "
+        "(tiers/ghost.json missing): 1 of 2 not judged (ghost), the other passes (exit 4)")
     # a failing judged candidate still fails the subset
     bad = evaluate_gate(None, typed(tiers), {"reference": "bf16", "rules": {"max_kld_mean": 0.01},
                                              "candidates": ["cand", "left-out"]}, D, tiers_run=["bf16", "cand"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qeval.errors import QevalInputError
-from qeval.results import RunLayout, read_tier_result
+from qeval.results import RunLayout, read_tier_result, write_tier_result
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "run_synthetic"
@@ -117,12 +117,84 @@ def test_gate_and_table_give_the_first_line_and_the_log_tail(tmp_path):
     p.write_text(json.dumps(t))
     out = subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(d)], capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 1
-    line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("FAIL awq"))
-    assert "has status failed: AssertionError (at gptqmodel/looper/awq_processor.py:1686: assert a % b == 0)" in line
+    assert out.returncode == 1  # the fixture's other candidates fail a rule (not enough evidence: fail)
+    # the crashed tier is not judged: ERROR with the reason's first line, never FAIL
+    line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("ERROR awq"))
+    assert ("did not finish (status failed: AssertionError (at gptqmodel/looper/awq_processor.py:1686: "
+            "assert a % b == 0) (+1 more lines))") in line
     assert "more detail" not in out.stdout.split("gate (reference")[1]
     md = (d / "table.md").read_text()
     assert "  quantizing layer 0\n" in md and "  AssertionError\n" in md  # the log's last lines
+
+
+def _gate_cli(d: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qeval.cli", "gate", str(d), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_reference_that_did_not_finish_is_exit_4_not_a_failed_model(tmp_path):
+    """`qeval gate` on a run whose reference tier failed: every candidate is ERROR with the
+    reason, gate.json says "error", JUnit has one <error> per candidate and no <failure>,
+    the report shows ERROR, and the exit code is 4 (EXIT_GATE_ERROR), not 1."""
+    from qeval.errors import EXIT_GATE_ERROR
+    d = tmp_path / "run"
+    shutil.copytree(FIXTURE, d)
+    layout = RunLayout(d)
+    ref = read_tier_result(layout, "bf16")
+    ref.status, ref.error = "failed", "RuntimeError: test fault QEVAL_TEST_CRASH at bf16:measure:mid\nTraceback ..."
+    write_tier_result(layout, ref)
+    out = _gate_cli(d, "--junit", str(tmp_path / "j.xml"))
+    assert out.returncode == EXIT_GATE_ERROR == 4, out.stdout[-3000:] + out.stderr[-2000:]
+    why = ("the reference tier 'bf16' did not finish (status failed: RuntimeError: test fault QEVAL_TEST_CRASH "
+           "at bf16:measure:mid (+1 more lines))")
+    lines = out.stdout.splitlines()
+    assert lines[-1] == f"gate: ERROR over 6 candidates: {why}: nothing was judged (exit 4)", lines[-1]
+    gate_lines = out.stdout.split("gate (reference")[1].splitlines()
+    assert not any(ln.strip().startswith(("FAIL", "PASS")) for ln in gate_lines), gate_lines
+    cand = [ln for ln in gate_lines if ln.strip().startswith("ERROR ")]
+    assert len(cand) == 6 and all(why in ln and "10 rules not judged" in ln for ln in cand), cand
+    g = json.loads((d / "gate.json").read_text())
+    assert g["verdict"] == "error" and g["exit_code"] == 4 and g["passed"] is False and g["reason"] == why
+    assert {c["verdict"] for c in g["candidates"]} == {"error"} and all(c["failed_rules"] == [] for c in g["candidates"])
+    assert g["pareto"]["front"] == [] and g["ladder"]["steps"] == []  # nothing unjudged is recommended
+    import xml.etree.ElementTree as ET
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    assert root.get("failures") == "0" and root.get("errors") == "6"
+    assert root.findall(".//failure") == [] and len(root.findall(".//error")) == 6
+    assert all(e.get("message").endswith(why) for e in root.findall(".//error"))
+    html = (d / "report.html").read_text()
+    assert '<span class="badge error">ERROR</span>' in html and "exit code 4" in html
+    # the report command rebuilds the same outputs and exits 0 whatever the gate says
+    rep = subprocess.run([sys.executable, "-m", "qeval.cli", "report", str(d)], capture_output=True, text=True,
+                         timeout=300)
+    assert rep.returncode == 0 and rep.stdout.splitlines()[-1].startswith("gate: ERROR"), rep.stdout[-2000:]
+
+
+def test_one_candidate_that_did_not_finish_is_exit_4_when_the_rest_pass(tmp_path):
+    """A failed candidate is ERROR alone, the others are judged (and pass): exit 4; with a
+    candidate that fails a rule beside it: exit 1 (damage measured wins)."""
+    d = tmp_path / "run"
+    shutil.copytree(FIXTURE, d)
+    run = json.loads((d / "run.json").read_text())
+    run["recipe"]["gate"]["rules"] = {"max_kld_mean": 5.0}
+    (d / "run.json").write_text(json.dumps(run))
+    out = _gate_cli(d)
+    assert out.returncode == 4, out.stdout[-3000:]
+    verdicts = {c["tier"]: c["verdict"] for c in json.loads((d / "gate.json").read_text())["candidates"]}
+    assert verdicts == {"bf16-kv8": "pass", "int8": "pass", "gptq": "pass", "awq": "error", "q4_k_m": "pass",
+                        "q4_k_m-kv8": "pass"}
+    assert out.stdout.splitlines()[-1] == (
+        "gate: ERROR over 6 candidates: tier 'awq' did not finish (status failed: prepare process killed by "
+        "SIGABRT): 1 of 6 not judged (awq), the others pass (exit 4)")
+    run["recipe"]["gate"]["rules"] = {"max_kld_mean": 5.0, "min_decode_tokens_per_s": 1e9}  # every ok tier fails
+    (d / "run.json").write_text(json.dumps(run))
+    out = _gate_cli(d)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert out.stdout.splitlines()[-1] == (
+        "gate: FAIL over 6 candidates; not judged: tier 'awq' did not finish (status failed: prepare process "
+        "killed by SIGABRT) (exit 1)")
+    verdicts = {c["tier"]: c["verdict"] for c in json.loads((d / "gate.json").read_text())["candidates"]}
+    assert verdicts["awq"] == "error" and {v for t, v in verdicts.items() if t != "awq"} == {"fail"}
 
 
 # ---- AWQ's output features -------------------------------------------------------------

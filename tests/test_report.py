@@ -141,10 +141,17 @@ def test_gate_json(built, analysis):
     d, out = built
     run, a = analysis
     g = json.loads(out.gate_json.read_text())
+    # the judged candidates fail a rule (min_pass_rate_rel, not enough evidence: fail), so the
+    # gate is "fail", exit 1, though one candidate (the failed tier) could not be judged
     assert g["passed"] is False and g["exit_code"] == 1 and g["depth"] == a.depth == 48
+    assert g["verdict"] == "fail" and "not judged: tier 'awq' did not finish (status failed" in g["reason"]
     verdicts = {c["tier"]: c["verdict"] for c in g["candidates"]}
-    assert list(verdicts) == [n for n in TIERS if n != "bf16"] and verdicts[FAILED] == "fail"
+    assert list(verdicts) == [n for n in TIERS if n != "bf16"] and verdicts[FAILED] == "error"
     assert verdicts == {c.tier: c.verdict for c in a.gate.candidates}
+    awq = next(c for c in g["candidates"] if c["tier"] == FAILED)
+    assert awq["error"].startswith("tier 'awq' did not finish (status failed: prepare process killed by SIGABRT")
+    assert awq["failed_rules"] == [] and len(awq["not_judged_rules"]) == 10
+    assert [r["outcome"] for r in awq["rules"]] == ["error"] + ["not judged"] * 10
     assert g["pareto"]["front"] == a.pareto.front and "bf16" in a.pareto.front
     steps = [s["tier"] for s in g["ladder"]["steps"]]
     assert steps == a.ladder.order and steps[0] == max(steps, key=lambda n: a.tiers[n].memory.peak_bytes["48"])
@@ -175,9 +182,20 @@ def test_junit_from_run(built, analysis):
     cases = root.findall(".//testcase")
     assert len(cases) == 6 * (1 + 10)          # 6 candidates x (status + 10 set rules)
     failures = root.findall(".//testcase/failure")
-    assert len(failures) == int(root.get("failures")) == sum(len(c.failed_rules) for c in a.gate.candidates)
+    assert len(failures) == int(root.get("failures")) == sum(len(c.failed_rules) for c in a.gate.candidates) > 0
     names = {(c.get("classname"), c.get("name")) for c in cases if c.find("failure") is not None}
-    assert {("qeval.gate.awq", r) for r in ("status", "max_flip_rate", "max_budget_exhaustion")} <= names
+    assert not any(cls == "qeval.gate.awq" for cls, _ in names)  # the failed tier is not a failure of the model
+    # it is one <error> (on its status case) with the reason, and its 10 rules are skipped, not judged
+    (err,) = root.findall(".//testcase/error")
+    assert root.get("errors") == "1" and root.find("testsuite").get("errors") == "1"
+    case = next(c for c in cases if c.find("error") is not None)
+    assert (case.get("classname"), case.get("name")) == ("qeval.gate.awq", "status")
+    assert err.get("message").startswith("tier 'awq' did not finish (status failed: prepare process killed by SIGABRT")
+    assert err.get("type") == "GateCannotJudge" and "not judged: max_kld_mean" in err.text
+    skipped = [c for c in cases if c.get("classname") == "qeval.gate.awq" and c.find("skipped") is not None]
+    assert len(skipped) == 10 and all(c.find("skipped").get("message").startswith("not judged: tier has status failed")
+                                      for c in skipped)
+    assert root.get("skipped") == "10"
 
 
 def test_write_junit_small(tmp_path):
@@ -188,8 +206,12 @@ def test_write_junit_small(tmp_path):
     p = write_junit(rep, tmp_path / "j.xml")
     root = ET.parse(p).getroot()
     assert len(root.findall(".//testcase")) == 2 * 3
-    fails = root.findall(".//failure")
-    assert len(fails) == 2 + 3 and all(f.get("message") for f in fails)
+    fails = root.findall(".//failure")  # a measured KLD over the rule and the missing flips (fail closed)
+    assert len(fails) == 2 and all(f.get("message") for f in fails)
+    (err,) = root.findall(".//error")  # b did not finish: an error, its two rules skipped
+    assert err.get("message") == "tier 'b' did not finish (status failed: x)"
+    assert root.get("failures") == "2" and root.get("errors") == "1" and root.get("skipped") == "2"
+    assert rep.verdict == "fail" and rep.exit_code() == 1  # a measured failure wins over the error
     assert junit_xml(rep).startswith('<?xml version="1.0" encoding="UTF-8"?>')
 
 
@@ -261,10 +283,11 @@ def test_terminal_gate_lines_name_a_failed_tier_once(tmp_path):
     d = tmp_path / "run_synthetic"
     shutil.copytree(FIXTURE, d)
     code, text = build_outputs(d)
-    line = next(ln for ln in text.splitlines() if ln.strip().startswith("FAIL awq"))
-    assert "prepare process killed by SIGABRT" in line
-    assert line.count("not judged") == 1 and re.search(r"\d+ rules? not judged", line), line
-    assert code == 1
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("ERROR awq"))
+    assert "tier 'awq' did not finish (status failed: prepare process killed by SIGABRT" in line
+    assert line.count("not judged") == 1 and re.search(r"\b10 rules not judged", line), line
+    assert not any(ln.strip().startswith("FAIL awq") for ln in text.splitlines())
+    assert code == 1  # the other candidates fail a rule (not enough evidence: fail)
 
 
 def test_subset_run_reports_left_out_candidates_as_not_run(tmp_path):
@@ -292,11 +315,14 @@ def test_subset_run_reports_left_out_candidates_as_not_run(tmp_path):
     assert root.get("failures") == "0" and root.get("skipped") == "2"
     html = (d / "report.html").read_text()
     assert "over 1 of 3 candidates" in html and "NOT RUN" in html
-    # the same folder without the subset recorded: the missing candidates fail closed
+    # the same folder without the subset recorded: the missing candidates did not finish, so
+    # the gate cannot judge them: ERROR, exit 4, not a failure of the model
     run.pop("tiers_run")
     (d / "run.json").write_text(json.dumps(run))
     code, text = build_outputs(d)
-    assert code == 1 and text.splitlines()[-1].startswith("gate: FAIL over 3 candidates")
+    assert code == 4 and text.splitlines()[-1] == (
+        "gate: ERROR over 3 candidates: tier 'int8' has no result (tiers/int8.json missing); tier 'gptq' has no "
+        "result (tiers/gptq.json missing): 2 of 3 not judged (int8, gptq), the other passes (exit 4)"), text
 
 
 def test_gguf_fallbacks_are_named_in_the_table(tmp_path):

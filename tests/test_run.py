@@ -161,13 +161,38 @@ def test_a_hard_crash_fails_only_its_tier(tiny_llama, tmp_path):
     p = _qeval("run", recipe, "--out", tmp_path / "results",
                env=_env(tmp_path / "cache", QEVAL_TEST_CRASH="bf16-kv8:measure"))
     out, err = p.communicate(timeout=600)
-    assert p.returncode == 1, err[-2000:]  # the gate fails closed on the crashed candidate
+    # the gate cannot judge the crashed candidate: ERROR, exit 4 (EXIT_GATE_ERROR), never a FAIL of the model
+    assert p.returncode == 4, err[-2000:]
     run_dir = _run_dir(tmp_path / "results")
     crashed = json.loads((run_dir / "tiers/bf16-kv8.json").read_text())
     assert crashed["status"] == "failed" and "SIGABRT" in crashed["error"]
     ok = json.loads((run_dir / "tiers/bf16.json").read_text())
     assert ok["status"] == "ok" and ok["speed"]["48"]["decode_tokens_per_s"] > 0
     assert "failed" in (run_dir / "table.md").read_text()
+    (cand,) = json.loads((run_dir / "gate.json").read_text())["candidates"]
+    assert cand["verdict"] == "error" and cand["error"].startswith("tier 'bf16-kv8' did not finish (status failed: ")
+    assert out.splitlines()[-1].startswith("gate: ERROR over 1 candidate: tier 'bf16-kv8' did not finish"), out[-2000:]
+
+
+def test_a_reference_aborted_mid_measure_is_exit_4(tiny_llama, tmp_path):
+    """The reference tier's measure stage aborted at a named fault point: the candidate's own
+    figures exist, but the gate does not blame it: ERROR with the reference's reason, exit 4."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, tiers=TIERS, suites=False, load=False,
+                          extra=GATE_SPEED)
+    p = _qeval("run", recipe, "--out", tmp_path / "results",
+               env=_env(tmp_path / "cache", QEVAL_TEST_CRASH="bf16:measure:mid"))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 4, (out[-2000:], err[-2000:])
+    run_dir = _run_dir(tmp_path / "results")
+    assert json.loads((run_dir / "tiers/bf16.json").read_text())["status"] == "failed"
+    assert json.loads((run_dir / "tiers/bf16-kv8.json").read_text())["status"] == "ok"
+    gate = json.loads((run_dir / "gate.json").read_text())
+    assert gate["verdict"] == "error" and gate["exit_code"] == 4
+    assert gate["reason"].startswith("the reference tier 'bf16' did not finish (status failed: measure process killed by SIGABRT")
+    assert [c["verdict"] for c in gate["candidates"]] == ["error"] and gate["ladder"]["steps"] == []
+    last = out.splitlines()[-1]
+    assert last.startswith("gate: ERROR over 1 candidate: the reference tier 'bf16' did not finish (status failed: ")
+    assert last.endswith(": nothing was judged (exit 4)"), last
 
 
 #: Where the resume test kills the whole run (``tier:stage:point``, qeval.worker.FAULT_POINTS),

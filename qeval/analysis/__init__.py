@@ -84,10 +84,13 @@ def analyse_run(run: RunInfo | None, tiers: dict[str, TierResult], recipe: dict 
     order_from = recipe if recipe.get("tiers") or run is None else run.recipe
     ordered = {n: tiers[n] for n in tier_order(order_from, tiers) if n in tiers}
     pspec = validate_section(ParetoSpec, recipe.get("pareto"), "pareto")
-    pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed)
     floor = noise_floor(run)
     verdict = evaluate_gate(order_from, ordered, gate, depth, noise_floor=floor,
                             tiers_run=run.tiers_run if run is not None else None)
+    # a candidate the gate could not judge (its reference did not finish) is kept off the front too
+    errored = {c.tier: "gate error: not judged" for c in verdict.errored}
+    pareto = pareto_front(ordered, depth, gate.quality_metric, reference=gate.reference, speed=pspec.speed,
+                          excluded=errored)
     ladder = fallback_ladder(ordered, verdict, gate.quality_metric)
     return RunAnalysis(recipe=recipe, depth=depth, depths=sorted(speed.depths), reference=gate.reference,
                        quality_metric=gate.quality_metric, tiers=ordered, pareto=pareto, gate=verdict,

@@ -3,19 +3,31 @@
 Rules are :data:`qeval.metrics.GATE_RULES` (the fields of the recipe's ``gate.rules``),
 each a bound on one metric of the metric table, absolute, relative to the reference's
 value, or against a multiple of a reference figure; a rule left unset (None) is not
-checked. Each candidate also gets a ``status`` check first (the tier's
-result must exist and have status ``ok``), so a tier that failed or was never built
-fails the gate even when no rule is set.
+checked. Each candidate also gets a ``status`` check first: its own tier's result and the
+reference tier's must exist and have status ``ok``.
 
-Fail closed: a set rule whose figure is missing on the candidate (or, for a relative
-rule, on the reference), or whose tier did not finish, fails with a message naming what
-is missing. Figures that are not finite numbers count as missing.
+The gate never blames the model for qeval: a candidate whose tier, or whose reference
+tier, has no result or a status other than ``ok`` (a crash in qeval's own code, a failed
+stage, a stage aborted at a named fault point, a tier refused for a capability) gets the
+verdict ``error`` (:data:`ERROR`), with the reason (which tier, its status, the short
+error) in :attr:`CandidateVerdict.error` and its ``status`` check, and its set rules are
+``not judged`` (:data:`NOT_JUDGED`), never measured failures. A reference left out by
+``--tiers`` (no result) leaves the candidates unjudged only where a set rule reads the
+reference tier's result (:func:`reads_reference`); absolute rules are judged without it. ``fail`` means a rule
+measured damage. Exit codes (:meth:`GateReport.exit_code`): 1 when any candidate failed a
+rule, else 4 (``EXIT_GATE_ERROR``) when any is ``error``, else 0; a gate that judges no
+candidate exits 1 (it does not pass). Code 5 is reserved for the INCONCLUSIVE verdict of
+the gate-statistics work (issue 58, not built yet).
+
+Fail closed: a set rule whose figure is missing on a candidate that finished (or, for a
+relative rule, on the reference) fails with a message naming what is missing. Figures that
+are not finite numbers count as missing.
 
 A run of a subset of tiers (``qeval run --tiers A,B``; ``run.json``'s ``tiers_run``) is
 judged over the candidates it was asked to run: a candidate left out, with no result in the
 run folder, is reported "not run (--tiers)" and is neither passed nor failed. A candidate
-that was asked to run and has no result still fails closed, and a gate that judges no
-candidate does not pass.
+that was asked to run and has no result is ``error`` (it did not finish), and a gate that
+judges no candidate does not pass.
 
 Noise floor (:mod:`qeval.analysis.floor`): with a measured floor, a candidate whose KLD is
 within twice the floor gets the note "indistinguishable from the reference here" (in its
@@ -36,7 +48,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import EXIT_GATE_FAILED, EXIT_OK, QevalInputError
+from ..errors import EXIT_GATE_ERROR, EXIT_GATE_FAILED, EXIT_OK, QevalInputError
 from ..metrics import GATE_RULES, GIB, METRICS, GateRule
 from ..metrics import value as metric_value
 from ..recipe import GateSpec, LoadSpec, ParetoSpec, ReportSpec, SpeedSpec, validation_error
@@ -50,6 +62,13 @@ STATUS_RULE = "status"
 #: The verdict of a candidate left out of the run by ``--tiers`` (neither pass nor fail).
 NOT_RUN = "not run"
 NOT_RUN_WHY = "not run (--tiers)"
+#: The verdict of a candidate the gate could not judge (its tier or the reference's did not
+#: finish), and the outcome of its ``status`` check; the gate's own verdict then too.
+ERROR = "error"
+#: The outcome of a set rule on a candidate that is :data:`ERROR`: nothing was measured.
+NOT_JUDGED = "not judged"
+#: Characters of a tier's error kept in the verdict line (the candidate's line has more).
+VERDICT_LINE_ERROR_CHARS = 120
 
 
 @dataclass
@@ -67,7 +86,10 @@ class RuleResult:
             rule x reference pass rate; None when it cannot be formed).
         message: one line a person can read.
         outcome: ``pass``, ``fail`` or ``not enough evidence`` for the rules decided on
-            evidence (:mod:`qeval.analysis.evidence`), else None (``passed`` says it all).
+            evidence (:mod:`qeval.analysis.evidence`); ``error`` for the ``status`` check of a
+            candidate the gate could not judge and ``not judged`` for its set rules
+            (``passed`` is then False, and nothing was measured); else None (``passed`` says
+            it all).
         evidence: :meth:`qeval.analysis.evidence.Evidence.to_dict` (method, p-value,
             tolerance, detectable damage, ...) for those rules, else None.
     """
@@ -85,32 +107,58 @@ class RuleResult:
         follows the recipe's ``gate.insufficient_evidence``."""
         return self.outcome == INSUFFICIENT
 
+    @property
+    def judged(self) -> bool:
+        """The rule was applied to measured figures (not the ``status`` check of a candidate
+        that is :data:`ERROR`, nor one of its rules left :data:`NOT_JUDGED`)."""
+        return self.outcome not in (ERROR, NOT_JUDGED)
+
 
 @dataclass
 class CandidateVerdict:
     """All rule results for one candidate tier; ``not_run``: left out of the run by
-    ``--tiers`` (no rules checked, neither pass nor fail)."""
+    ``--tiers`` (no rules checked, neither pass nor fail); ``error``: why the gate could not
+    judge it (its tier or the reference tier has no result or did not finish), None when it
+    was judged."""
     tier: str
     status: str | None
     rules: list[RuleResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     not_run: bool = False
+    error: str | None = None
+    #: :attr:`error` with each tier's error cut shorter, for the verdict line.
+    error_brief: str | None = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
-        """Every rule holds (a candidate that was not run has not passed)."""
-        return not self.not_run and all(r.passed for r in self.rules)
+        """Every rule holds (a candidate that was not run, or could not be judged, has not
+        passed)."""
+        return not self.not_run and self.error is None and all(r.passed for r in self.rules)
+
+    @property
+    def errored(self) -> bool:
+        """The gate could not judge this candidate (verdict :data:`ERROR`)."""
+        return not self.not_run and self.error is not None
 
     @property
     def verdict(self) -> str:
-        """``"pass"``, ``"fail"`` or ``"not run"`` (:data:`NOT_RUN`)."""
+        """``"pass"``, ``"fail"`` (a rule measured damage), ``"error"`` (:data:`ERROR`: not
+        judged, see :attr:`error`) or ``"not run"`` (:data:`NOT_RUN`)."""
         if self.not_run:
             return NOT_RUN
+        if self.error is not None:
+            return ERROR
         return "pass" if self.passed else "fail"
 
     @property
     def failed_rules(self) -> list[RuleResult]:
-        return [r for r in self.rules if not r.passed]
+        """The rules that measured a failure (none on a candidate that is :data:`ERROR`)."""
+        return [r for r in self.rules if not r.passed and r.judged]
+
+    @property
+    def unjudged_rules(self) -> list[RuleResult]:
+        """The set rules left :data:`NOT_JUDGED` on a candidate that is :data:`ERROR`."""
+        return [r for r in self.rules if r.outcome == NOT_JUDGED]
 
     @property
     def undecided_rules(self) -> list[RuleResult]:
@@ -132,6 +180,8 @@ class GateReport:
         insufficient_evidence: the recipe's policy for a rule its suites cannot decide
             (``fail``, ``warn``, ``pass``).
         confidence, power: the behaviour rules' level and required power.
+        reference_error: why the reference tier cannot serve (no result, or a status other
+            than ``ok``): every candidate in scope is then :data:`ERROR`; None when it can.
     """
     reference: str
     depth: int
@@ -142,6 +192,8 @@ class GateReport:
     insufficient_evidence: str = "fail"
     confidence: float = 0.95
     power: float = 0.8
+    reference_error: str | None = None
+    reference_error_brief: str | None = field(default=None, repr=False)
 
     @property
     def judged(self) -> list[CandidateVerdict]:
@@ -161,21 +213,80 @@ class GateReport:
         judged = self.judged
         return bool(judged) and all(c.passed for c in judged)
 
+    @property
+    def errored(self) -> list[CandidateVerdict]:
+        """The candidates the gate could not judge (verdict :data:`ERROR`), in order."""
+        return [c for c in self.candidates if c.errored]
+
+    @property
+    def failed(self) -> list[CandidateVerdict]:
+        """The candidates that failed a rule (damage measured), in order."""
+        return [c for c in self.judged if c.verdict == "fail"]
+
+    @property
+    def verdict(self) -> str:
+        """``"pass"``; ``"fail"`` when any candidate failed a rule, or the gate judged none;
+        else ``"error"`` (:data:`ERROR`) when some candidate could not be judged."""
+        if self.passed:
+            return "pass"
+        if self.failed or not self.judged:
+            return "fail"
+        return ERROR
+
     def exit_code(self) -> int:
-        """0 when every judged candidate passes, 1 when any fails or none was judged
-        (qeval.errors exit codes)."""
-        return EXIT_OK if self.passed else EXIT_GATE_FAILED
+        """The gate's exit code (qeval.errors): 1 (EXIT_GATE_FAILED) when any candidate
+        failed a rule or none was judged, else 4 (EXIT_GATE_ERROR) when any candidate is
+        :data:`ERROR`, else 0."""
+        return {"pass": EXIT_OK, "fail": EXIT_GATE_FAILED, ERROR: EXIT_GATE_ERROR}[self.verdict]
+
+    def error_reason(self, brief: bool = True) -> str | None:
+        """Why some candidates could not be judged, one line (``brief``: each tier's error
+        cut to :data:`VERDICT_LINE_ERROR_CHARS`); None when every candidate in scope was
+        judged."""
+        errs = self.errored
+        if not errs:
+            return None
+        if self.reference_error is not None:
+            return (self.reference_error_brief if brief else None) or self.reference_error
+        return "; ".join(((c.error_brief if brief else None) or c.error or "") for c in errs)
+
+    def reason(self) -> str | None:
+        """The gate verdict's reason (``gate.json`` ``reason``): for ``error`` what left the
+        candidates unjudged; for ``fail`` the candidates that failed a rule and which rules
+        (or that none was judged), with the unjudged ones; None for ``pass``."""
+        v = self.verdict
+        if v == "pass":
+            return None
+        if v == ERROR:
+            return self.error_reason(brief=False)
+        if not self.judged:
+            return "the gate judged no candidate"
+        why = "; ".join(f"{c.tier} failed {', '.join(r.rule for r in c.failed_rules)}" for c in self.failed)
+        err = self.error_reason(brief=False)
+        return why + (f"; not judged: {err}" if err else "")
 
     def verdict_line(self) -> str:
         """The one-line verdict: ``gate: PASS over 2 of 3 candidates (not run: int8)
-        (exit 0)``."""
+        (exit 0)``; ``gate: ERROR over 3 candidates: the reference tier 'bf16' did not
+        finish (status failed: ...): nothing was judged (exit 4)``."""
         n, total = len(self.judged), len(self.candidates)
         over = f"over {n} candidate{'s' if n != 1 else ''}" if n == total else f"over {n} of {total} candidates"
         skipped = f" (not run, --tiers: {', '.join(self.not_run)})" if self.not_run else ""
         n_und = sum(len(c.undecided_rules) for c in self.judged)
         undecided = (f"; {n_und} rule{'s' if n_und != 1 else ''} without enough evidence "
                      f"({self.insufficient_evidence})" if n_und else "")
-        return f"gate: {'PASS' if self.passed else 'FAIL'} {over}{skipped}{undecided} (exit {self.exit_code()})"
+        errs, err = self.errored, self.error_reason()
+        if self.verdict == ERROR:
+            rest = n - len(errs)
+            if not rest:
+                scope = "nothing was judged"
+            else:
+                scope = (f"{len(errs)} of {n} not judged ({', '.join(c.tier for c in errs)}), "
+                         f"the other{'s' if rest != 1 else ''} pass{'' if rest != 1 else 'es'}")
+            return f"gate: ERROR {over}{skipped}: {err}: {scope}{undecided} (exit {self.exit_code()})"
+        unjudged = f"; not judged: {err}" if errs else ""
+        return (f"gate: {'PASS' if self.passed else 'FAIL'} {over}{skipped}{undecided}{unjudged} "
+                f"(exit {self.exit_code()})")
 
     def candidate(self, tier: str) -> CandidateVerdict:
         """The verdict for ``tier``; KeyError if it was not a candidate."""
@@ -192,6 +303,8 @@ class GateReport:
         """JSON-ready form written to ``gate.json``."""
         return {
             "passed": self.passed,
+            "verdict": self.verdict,
+            "reason": self.reason(),
             "exit_code": self.exit_code(),
             "reference": self.reference,
             "depth": self.depth,
@@ -203,8 +316,9 @@ class GateReport:
             "judged": len(self.judged),
             "not_run": self.not_run,
             "candidates": [
-                {"tier": c.tier, "status": c.status, "verdict": c.verdict,
+                {"tier": c.tier, "status": c.status, "verdict": c.verdict, "error": c.error,
                  "failed_rules": [r.rule for r in c.failed_rules],
+                 "not_judged_rules": [r.rule for r in c.unjudged_rules],
                  "undecided_rules": [r.rule for r in c.undecided_rules],
                  "rules": [asdict(r) for r in c.rules], "notes": list(c.notes)}
                 for c in self.candidates],
@@ -279,6 +393,28 @@ def tier_order(recipe: dict | None, tiers: dict[str, TierResult]) -> list[str]:
 
 
 # ---- the gate ------------------------------------------------------------------------------
+
+def reads_reference(rule: GateRule) -> bool:
+    """The rule compares the candidate with the reference tier's own result (a ratio, a
+    multiple of a reference figure, or a paired test against the reference's rate)."""
+    return rule.kind != "absolute" or rule.evidence == "paired"
+
+
+def unfinished_reason(name: str, t: TierResult | None, what: str = "tier", not_run: bool = False,
+                      limit: int = 300) -> str | None:
+    """Why tier ``name`` cannot be judged or serve as the reference, one line: ``tier 'awq' did
+    not finish (status failed: <short error>)``, ``the reference tier 'bf16' has no result
+    (tiers/bf16.json missing)``; None when its result has status ``ok``. ``what``: how the
+    tier is named (``tier``, ``the reference tier``); ``not_run``: it was left out by
+    ``--tiers``; ``limit``: characters of the tier's error kept (:func:`~qeval.results.short_error`)."""
+    if t is not None and t.status == STATUS_OK:
+        return None
+    if t is None:
+        return (f"{what} {name!r} was not run (--tiers)" if not_run
+                else f"{what} {name!r} has no result (tiers/{name}.json missing)")
+    err = t.error  # may hold a whole log: one short line here
+    return f"{what} {name!r} did not finish (status {t.status}" + (f": {short_error(err, limit)})" if err else ")")
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
@@ -446,7 +582,9 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
 
     Returns:
         :class:`GateReport`. A candidate that was to run but has no result file, or has a
-        status other than ``ok``, fails its ``status`` check and every set rule (fail closed).
+        status other than ``ok``, or whose reference tier has none or such a status, is
+        :data:`ERROR`: its ``status`` check says why (outcome ``error``) and every set rule
+        is :data:`NOT_JUDGED`; none of them is a measured failure.
 
     Raises:
         QevalInputError: ``gate`` does not validate.
@@ -465,29 +603,34 @@ def evaluate_gate(recipe: dict | None, tiers: dict[str, TierResult], gate: GateS
     below = rule_below_floor(set_rules, noise_floor)
     if below:
         report.warnings.append(below)
+    ref_left_out = ref is None and tiers_run is not None and ref_name not in tiers_run
+    if not ref_left_out or any(reads_reference(GATE_RULES[r]) for r in set_rules):
+        report.reference_error = unfinished_reason(ref_name, ref, "the reference tier", not_run=ref_left_out)
+        report.reference_error_brief = unfinished_reason(ref_name, ref, "the reference tier", not_run=ref_left_out,
+                                                         limit=VERDICT_LINE_ERROR_CHARS)
     for name in names:
         cand = tiers.get(name)
         status = cand.status if cand else None
         if cand is None and tiers_run is not None and name not in tiers_run:
             report.candidates.append(CandidateVerdict(tier=name, status=None, notes=[NOT_RUN_WHY], not_run=True))
             continue
-        verdict = CandidateVerdict(tier=name, status=status)
-        if cand is None:
-            why, short = f"tier {name!r} has no result (tiers/{name}.json missing)", "no result"
-        elif status != STATUS_OK:
-            err = cand.error  # may hold a whole log: one short line here
-            why = f"tier {name!r} has status {status}" + (f": {short_error(err)}" if err else "")
-            short = f"status {status}"
+        own = unfinished_reason(name, cand)
+        why = "; ".join(w for w in (own, report.reference_error) if w) or None
+        brief = "; ".join(w for w in (unfinished_reason(name, cand, limit=VERDICT_LINE_ERROR_CHARS),
+                                      report.reference_error_brief) if w) or None
+        verdict = CandidateVerdict(tier=name, status=status, error=why, error_brief=brief)
+        if why is None:
+            verdict.rules.append(RuleResult(STATUS_RULE, True, status, STATUS_OK, "status ok"))
         else:
-            why = short = None
-        verdict.rules.append(RuleResult(STATUS_RULE, why is None, status, STATUS_OK,
-                                        why or "status ok"))
+            verdict.rules.append(RuleResult(STATUS_RULE, False, status, STATUS_OK, why, outcome=ERROR))
+            short = ("tier has no result" if cand is None else f"tier has status {status}") if own else \
+                f"reference tier {ref_name!r} " + ("has no result" if ref is None else f"has status {ref.status}")
         for rule in RULES:
             if rule not in set_rules:
                 continue
             if why is not None:
                 verdict.rules.append(RuleResult(rule, False, None, set_rules[rule],
-                                                f"not judged: tier has {short}"))
+                                                f"not judged: {short}", outcome=NOT_JUDGED))
             else:
                 verdict.rules.append(_check_rule(GATE_RULES[rule], float(set_rules[rule]), cand,  # type: ignore[arg-type]
                                                  ref, ref_name, int(depth), spec))

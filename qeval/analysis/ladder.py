@@ -2,7 +2,8 @@
 load peaks, each rung showing the users it gains and the memory and quality it gives up.
 
 Members are the candidates that pass the gate plus the reference tier when its result
-exists with status ``ok`` (the reference passes by definition).
+exists with status ``ok`` (the reference passes by definition); a candidate the gate could
+not judge (verdict ``error``) has not passed and is never a member.
 
 Order (``Ladder.basis``):
 

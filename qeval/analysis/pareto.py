@@ -17,7 +17,8 @@ the metric table (:mod:`qeval.metrics`; format in :mod:`qeval.results`):
 A tier is *dominated* when another tier is no worse on all three and strictly better on
 at least one. Tiers identical on all three do not dominate each other, so ties are all on
 the front. Only tiers with status ``ok`` and all three figures take part; the others are
-listed as not compared, with the reason.
+listed as not compared, with the reason, and so is a tier the gate could not judge (verdict
+``error``: its reference did not finish; ``excluded``).
 
 The reference tier's KLD is 0 and its PPL ratio 1 by definition, so a reference result
 that lacks them (the reference is not scored against itself) uses those values. Other
@@ -157,7 +158,8 @@ def dominates(a: tuple[float, float, float], b: tuple[float, float, float],
 
 
 def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str = "kld_mean",
-                 reference: str | None = None, speed: str = "decode") -> ParetoResult:
+                 reference: str | None = None, speed: str = "decode",
+                 excluded: dict[str, str] | None = None) -> ParetoResult:
     """Split tiers into the Pareto front, dominated tiers and tiers not compared.
 
     Args:
@@ -166,6 +168,9 @@ def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str =
         quality_metric: ``kld_mean`` | ``ppl_ratio`` | ``pass_rate``.
         reference: name of the reference tier (gets KLD 0 / PPL ratio 1 when missing).
         speed: the speed objective: ``decode`` (tokens/s at ``depth``) or ``users_at_slo``.
+        excluded: ``{tier: reason}`` kept off the front whatever their figures (not
+            compared, with the reason): the gate's ``error`` candidates, whose figures it
+            could not vouch for (:mod:`qeval.analysis.gate`).
 
     Returns:
         :class:`ParetoResult`; each dominated tier names a dominating tier that is itself
@@ -193,6 +198,8 @@ def pareto_front(tiers: dict[str, TierResult], depth: int, quality_metric: str =
             (dec, f"decode tokens/s at depth {depth}")
         if status != STATUS_OK:
             entry.reason = f"status {status}"
+        elif excluded and name in excluded:
+            entry.reason = excluded[name]
         else:
             missing = [label for label, v in ((f"peak memory at depth {depth}", mem), (sp_label, sp),
                                               (quality_metric, q)) if v is None]

@@ -1331,11 +1331,10 @@ def check_tokenizer(client: Client, tok: Any, texts: Sequence[str], mode: str = 
 
 
 def _template_ids(tok: Any, messages: Sequence[dict]) -> list[int]:
-    """The source tokenizer's chat template applied to ``messages`` with a generation prompt, as ids."""
-    ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    """``messages`` with a generation prompt, as ids, in the source tokenizer's prompt format
+    (:func:`qeval.measure.prompt_format.render_chat`: the one rendering every prompt goes through)."""
+    from ..measure.prompt_format import render_chat  # start-up time: only the chat-mode token check renders
+    return render_chat(tok, messages, add_generation_prompt=True, tokenize=True)
 
 
 def depth_texts(tok: Any, depth_text: str | Path, depths: Sequence[int]) -> list[str]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QevalInputError
+from .prompt_format import render_chat
 from .behaviour import bootstrap_ci
 from .suites import CheckResult, describe_value, jsonl_rows
 
@@ -521,7 +522,7 @@ class RenderedItem:
 
 def _chat_text(tokenizer: Any, system: str | None, user: str) -> str:
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, msgs, add_generation_prompt=True)  # the recipe's model.chat_template
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

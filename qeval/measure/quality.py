@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .prompt_format import render_chat
 from .fidelity import FidelityAccumulator
 from .review import ReviewCollector
 from .suites import load_suite, run_checks
@@ -59,12 +60,9 @@ def _messages(system: str | None, history: list[tuple[str, str]], user: str) -> 
 
 
 def prompt_ids(tokenizer: Any, system: str | None, history: list[tuple[str, str]], user: str) -> list[int]:
-    """Token ids of the chat-templated conversation with a generation prompt appended."""
-    ids = tokenizer.apply_chat_template(_messages(system, history, user), add_generation_prompt=True,
-                                        tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    """Token ids of the conversation in the recipe's prompt format (the chat template with a
+    generation prompt appended, or plain text: :func:`qeval.measure.prompt_format.render_chat`)."""
+    return render_chat(tokenizer, _messages(system, history, user), add_generation_prompt=True, tokenize=True)
 
 
 _MARK = "\u2063qeval-answer\u2063"
@@ -76,15 +74,16 @@ def continuation_ids(tokenizer: Any, system: str | None, user: str, answer_ids: 
     conversation's prompt for turn k+1 is exactly turn k's prompt + answer ids + these ids
     (the answers stay the very tokens generated, not a re-tokenization of their text).
 
-    Derived from the chat template: render a conversation whose assistant content is a
-    marker, with and without the next user turn, and take what follows the marker.
+    Derived from the prompt format (:func:`qeval.measure.prompt_format.render_chat`): render
+    a conversation whose assistant content is a marker, with and without the next user turn,
+    and take what follows the marker (plain text: ``"\n\n"`` and the next user turn).
     Returns None when the template does not extend a conversation that way.
     """
     msgs = _messages(system, [("u", _MARK)], "v")
     try:
-        closed = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
-        extended = tokenizer.apply_chat_template(msgs[:-1] + [{"role": "user", "content": user}],
-                                                 tokenize=False, add_generation_prompt=True)
+        closed = render_chat(tokenizer, msgs[:-1], add_generation_prompt=False)
+        extended = render_chat(tokenizer, msgs[:-1] + [{"role": "user", "content": user}],
+                               add_generation_prompt=True)
     except Exception:
         return None
     head = closed.split(_MARK)[0] + _MARK

@@ -31,7 +31,9 @@ class Outputs:
     gate_file: GateFile
 
     def exit_code(self) -> int:
-        """0 when every gate candidate passes, 1 otherwise."""
+        """The gate's exit code (:meth:`qeval.analysis.gate.GateReport.exit_code`): 0 when every
+        judged candidate passes, 1 when one failed a rule (or none was judged), else 4 when
+        some candidate could not be judged."""
         return self.gate.exit_code()
 
 

@@ -126,8 +126,9 @@ def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
                 md += ["", "  ```", *[f"  {ln}" for ln in tail], "  ```"]
         md.append("")
     n, total = len(a.gate.judged), len(a.gate.candidates)
-    md.append(f"Gate: {'PASS' if a.gate.passed else 'FAIL'} over {n} of {total} candidates "
-              f"({', '.join(f'{c.tier} {c.verdict}' for c in a.gate.candidates) or 'no candidates'}).")
+    md.append(f"Gate: {a.gate.verdict.upper()} over {n} of {total} candidates "
+              f"({', '.join(f'{c.tier} {c.verdict}' for c in a.gate.candidates) or 'no candidates'})."
+              + (f" Not judged: {a.gate.error_reason()}." if a.gate.errored else ""))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=tab.csv_fields, lineterminator="\n")
     w.writeheader()
@@ -217,17 +218,16 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
                     "users": _f(e.users_at_slo, "g"), "q": _f(e.quality, qfmt)} for e in a.pareto.entries]
     cands = []
     for c in a.gate.candidates:
-        status_rule = next((r for r in c.rules if r.rule == "status"), None)
-        not_run = status_rule.message if status_rule is not None and not status_rule.passed else None
         if c.not_run:
             cands.append({"tier": c.tier, "status": "not run", "verdict": c.verdict, "cls": "skip", "failed": [],
                           "undecided": [],
-                          "rules": [], "not_run": None, "n_unjudged": 0, "notes": c.notes})
+                          "rules": [], "error": None, "n_unjudged": 0, "notes": c.notes})
             continue
+        # an "error" candidate (its tier or the reference's did not finish): why, and its rules not judged
         cands.append({"tier": c.tier, "status": c.status or "no result", "verdict": c.verdict, "cls": c.verdict,
-                      "failed": c.failed_rules, "rules": c.rules, "not_run": not_run,
+                      "failed": c.failed_rules, "rules": c.rules, "error": c.error,
                       "undecided": [r for r in c.undecided_rules if r.passed],
-                      "n_unjudged": len(c.rules) - 1, "notes": c.notes})
+                      "n_unjudged": len(c.unjudged_rules), "notes": c.notes})
 
     def signed(v: float | None, fmt: str) -> str:
         return "-" if v is None else f"{v:+{fmt}}"
@@ -306,7 +306,8 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         threads=a.recipe.get("threads", "?"), depth=a.depth,
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
         pareto_speed=a.pareto.speed,
-        reference=a.reference, gate_passed=a.gate.passed, exit_code=a.gate.exit_code(),
+        reference=a.reference, gate_verdict=a.gate.verdict, exit_code=a.gate.exit_code(),
+        gate_error=a.gate.error_reason(brief=False) if a.gate.errored else None,
         gate_judged=len(a.gate.judged), gate_total=len(a.gate.candidates), gate_not_run=a.gate.not_run,
         unfinished=unfinished, slow=list(slow.values()), pareto=pareto_rows, rules=a.gate.rules,
         candidates=cands, ladder=ladder, unplaced=a.ladder.unplaced,

@@ -6,7 +6,11 @@ quality rule, the items that most explain it (:func:`qeval.report.review.offendi
 so a CI system that renders JUnit shows what failed. A gate with no candidate gets one
 failing ``no_candidates`` case (a gate that judges nothing does not pass, and CI must not
 read an empty suite as green). A candidate left out of the run by ``--tiers`` is one
-``<skipped>`` case (neither pass nor fail).
+``<skipped>`` case (neither pass nor fail). A candidate the gate could not judge (verdict
+``error``: its tier or the reference's has no result or did not finish) is not a failure
+of the model: its ``status`` case carries JUnit's ``<error>`` with the reason (which tier,
+its status, the short error), counted in ``errors``, and each set rule is a ``<skipped>``
+case saying it was not judged.
 ``classname`` is ``qeval.gate.<tier>``, ``name`` the rule.
 """
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from ..analysis.gate import CandidateVerdict, GateReport, RuleResult
+from ..analysis.gate import ERROR, NOT_JUDGED, CandidateVerdict, GateReport, RuleResult
 from ..metrics import GATE_RULES
 from ..results import atomic_write_text
 from .review import TierReview, offending_items
@@ -30,7 +34,7 @@ def gate_offenders(gate_report: GateReport, reviews: dict[str, TierReview]) -> d
     for c in gate_report.candidates:
         for r in c.rules:
             rule = GATE_RULES.get(r.rule)
-            if not r.passed and rule is not None:
+            if not r.passed and r.judged and rule is not None:
                 items = offending_items(reviews.get(c.tier), rule.metric, OFFENDERS)
                 if items:
                     out[(c.tier, r.rule)] = items
@@ -48,12 +52,12 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate",
         cases = [(CandidateVerdict("none", None), RuleResult("no_candidates", False, None, None,
                                                               "the gate judged no candidate tier"))]
     cases += [(c, None) for c in gate_report.candidates if c.not_run]  # skipped: left out by --tiers
-    failures = sum(1 for _, r in cases if r is not None and not r.passed)
-    skipped = sum(1 for _, r in cases if r is None)
-    root = ET.Element("testsuites", name=suite_name, tests=str(len(cases)), failures=str(failures),
-                      errors="0", skipped=str(skipped))
-    suite = ET.SubElement(root, "testsuite", name=suite_name, tests=str(len(cases)),
-                          failures=str(failures), errors="0", skipped=str(skipped))
+    failures = sum(1 for _, r in cases if r is not None and not r.passed and r.judged)
+    errors = sum(1 for _, r in cases if r is not None and r.outcome == ERROR)
+    skipped = sum(1 for _, r in cases if r is None or r.outcome == NOT_JUDGED)
+    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": str(errors), "skipped": str(skipped)}
+    root = ET.Element("testsuites", name=suite_name, **counts)
+    suite = ET.SubElement(root, "testsuite", name=suite_name, **counts)
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="reference", value=gate_report.reference)
     ET.SubElement(props, "property", name="depth", value=str(gate_report.depth))
@@ -63,7 +67,13 @@ def junit_xml(gate_report: GateReport, suite_name: str = "qeval.gate",
             ET.SubElement(tc, "skipped", message=c.notes[0] if c.notes else "not run")
             continue
         tc = ET.SubElement(suite, "testcase", classname=f"qeval.gate.{c.tier}", name=r.rule, time="0")
-        if not r.passed:
+        if r.outcome == ERROR:  # qeval could not measure it: not a verdict on the model
+            e = ET.SubElement(tc, "error", message=r.message, type="GateCannotJudge")
+            e.text = (f"tier {c.tier}: not judged, the gate could not measure it\n{r.message}\n"
+                      f"not judged: {', '.join(u.rule for u in c.unjudged_rules) or 'no rule set'}")
+        elif r.outcome == NOT_JUDGED:
+            ET.SubElement(tc, "skipped", message=r.message)
+        elif not r.passed:
             worst = offenders.get((c.tier, r.rule), [])
             msg = r.message + (f"; worst items: {'; '.join(worst[:3])}" if worst else "")
             f = ET.SubElement(tc, "failure", message=msg, type="GateRuleFailed")

@@ -24,7 +24,8 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
     """Rebuild table.md/csv, gate.json, report.html (and JUnit XML when ``junit`` is set).
 
     Returns:
-        ``(exit code of the gate: 0 pass / 1 fail, text for the terminal)``.
+        ``(exit code of the gate: 0 pass / 1 fail / 4 error (some candidate could not be
+        judged), text for the terminal)``.
     Raises:
         QevalInputError: not a run folder or malformed stored JSON.
     """
@@ -38,9 +39,12 @@ def build_outputs(run_dir: Path, junit: Path | None = None) -> tuple[int, str]:
         if c.not_run:
             lines.append(f"  {'-':4} {c.tier}  -- {c.notes[0] if c.notes else 'not run'}")
             continue
-        judged = [r.message for r in c.failed_rules if not r.message.startswith("not judged")]
-        unjudged = len(c.failed_rules) - len(judged)
-        why = "; ".join(judged + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
+        if c.errored:  # not a verdict on the model: which tier did not finish, and what was left unjudged
+            unjudged = len(c.unjudged_rules)
+            why = "; ".join([c.error or "not judged"]
+                            + ([f"{unjudged} rule{'s' if unjudged > 1 else ''} not judged"] if unjudged else []))
+        else:
+            why = "; ".join(r.message for r in c.failed_rules)
         lines.append(f"  {c.verdict.upper():4} {c.tier}" + (f"  -- {why}" if why else ""))
         lines += evidence_lines(c, g)
         lines += [f"       note: {n}" for n in c.notes]
@@ -80,8 +84,8 @@ def evidence_lines(c, g) -> list[str]:
     """What a judged candidate's quality verdict rests on, for the terminal: one line of its
     fidelity rules (with the KLD as a multiple of the noise floor) and one per behaviour rule
     decided on evidence (:mod:`qeval.analysis.evidence`: its outcome, counts and p-value).
-    Rules that failed are named above; a candidate not judged gets none."""
-    if c.status != "ok":
+    Rules that failed are named above; a candidate not judged (``error``) gets none."""
+    if c.status != "ok" or c.errored:
         return []
     fid = []
     for r in c.rules:
