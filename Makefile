@@ -66,10 +66,12 @@ TORCH_SYSTEM_CHECK := import sys, torch; print(f'system torch {torch.__version__
 LLAMA_OK := $(PY) qeval/engines/ggml_cpu.py --check $(if $(CUDA),--gpu,)
 
 .PHONY: demo test setup clean-venv package-data wheelhouse
-# exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one
+# exit 1 means "ran, and a gate candidate failed": a finished demo, not a broken one; exit 4 (a tier
+# qeval could not measure: gate ERROR) stays a failed demo
 demo: $(STAMP)
 	@$(VENV)/bin/qeval run $(RECIPE); rc=$$?; \
-	if [ $$rc -eq 1 ]; then echo "demo finished; the recipe's gate failed a candidate (exit 1 in CI)"; exit 0; fi; exit $$rc
+	if [ $$rc -eq 1 ]; then echo "demo finished; the recipe's gate failed a candidate (exit 1 in CI)"; exit 0; fi; \
+	if [ $$rc -eq 4 ]; then echo "demo finished, but qeval could not measure some tier on this machine (its FAILED line above says why): exit 4" >&2; fi; exit $$rc
 
 # llama.cpp's tools for the served-tier tests: those `make setup` built with the wheel (nothing
 # compiles), else one separate static build (minutes; cached). Its one line on stderr says which.
