@@ -227,6 +227,9 @@ def validate(recipe: Path = typer.Argument(..., help="recipe YAML"),
     except QevalInputError as e:
         _fail(e)
     out.print(describe_plan(r, subset), highlight=False)
+    from .validate import _local_checkpoint, tier_capabilities  # start-up time: validate only
+    for name, verdict, text in tier_capabilities(r, _local_checkpoint(r.model, r.base_dir)):
+        out.print(f"runs     {name}: {verdict} ({text})", highlight=False)
     if floor is not None:
         out.print(f"floor    {floor.kld_mean:.3g} nats KLD ({floor.what}; from {floor.source})", highlight=False)
 

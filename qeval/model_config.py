@@ -236,6 +236,77 @@ def attention_layer_types(config: dict) -> tuple[list[str], int | None]:
     return types, window
 
 
+#: The attention structures a tier method or engine declares what it does on
+#: (:class:`Structure`; README "Your own model" is generated from the declarations).
+STRUCTURES = ("full", "sliding", "hybrid", "experts", "recurrent")
+#: Layer types that carry a recurrent or linear-attention state instead of a KV cache
+#: (transformers' ``layer_types`` names of Mamba/linear-attention hybrids).
+RECURRENT_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "rwkv", "ssm")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A decoder's structure as read from its ``config.json`` (never its name): layer
+    counts by kind, the sliding window, experts, the architectures listed. ``kinds`` are the
+    :data:`STRUCTURES` that apply: ``full`` (every layer full attention), ``sliding`` (every
+    layer windowed), ``hybrid`` (both, or attention beside recurrent layers), ``experts``
+    (a mixture of experts), ``recurrent`` (a recurrent or linear-attention layer)."""
+    layers: int
+    full_layers: int
+    sliding_layers: int
+    window: int | None
+    experts: int | None
+    other_layers: tuple[str, ...]
+    architectures: tuple[str, ...]
+    model_type: str
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        out = []
+        if self.sliding_layers and self.full_layers == 0 and not self.other_layers:
+            out.append("sliding")
+        elif self.sliding_layers or (self.other_layers and self.full_layers):
+            out.append("hybrid")
+        elif not self.other_layers:
+            out.append("full")
+        if self.experts:
+            out.append("experts")
+        if any(t in RECURRENT_TYPES for t in self.other_layers):
+            out.append("recurrent")
+        return tuple(out)
+
+    def describe(self) -> str:
+        """``hybrid attention: 3 full, 15 sliding (window 512) of 18 layers`` and the like."""
+        head = "+".join(self.kinds)
+        parts = [f"{self.full_layers} full"]
+        if self.sliding_layers:
+            parts.append(f"{self.sliding_layers} sliding (window {self.window})")
+        if self.other_layers:
+            parts.append(f"{len(self.other_layers)} {'/'.join(sorted(set(self.other_layers)))}")
+        text = f"{head}: {', '.join(parts)} of {self.layers} layers"
+        return text + (f", {self.experts} experts" if self.experts else "")
+
+
+def model_structure(config: dict) -> Structure:
+    """:class:`Structure` of a HF ``config.json`` dict (layer types as transformers builds
+    its cache: :func:`attention_layer_types`; experts from ``num_experts`` /
+    ``num_local_experts`` / ``n_routed_experts``).
+
+    Raises:
+        QevalInputError: as :func:`attention_layer_types`.
+    """
+    cfg = text_config(config)
+    types, window = attention_layer_types(config)
+    experts = next((int(cfg[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1), None)
+    arch = config.get("architectures") if isinstance(config, dict) else None
+    return Structure(layers=len(types), full_layers=sum(t == "full_attention" for t in types),
+                     sliding_layers=sum(t in SLIDING_TYPES for t in types), window=window, experts=experts,
+                     other_layers=tuple(t for t in types if t != "full_attention" and t not in SLIDING_TYPES),
+                     architectures=tuple(str(a) for a in arch) if isinstance(arch, list) else (),
+                     model_type=str(cfg.get("model_type") or "").lower())
+
+
 def int8_kv_layers(config: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(quantized, kept)`` layer indices of the transformers engine's int8 KV cache for a
     HF config dict: the full-attention layers quantized (HQQ int8, transformers'

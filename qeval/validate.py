@@ -120,7 +120,44 @@ def static_checks(recipe, gguf_tokenizer: bool = True) -> bool:
     elif recipe.storage_options:
         raise recipe.error(("storage_options",), "storage_options need a storage URL (s3://..., gs://...)")
     tier_shape_checks(recipe, checkpoint=_local_checkpoint(m, recipe.base_dir))
+    tier_capabilities(recipe, _local_checkpoint(m, recipe.base_dir))
     return depths_checked
+
+
+def tier_capabilities(recipe, checkpoint: Path | None) -> list[tuple[str, str, str]]:
+    """Whether each tier runs on the model's structure, decided from its ``config.json``
+    (:func:`qeval.model_config.model_structure`: layer types, window, experts; never the
+    model's name) and each method's declaration (:meth:`qeval.tiers.base.TierMethod.capability`).
+    Without the checkpoint on this machine (a hub id, a GGUF package not expanded yet)
+    nothing is said: ``[]``, and each tier's own stage decides.
+
+    Returns:
+        ``[(tier, "runs" | "untested", text)]`` for every tier (``qeval validate`` prints them).
+
+    Raises:
+        QevalInputError: a tier cannot run (named with its line in the recipe, the reason, and
+            the tiers that would run).
+    """
+    if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
+        return []
+    import json  # start-up time: validate's other checks need no json
+    from .model_config import model_structure
+    try:
+        structure = model_structure(json.loads((Path(checkpoint) / "config.json").read_text()))
+    except (QevalInputError, ValueError, OSError):
+        return []  # the config's own errors are read_model_config's to report
+    out, refused = [], []
+    for i, spec in enumerate(recipe.tiers):
+        verdict, text = get_method(spec.method).capability(spec, structure)
+        if verdict == "refused":
+            refused.append((i, spec.name, text))
+        out.append((spec.name, verdict, text))
+    if refused:
+        i, name, text = refused[0]
+        ok = [t for t, v, _ in out if v != "refused"]
+        raise recipe.error(("tiers", i, "method"), f"tier {name!r} cannot run on this model ({structure.describe()}): "
+                                                   f"{text}; tiers that would run: {', '.join(ok) or 'none'}")
+    return [(t, v, f"{structure.describe()}" + (f"; {x}" if x else "")) for t, v, x in out]
 
 
 def _dialect_scores(t) -> tuple[bool | None, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,31 @@ def converter_present(folder: Path) -> bool:
     return ((folder / _MARKER).is_file() and (folder / "convert_hf_to_gguf.py").is_file()
             and (folder / "conversion" / "__init__.py").is_file()
             and (folder / "gguf-py" / "gguf" / "__init__.py").is_file())
+
+
+_REGISTER = re.compile(r"@ModelBase\.register\(([^)]*)\)", re.S)
+
+
+def converter_architectures(folder: Path | None = None) -> frozenset[str]:
+    """The HF ``architectures`` names llama.cpp's converter in ``folder`` (default:
+    :func:`converter_dir`) converts: the strings of every ``@ModelBase.register(...)`` line in
+    ``convert_hf_to_gguf.py`` and ``conversion/*.py``; empty when the converter is not there
+    (nothing can be said before it is fetched)."""
+    try:
+        folder = folder or converter_dir()
+    except Exception:  # noqa: BLE001 - no llama-cpp-python: no converter to read
+        return frozenset()
+    if not converter_present(folder):
+        return frozenset()
+    names: set[str] = set()
+    for f in [folder / "convert_hf_to_gguf.py", *sorted((folder / "conversion").glob("*.py"))]:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in _REGISTER.finditer(text):
+            names.update(re.findall(r"[\"']([A-Za-z0-9_]+)[\"']", m.group(1)))
+    return frozenset(names)
 
 
 def _wanted(rel: str) -> bool:

@@ -13,6 +13,7 @@ from ..bounded import checked_name
 from ..engines import engines_for_format, get_engine
 from ..engines.base import EngineOptions
 from ..engines.servers import EndpointSpec, ServeSpec
+from ..model_config import STRUCTURES
 from ..results import RunLayout
 from ..weight_formats import Dense
 
@@ -174,6 +175,41 @@ class TierMethod:
     needs_calibration: bool = False
     has_dequantized: bool = False
     prepare_alone: bool = False
+    #: What the method does on each attention structure (:data:`qeval.model_config.STRUCTURES`,
+    #: read from the model's config, never its name): ``runs`` (a test runs it on a tiny random
+    #: model of that structure: tests/test_sliding_window.py, tests/test_tiers_quant.py),
+    #: ``untested`` (attempted; a failure is that tier's own error, the gate's ERROR), or the
+    #: reason it cannot run (refused at validate). README "Your own model" is generated from
+    #: these (:func:`capability_table`).
+    structures: ClassVar[dict[str, str]] = {"full": "runs", "sliding": "runs", "hybrid": "runs",
+                                            "experts": "untested", "recurrent": "untested"}
+
+    def capability(self, spec: Any, structure: Any) -> tuple[str, str]:
+        """Whether tier ``spec`` runs on a model of ``structure``
+        (:class:`qeval.model_config.Structure`): ``(verdict, text)`` with verdict ``runs``,
+        ``untested`` or ``refused`` and the text validate prints. Beside :attr:`structures`,
+        the transformers engine's int8 KV cache quantizes full-attention layers only
+        (transformers' quantized cache layers do not slide; sliding layers keep the model's
+        dtype within their window, :func:`qeval.model_config.int8_kv_layers`): a model with
+        none is refused, a hybrid one says how many layers it quantizes."""
+        worst, notes = "runs", []
+        for kind in structure.kinds:
+            say = self.structures.get(kind, "untested")
+            if say not in ("runs", "untested"):
+                return "refused", f"{self.method} on {kind} models: {say}"
+            if say == "untested":
+                worst = "untested"
+                notes.append(f"{kind}: not yet run by qeval's tests")
+        engine = getattr(spec, "engine", None) or self.default_engine
+        if getattr(spec, "kv_cache", None) == "int8" and engine == "hf":
+            if structure.full_layers == 0:
+                return "refused", (f"kv_cache int8 on transformers quantizes full-attention layers only, and none "
+                                   f"of this model's {structure.layers} layers is one ({structure.describe()}): "
+                                   f"use the model's KV cache, or a gguf tier's q8_0 KV")
+            if structure.sliding_layers:
+                notes.append(f"int8 KV on {structure.full_layers} of {structure.layers} layers "
+                             f"({structure.sliding_layers} sliding kept in the model's dtype, window {structure.window})")
+        return worst, "; ".join(notes)
 
     # -- engines --------------------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -401,3 +437,18 @@ def safetensors_sizes(folder: Path) -> tuple[int, int]:
                 nelem += n
                 nbytes += n * _ST_BYTES.get(sl.get_dtype(), 4)
     return nbytes, nelem
+
+
+def capability_table(methods: dict[str, "TierMethod"], kinds: tuple[str, ...] | None = None) -> str:
+    """The Markdown table of tier method x attention structure from the methods'
+    :attr:`TierMethod.structures` (README "Your own model"; a test checks the README holds
+    exactly this table), with the transformers int8 KV cache's own row."""
+    kinds = kinds or STRUCTURES
+    rows = ["| tier method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for name in sorted(methods):
+        m = methods[name]
+        rows.append(f"| {name} | " + " | ".join(m.structures.get(k, "untested") for k in kinds) + " |")
+    kv = {"full": "runs", "sliding": "refused (no full-attention layer)",
+          "hybrid": "runs on the full-attention layers", "experts": "untested", "recurrent": "untested"}
+    rows.append("| `kv_cache: int8` (transformers) | " + " | ".join(kv.get(k, "untested") for k in kinds) + " |")
+    return "\n".join(rows)

@@ -31,6 +31,9 @@ class Bf16Method(TierMethod):
     spec = Bf16Tier
     bytes_per_parameter = 0.0  # served from the source checkpoint: writes nothing
     needs_artifact = False
+    # transformers runs the model's own code: sliding and hybrid caches are tested
+    # (tests/test_sliding_window.py, tiny gemma3 and mistral)
+    structures = {"full": "runs", "sliding": "runs", "hybrid": "runs", "experts": "untested", "recurrent": "untested"}
 
     def backend_label(self, spec: Any, ctx: TierContext) -> str:
         return f"torch-{ctx.dtype}"

@@ -64,6 +64,10 @@ class GgufMethod(TierMethod):
     (default: llama.cpp)."""
     builder_modules = ("qeval.engines.gguf_convert", "qeval.engines.llamacpp")  # convert, quantize_gguf
     method = "gguf"
+    # llama.cpp's converter and kernels: full attention tested (tests/test_llamacpp.py); SWA
+    # models convert where the converter registers the architecture (checked at validate)
+    structures = {"full": "runs", "sliding": "untested", "hybrid": "untested", "experts": "untested",
+                  "recurrent": "untested"}
     spec = GgufTier
     transient_dtype_copies = 1.0  # the 16-bit intermediate GGUF, deleted once quantized
     artifact_format = "gguf"
@@ -79,6 +83,20 @@ class GgufMethod(TierMethod):
             return 2.0
         digits = [c for c in t if c.isdigit()]
         return (int(digits[0]) + 1) / 8 if digits else 1.0
+
+    def capability(self, spec: Any, structure: Any) -> tuple[str, str]:
+        """:meth:`TierMethod.capability`, and llama.cpp's converter must know the model's
+        architecture (:func:`qeval.engines.gguf_convert.converter_architectures`, read from the
+        converter's own ``ModelBase.register`` lines; skipped while it is not fetched)."""
+        verdict, text = super().capability(spec, structure)
+        if verdict == "refused" or not structure.architectures:
+            return verdict, text
+        from ..engines.gguf_convert import converter_architectures  # start-up time: reads files only when asked
+        known = converter_architectures()
+        if known and not set(structure.architectures) & known:
+            return "refused", (f"llama.cpp's HF-to-GGUF converter registers no {', '.join(structure.architectures)} "
+                               f"(of {len(known)} architectures): this model cannot become a GGUF file here")
+        return verdict, text
 
     def check_at_validate(self, checkpoint: Path | None) -> bool:
         """The type name is checked against the installed llama.cpp (any machine)."""

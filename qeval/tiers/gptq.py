@@ -352,6 +352,11 @@ class _GptqModelMethod(TierMethod):
     artifact is a gptqmodel checkpoint, which only gptqmodel's loader opens (into a
     transformers model on the ``hf`` engine)."""
     quant_method = "gptq"
+    # gptqmodel replays layer 0's captured inputs to every layer; per-layer-type RoPE is kept
+    # (keep_captured_position_embeddings): a hybrid tiny gemma3 round-trips in
+    # tests/test_tiers_quant.py
+    structures = {"full": "runs", "sliding": "untested", "hybrid": "runs", "experts": "untested",
+                  "recurrent": "untested"}
     builder_modules = ("qeval.tiers.int8", "qeval.calibration", "qeval.engines.bf16_matmul")  # shared helpers
     artifact_format = "gptqmodel"
     bytes_per_parameter = 0.6  # packed 4-bit weights, scales and zeros, source-dtype embeddings

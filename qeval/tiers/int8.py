@@ -165,6 +165,10 @@ class Int8Tier(HfTierSpec):
 class Int8Method(TierMethod):
     """INT8 weight-only through torchao (default) or bitsandbytes."""
     method = "int8"
+    # weight-only Linear swaps: the attention code is transformers' own; run on full-attention
+    # models by the tests, not yet on windowed ones
+    structures = {"full": "runs", "sliding": "untested", "hybrid": "untested", "experts": "untested",
+                  "recurrent": "untested"}
     spec = Int8Tier
     bytes_per_parameter = 1.1  # one byte per weight plus scales and the source-dtype embeddings
     has_dequantized = True
