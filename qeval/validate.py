@@ -28,6 +28,7 @@ from .measure.prompt_format import (apply_prompt_format, folder_has_template, no
 from .source import (check_gguf_file, find_package_gguf, gguf_context_length, gguf_has_key, is_gguf_path,
                      is_package_function, model_max_context, model_source_path, package_function, resolve_source)
 from .storage import check_protocol, is_url
+from .model_config import model_structure
 from .tiers import get_method
 from .tiers.base import TierContext
 
@@ -140,8 +141,6 @@ def tier_capabilities(recipe, checkpoint: Path | None) -> list[tuple[str, str, s
     """
     if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
         return []
-    import json  # start-up time: validate's other checks need no json
-    from .model_config import model_structure
     try:
         structure = model_structure(json.loads((Path(checkpoint) / "config.json").read_text()))
     except (QevalInputError, ValueError, OSError):
