@@ -50,6 +50,18 @@ def prompt_format(model: Any) -> str:
     return f"file:{Path(ct).name}"
 
 
+def prompt_format_text(fmt: str | None) -> str:
+    """How the table and the report say a run's prompt format (``run.json``
+    ``prompt_format``, :func:`prompt_format`): ``the tokenizer's chat template``, ``chat
+    template file x.jinja`` or ``plain text (model.chat_template: none; lm-eval's base-model
+    format)``; a run recorded before the field existed: ``the tokenizer's chat template``."""
+    if fmt in (None, "tokenizer"):
+        return "the tokenizer's chat template"
+    if fmt == "plain":
+        return "plain text (model.chat_template: none; lm-eval's base-model format)"
+    return f"chat template file {fmt[len('file:'):]}" if fmt.startswith("file:") else str(fmt)
+
+
 def plain_text(messages: Sequence[dict]) -> str:
     """A conversation as plain text, the way lm-evaluation-harness (0.4.13,
     ``ConfigurableTask.fewshot_context`` with ``apply_chat_template=False``) joins its

@@ -62,7 +62,7 @@ def rebuild_outputs(run_dir: str | Path, recipe_dict: dict | None = None,
     layout = RunLayout(run_dir)
     run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
-    md, csv_text = _tables_text(a, slow)
+    md, csv_text = _tables_text(a, slow, run.prompt_format)
     gate_file = GateFile.model_validate({**a.gate.to_dict(), "quality_metric": a.quality_metric,
                                          "pareto": a.pareto.to_dict(), "ladder": a.ladder.to_dict(),
                                          "slow_path": {n: s.text for n, s in slow.items()},

@@ -34,6 +34,7 @@ from ..analysis.pareto import GIB, decode_at, finite, quality_direction
 from ..analysis.speculative import SPEC_HEADERS, spec_caption, spec_table
 from ..analysis.plan import build_plan, find_config, plan_header, plan_legend, plan_table, read_config, run_memory_bytes
 from ..errors import QevalInputError
+from ..measure.prompt_format import prompt_format_text
 from ..recipe import ReportSpec
 from ..results import (STATUS_OK, RunInfo, RunLayout, TierResult, atomic_write_text, get_path, read_speculative,
                        short_error)
@@ -89,12 +90,13 @@ def _rate_emulated(a: RunAnalysis) -> str:
     return emulated_caption(a.ladder.emulated, rungs, "knees")
 
 
-def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath]) -> tuple[str, str]:
+def _tables_text(a: RunAnalysis, slow: dict[str, SlowPath], prompt_format: str | None = None) -> tuple[str, str]:
     tab = tier_table(a, slow)
     name = a.recipe.get("name", "run")
     md = [f"# {name}: tiers", "",
           f"Pareto front and gate at depth {a.depth} tokens; quality metric `{a.quality_metric}`; "
-          f"reference `{a.reference}`. Memory in GiB (2^30 bytes): peak = what the model, its KV cache and its "
+          f"reference `{a.reference}`; prompts: {prompt_format_text(prompt_format)}. Memory in GiB (2^30 bytes): "
+          f"peak = what the model, its KV cache and its "
           f"working buffers add to the process once its runtime is loaded (runtime GiB, its own figure).", "",
           f"{floor_line(a)}", "",
           markdown_table(tab.headers, tab.rows)]
@@ -154,7 +156,7 @@ def write_tables(run_dir: str | Path, recipe_dict: dict | None = None) -> tuple[
     layout = RunLayout(run_dir)
     run, a, spec = _analyse(layout.root, recipe_dict)
     slow = slow_path_flags(a.tiers, a.reference, max(a.depths), spec.slow_path_fraction)
-    md, csv_text = _tables_text(a, slow)
+    md, csv_text = _tables_text(a, slow, run.prompt_format)
     atomic_write_text(layout.table_md, md)
     atomic_write_text(layout.table_csv, csv_text)
     return layout.table_md, layout.table_csv
@@ -303,7 +305,7 @@ def render_report(run: RunInfo, a: RunAnalysis, spec: ReportSpec | None = None,
         created=run.started_at or "time not recorded",
         device=device, cpu=run.cpu or "not recorded", cpu_count=run.cpu_count or "?", gpu=gpu,
         versions=versions, commit=run.qeval_commit, bandwidth=run.bandwidth_bytes_per_s,
-        threads=a.recipe.get("threads", "?"), depth=a.depth,
+        threads=a.recipe.get("threads", "?"), depth=a.depth, prompt_format=prompt_format_text(run.prompt_format),
         quality_metric=a.quality_metric, quality_dir=quality_direction(a.quality_metric),
         pareto_speed=a.pareto.speed,
         reference=a.reference, gate_verdict=a.gate.verdict, exit_code=a.gate.exit_code(),
