@@ -181,7 +181,7 @@ def test_run_with_plain_prompts(base_model, tmp_path, qeval_cache):
     info = json.loads((run / "run.json").read_text())
     assert info["prompt_format"] == "plain"
     assert json.loads((run / "tiers" / "bf16.json").read_text())["status"] == "ok"
-    said = "prompts: plain text (model.chat_template: none; lm-eval's base-model format)"
+    said = "prompts: plain text (model.chat_template: none, as lm-evaluation-harness prompts base models)"
     import html
     assert said in (run / "table.md").read_text() and html.escape(said) in (run / "report.html").read_text()
     from transformers import AutoTokenizer

@@ -58,7 +58,7 @@ def prompt_format_text(fmt: str | None) -> str:
     if fmt in (None, "tokenizer"):
         return "the tokenizer's chat template"
     if fmt == "plain":
-        return "plain text (model.chat_template: none; lm-eval's base-model format)"
+        return "plain text (model.chat_template: none, as lm-evaluation-harness prompts base models)"
     return f"chat template file {fmt[len('file:'):]}" if fmt.startswith("file:") else str(fmt)
 
 
