@@ -115,3 +115,18 @@ def test_readme_table_is_the_declarations():
     for m in method_names():
         assert set(get_method(m).structures) == set(STRUCTURES), m
         assert all(v in ("runs", "untested") or len(v) > 10 for v in get_method(m).structures.values())
+
+
+def test_plan_sizes_a_sliding_window_models_sequences_by_layer_type(models):
+    """``qeval plan`` on a hybrid model: a sequence at context c holds full x c + sliding x
+    min(c, window) (the tiny gemma3: 1 full and 3 sliding layers of 64 B per token each in
+    BF16, window 32), not every layer x c."""
+    p = subprocess.run([sys.executable, "-m", "qeval.cli", "plan", "--model", str(models["gemma3"] / "config.json"),
+                        "--gpu", "rtx4090", "--context", "4096", "--users", "4", "--json"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = next(r for r in json.loads(p.stdout)["rows"] if r["tier"] == "bf16")
+    free = row["kv_budget_bytes"]["value"]
+    per_layer = 2 * 1 * 16 * 2  # K and V x 1 KV head x head_dim 16 x 2 bytes
+    assert row["sequences"]["value"] == free // (per_layer * 4096 + 3 * per_layer * 32)
+    assert any("KV at context c = 64 B x c + 192 B x min(c, 32)" in n for n in row["notes"]), row["notes"]

@@ -410,10 +410,22 @@ def _row(pt: PlanTier, shape: ModelShape | None, result: TierResult | None, *, b
     src = _src(w, kv)
     free = budget - w.value - overhead
     row.kv_budget_bytes = Cell(free, src, "M x usable - weights - overhead")
-    row.sequences = Cell(max_sequences(budget, w.value, overhead, kv.value, context), src,
-                         f"floor(KV budget / (KV bytes/token x {context}))")
-    mc = max_context(budget, w.value, overhead, kv.value, users)
-    row.max_context_tokens = Cell(mc, src, f"floor(KV budget / (KV bytes/token x {users}))")
+    full_kv, sliding = kv.value, None
+    if shape is not None and shape.sliding_layers and pt.kv is not None:
+        # a sliding-window model: a sequence at context c holds full x c + sliding x min(c, window)
+        # (vLLM's hybrid KV manager and llama.cpp's SWA cache size sliding layers at the window);
+        # the per-layer split from the config and this tier's KV type, whatever the row measured
+        per_layer = pt.kv.bytes_per_token(shape) / shape.layers
+        full_kv, sliding = per_layer * shape.full_layers, (per_layer * shape.sliding_layers, int(shape.sliding_window))
+        src = EST
+        row.notes.append(f"sliding-window model ({shape.kv_layout()}): KV at context c = {full_kv:,.0f} B x c + "
+                         f"{sliding[0]:,.0f} B x min(c, {sliding[1]}); sequences and max context from that split")
+    row.sequences = Cell(max_sequences(budget, w.value, overhead, full_kv, context, sliding=sliding), src,
+                         f"floor(KV budget / (KV bytes/token x {context}))" if sliding is None else
+                         f"floor(KV budget / (full x {context} + sliding x min({context}, window)))")
+    mc = max_context(budget, w.value, overhead, full_kv, users, sliding=sliding)
+    row.max_context_tokens = Cell(mc, src, f"floor(KV budget / (KV bytes/token x {users}))" if sliding is None else
+                                  f"largest c with {users} x (full x c + sliding x min(c, window)) <= KV budget")
     row.fits = Cell(mc >= context, src, f"{users} x {context} x KV bytes/token <= KV budget")
     if free < 0:
         row.notes.append("weights + overhead exceed the budget")
