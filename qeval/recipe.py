@@ -1311,6 +1311,19 @@ def stable_speed_dict(speed: dict | None) -> dict | None:
     return {k: v for k, v in speed.items() if not (k in LATER_SPEED_DEFAULTS and v == LATER_SPEED_DEFAULTS[k])}
 
 
+#: ``model`` fields added after fingerprints existed, with their defaults: left out of them
+#: while at the default, so a recipe that does not set them keeps its fingerprints.
+LATER_MODEL_DEFAULTS = {"chat_template": None}
+
+
+def stable_model_dict(model: dict | None) -> dict | None:
+    """The recipe's ``model`` dict as fingerprints hash it: :data:`LATER_MODEL_DEFAULTS`
+    dropped while at their default."""
+    if model is None:
+        return None
+    return {k: v for k, v in model.items() if not (k in LATER_MODEL_DEFAULTS and v == LATER_MODEL_DEFAULTS[k])}
+
+
 def stable_quality_dict(quality: dict | None) -> dict | None:
     """The recipe's ``quality`` dict as fingerprints hash it: :data:`LATER_QUALITY_DEFAULTS`
     dropped while at their default."""

@@ -25,7 +25,8 @@ from typing import Callable
 from .engines import get_engine
 from .failures import failure_text, reason_from_log, signal_reason
 from .paths import torch_extensions_dir
-from .recipe import Recipe, stable_quality_dict, stable_speed_dict, stable_suite_dict, stable_tier_dict
+from .recipe import (Recipe, stable_model_dict, stable_quality_dict, stable_speed_dict, stable_suite_dict,
+                     stable_tier_dict)
 from .results import (RUN_SCOPE, STATUS_FAILED, STATUS_NOT_BUILT, STATUS_OK, TIER_STAGES, Artifact, LoadSection,
                       QuantInfo, RunLayout, StageError, TierResult, read_partial_load, read_stage, read_stage_error,
                       stage_done, write_stage_error, write_tier_result)
@@ -86,6 +87,7 @@ def tier_fingerprint(recipe_dict: dict, tier: str) -> str:
     keep["suites"] = [stable_suite_dict(x) for x in keep["suites"] or []]
     keep["speed"] = stable_speed_dict(keep["speed"])
     keep["quality"] = stable_quality_dict(keep["quality"])
+    keep["model"] = stable_model_dict(keep.get("model"))
     keep["tier"] = stable_tier_dict(spec)
     keep["reference"] = stable_tier_dict(next((t for t in recipe_dict["tiers"]
                                                if t["name"] == recipe_dict["gate"]["reference"]), None))
@@ -97,7 +99,10 @@ def changed_fields(old: dict, new: dict, tier: str | None = None) -> list[str]:
     two recipe dicts; ``["reference tier"]`` when none does."""
     out = []
     for k in RUN_WIDE:
-        if old.get(k) != new.get(k):
+        a, b = old.get(k), new.get(k)
+        if k == "model" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = stable_model_dict(a), stable_model_dict(b)
+        if a != b:
             out.append(k)
     if tier is not None:
         o = next((t for t in old.get("tiers") or [] if isinstance(t, dict) and t.get("name") == tier), None)

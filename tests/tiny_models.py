@@ -54,12 +54,12 @@ def tiny_tokenizer(vocab_size: int = 512):
     return tok
 
 
-def _save(folder: Path, config_cls: str, model_cls: str, seed: int, **cfg) -> Path:
+def _save(folder: Path, config_cls: str, model_cls: str, seed: int, tokenizer=None, **cfg) -> Path:
     import torch
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(
         vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
@@ -78,11 +78,13 @@ def gemma3_layer_types(layers: int, full_every: int = 4) -> list[str]:
 
 def build_tiny_gemma3(folder: Path, *, seed: int = 0, hidden: int = 64, layers: int = 4, heads: int = 4,
                       kv_heads: int = 1, head_dim: int = 16, intermediate: int = 128, window: int = 32,
-                      full_every: int = 4, max_pos: int = 2048) -> Path:
+                      full_every: int = 4, max_pos: int = 2048, tokenizer=None) -> Path:
     """A tiny random Gemma 3 text model (``Gemma3ForCausalLM``): ``layers`` layers, every
     ``full_every``-th full attention and the rest sliding with window ``window``, 1 KV head
-    as Gemma 3 270M has. Default: 4 layers, 3 sliding (window 32), about 150k parameters."""
-    return _save(folder, "Gemma3TextConfig", "Gemma3ForCausalLM", seed, hidden_size=hidden,
+    as Gemma 3 270M has. Default: 4 layers, 3 sliding (window 32), about 150k parameters.
+    ``tokenizer``: another tokenizer (llama.cpp's converter knows SmolLM2's pre-tokenizer,
+    not the tiny BPE's: a GGUF tier needs it)."""
+    return _save(folder, "Gemma3TextConfig", "Gemma3ForCausalLM", seed, tokenizer=tokenizer, hidden_size=hidden,
                  intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
                  sliding_window=window, layer_types=gemma3_layer_types(layers, full_every),
