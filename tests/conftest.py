@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 # second unit, taken at once), then the other long files longest first (their costs on 2
 # cores, from `--durations`), then the rest in collection order. Checked first: xdist's
 # options offer only that count-based reorder or none; no plugin is needed for a fixed order.
-FILE_ORDER = ("test_e2e_smollm2.py", "test_package_data.py", "test_imports.py", "test_run.py",
+FILE_ORDER = ("test_e2e_smollm2.py", "test_package_data.py", "test_imports.py", "test_family_matrix.py", "test_run.py",
               "test_ray.py", "test_engine_openai.py", "test_long_context.py", "test_measure_truth.py",
               "test_bench_against_llama_cpp.py", "test_storage.py", "test_tiers_quant.py", "test_llamacpp.py",
               "test_failures.py", "test_hostile.py", "test_load.py")
