@@ -35,20 +35,12 @@ def build_tiny_llama_without_template(folder: Path, seed: int = 0) -> Path:
     """conftest's ``build_tiny_llama`` without ``tok.chat_template``: a tiny random llama
     whose tokenizer has no chat template (a base model)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiny_models import tiny_tokenizer
     folder.mkdir(parents=True, exist_ok=True)
-    specials = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    text = (REPO / "datasets" / "depth_text.txt").read_text(encoding="utf-8")
-    tk.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
-                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok = tiny_tokenizer()
+    tok.chat_template = None  # a base model's tokenizer
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
