@@ -377,3 +377,31 @@ def fake_cpu_variants(folder: Path, scores: dict[str, int | str]) -> dict[str, s
         shutil.copy2(ok[0].path, dest)
         (folder / f"{dest.name}.score").write_text(f"{top + 1000 if score == 'best' else int(score)}\n")
     return {gc.EXTRA_VARIANTS_ENV: str(folder)}
+
+
+def measure_run_dir(tmp_path: Path, model: Path, tier: str, *, load: bool = True):
+    """A run folder holding what the measure stage reads (run.json, source, env, prepare) for
+    one bf16 ``tier`` of ``model``: ``(recipe, RunLayout)``."""
+    from qeval.recipe import load_recipe
+    from qeval.results import RUN_SCOPE, RunInfo, RunLayout, write_run_info, write_stage
+    recipe_path = write_recipe(tmp_path / "tiny.yaml", model, tiers=f"  - {{name: {tier}, method: bf16}}\n",
+                               suites=False, load=load, extra=f"gate: {{reference: {tier}}}")
+    r = load_recipe(recipe_path)
+    layout = RunLayout(tmp_path / "run")
+    write_run_info(layout, RunInfo(recipe=r.model_dump(mode="json"), recipe_path=str(recipe_path)))
+    write_stage(layout, RUN_SCOPE, "source", {"path": str(model), "sha256": "0" * 64, "origin": str(model)})
+    write_stage(layout, RUN_SCOPE, "env", {"device": "cpu", "bandwidth_bytes_per_s": None})
+    write_stage(layout, tier, "prepare", {"artifact": None})
+    return r, layout
+
+
+def write_tar(path: Path, files: dict[str, bytes]) -> Path:
+    """A gzipped tar at ``path`` holding ``files`` (member name -> bytes): a fake sdist."""
+    import io
+    import tarfile
+    with tarfile.open(path, "w:gz") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path

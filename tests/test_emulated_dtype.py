@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_recipe
+from conftest import measure_run_dir
 
 torch = pytest.importorskip("torch")
 
@@ -57,21 +57,6 @@ def test_float32_is_never_emulated_and_labels_keep_their_shape(tiny_llama, monke
     assert torch_bf16_note("bfloat16", "cuda") is None  # a GPU is never this CPU's emulation
 
 
-def _measure_run_dir(tmp_path: Path, model: Path, tier: str):
-    """A run folder holding what the measure stage reads (run.json, source, env, prepare)."""
-    from qeval.recipe import load_recipe
-    from qeval.results import RUN_SCOPE, RunInfo, RunLayout, write_run_info, write_stage
-    recipe_path = write_recipe(tmp_path / "tiny.yaml", model, tiers=f"  - {{name: {tier}, method: bf16}}\n",
-                               suites=False, load=False, extra=f"gate: {{reference: {tier}}}")
-    r = load_recipe(recipe_path)
-    layout = RunLayout(tmp_path / "run")
-    write_run_info(layout, RunInfo(recipe=r.model_dump(mode="json"), recipe_path=str(recipe_path)))
-    write_stage(layout, RUN_SCOPE, "source", {"path": str(model), "sha256": "0" * 64, "origin": str(model)})
-    write_stage(layout, RUN_SCOPE, "env", {"device": "cpu", "bandwidth_bytes_per_s": None})
-    write_stage(layout, tier, "prepare", {"artifact": None})
-    return r, layout
-
-
 @pytest.mark.parametrize("kind", ["avx2", "avx512-bf16"])
 def test_measured_row_and_table_say_what_ran(kind, tiny_llama, tmp_path, monkeypatch):
     """The measure stage of the BF16 tier on a forced CPU kind, merged into its tier result
@@ -84,7 +69,7 @@ def test_measured_row_and_table_say_what_ran(kind, tiny_llama, tmp_path, monkeyp
     from qeval.worker import stage_measure
 
     monkeypatch.setenv(CPU_KIND_ENV, kind)
-    recipe, layout = _measure_run_dir(tmp_path, tiny_llama, "bf16")
+    recipe, layout = measure_run_dir(tmp_path, tiny_llama, "bf16", load=False)
     threads = torch.get_num_threads()
     try:
         m = stage_measure(recipe, layout.root, "bf16")

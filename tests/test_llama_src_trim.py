@@ -7,7 +7,6 @@ a few seconds). The CUDA build itself runs on a GPU machine only (docs/gpu.md)."
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -17,6 +16,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
+from conftest import write_tar
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,15 +43,6 @@ else()
     add_subdirectory(mtmd)
 endif()
 """
-
-
-def _sdist(path: Path, files: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w:gz") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return path
 
 
 def test_keep_rules_drop_bulk_and_keep_what_the_build_and_converter_need():
@@ -88,7 +80,7 @@ def test_trim_sdist_writes_the_same_name_without_the_bulk(tmp_path):
     top, v = "llama_cpp_python-9.9.9", "llama_cpp_python-9.9.9/vendor/llama.cpp"
     big = os.urandom(256 * 1024)  # incompressible: the size drop is the dropped files
     (tmp_path / "in").mkdir()
-    src = _sdist(tmp_path / "in" / "llama_cpp_python-9.9.9.tar.gz", {
+    src = write_tar(tmp_path / "in" / "llama_cpp_python-9.9.9.tar.gz", {
         f"{top}/pyproject.toml": b"[build-system]\n", f"{top}/CMakeLists.txt": b"add_subdirectory(vendor/llama.cpp)\n",
         f"{top}/llama_cpp/__init__.py": b"__version__ = '9.9.9'\n", f"{top}/.git/objects/pack/p.pack": big,
         f"{v}/CMakeLists.txt": b"project(llama.cpp)\n", f"{v}/models/ggml-vocab.gguf": big, f"{v}/docs/a.md": big,
@@ -109,7 +101,7 @@ def test_trim_sdist_writes_the_same_name_without_the_bulk(tmp_path):
     assert note["from"] == src.name and "cuda" in note["kept_backends"]
     with pytest.raises(ValueError, match="overwrite"):
         t.trim_sdist(r["path"], tmp_path / "out")
-    other = _sdist(tmp_path / "llama_cpp_python-1.0.tar.gz", {"x-1.0/setup.py": b""})
+    other = write_tar(tmp_path / "llama_cpp_python-1.0.tar.gz", {"x-1.0/setup.py": b""})
     with pytest.raises(ValueError, match="not a llama-cpp-python sdist"):
         t.trim_sdist(other, tmp_path / "out2")
     assert not list((tmp_path / "out2").iterdir())  # nothing half-written left
@@ -227,7 +219,7 @@ def test_one_step_build_runs_pip_on_the_trimmed_tree_with_the_cuda_flags(tmp_pat
     monkeypatch.setenv("QEVAL_CACHE", str(tmp_path / "cache"))
     top = "llama_cpp_python-0.3.36/vendor/llama.cpp"
     variants = "".join(f"    ggml_add_cpu_backend_variant({v} AVX)\n" for v in ("x64", "haswell", "zen4", "icelake"))
-    sd = _sdist(tmp_path / "llama_cpp_python-0.3.36.tar.gz", {f"{top}/CMakeLists.txt": b"",
+    sd = write_tar(tmp_path / "llama_cpp_python-0.3.36.tar.gz", {f"{top}/CMakeLists.txt": b"",
                                                               f"{top}/ggml/src/CMakeLists.txt": variants.encode()})
     seen = {}
 

@@ -7,17 +7,15 @@ one-line reason). Fast: no compile, the builds faked at named points (llama_buil
 llama_tools' subprocess and source fetch)."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import struct
-import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, write_tar
 
 LIBS = ("libllama.so", "libllama.so.0", "libggml.so.0", "libggml-base.so.0")
 
@@ -257,12 +255,7 @@ def _sdist(path: Path) -> Path:
              f"{top}/vendor/llama.cpp/ggml/src/CMakeLists.txt":
                  "".join(f"    ggml_add_cpu_backend_variant({v} AVX)\n" for v in ("x64", "haswell", "zen4")).encode()}
     files.update({f"{top}/vendor/llama.cpp/{d}/CMakeLists.txt": b"" for d in _lb().TOOL_DIRS})
-    with tarfile.open(path, "w:gz") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return path
+    return write_tar(path, files)
 
 
 def test_build_wheel_builds_the_tools_in_the_same_cmake_tree_and_places_them(qeval_cache, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, write_recipe
+from conftest import REPO, measure_run_dir, write_recipe
 
 MIB = 2 ** 20
 FIXTURE = Path(__file__).parent / "fixtures" / "run_synthetic"
@@ -28,21 +28,6 @@ def test_peak_breakdown_adds_up_to_the_peak():
     assert sum(b.values()) == 300 * MIB
     assert peak_breakdown(None, 1, 1) is None
     assert peak_breakdown(10, 20, 0)["other_bytes"] == -10  # weights mapped, not all resident
-
-
-def _measure_run_dir(tmp_path: Path, model: Path, tier: str) -> tuple[object, Path]:
-    """A run folder holding what the measure stage reads (run.json, source, env, prepare)."""
-    from qeval.recipe import load_recipe
-    from qeval.results import RUN_SCOPE, RunInfo, RunLayout, write_run_info, write_stage
-    recipe_path = write_recipe(tmp_path / "tiny.yaml", model, tiers=f"  - {{name: {tier}, method: bf16}}\n",
-                               suites=False, extra=f"gate: {{reference: {tier}}}")
-    r = load_recipe(recipe_path)
-    layout = RunLayout(tmp_path / "run")
-    write_run_info(layout, RunInfo(recipe=r.model_dump(mode="json"), recipe_path=str(recipe_path)))
-    write_stage(layout, RUN_SCOPE, "source", {"path": str(model), "sha256": "0" * 64, "origin": str(model)})
-    write_stage(layout, RUN_SCOPE, "env", {"device": "cpu", "bandwidth_bytes_per_s": None})
-    write_stage(layout, tier, "prepare", {"artifact": None})
-    return r, layout.root
 
 
 def test_cpu_baseline_is_taken_after_the_tier_runtime_is_imported(tiny_llama, tmp_path, monkeypatch):
@@ -64,7 +49,8 @@ def test_cpu_baseline_is_taken_after_the_tier_runtime_is_imported(tiny_llama, tm
 
     heavy = HeavyRuntime()
     monkeypatch.setattr(qeval.worker, "get_method", lambda method: heavy)
-    recipe, run_dir = _measure_run_dir(tmp_path, tiny_llama, "heavy")
+    recipe, layout = measure_run_dir(tmp_path, tiny_llama, "heavy")
+    run_dir = layout.root
     threads = torch.get_num_threads()
     try:
         m = stage_measure(recipe, run_dir, "heavy")
